@@ -1,0 +1,69 @@
+"""mlxchat: local chat models on MLX behind stateful chat sessions.
+
+Importing mlxchat first puts OpenBLAS (and the single-row gemv route) under MLX's CPU backend; see
+:mod:`mlxchat.runtime`.
+"""
+
+from .runtime import configure_blas
+
+configure_blas()
+
+from .architecture import Architecture, ChatQuirks, ModelModule  # noqa: E402
+from .cache import KVCache, LayerCache, StateCache  # noqa: E402
+from .config import ModelConfig, RopeConfig  # noqa: E402
+from .errors import (  # noqa: E402
+    CheckpointError,
+    GenerationError,
+    MlxchatError,
+    SessionClosedError,
+    SessionStateError,
+    StreamConsumedError,
+    TemplateError,
+    UnknownModelTypeError,
+    UnsupportedQuantizationError,
+)
+from .generation import GenerationChunk, GenerationConfig, GenerationReport, GenerationResult  # noqa: E402
+from .hookspecs import hookimpl  # noqa: E402
+from .loading import load_model  # noqa: E402
+from .messages import ChatMessage, FunctionCall, ToolCall  # noqa: E402
+from .model import GenerativeModel  # noqa: E402
+from .prompt_cache import PromptCache  # noqa: E402
+from .registry import detect_model_type, registry  # noqa: E402
+from .runtime import runtime_info  # noqa: E402
+from .tools import Tool, tool  # noqa: E402
+
+__all__ = [
+    "Architecture",
+    "ChatMessage",
+    "ChatQuirks",
+    "CheckpointError",
+    "FunctionCall",
+    "GenerationChunk",
+    "GenerationConfig",
+    "GenerationError",
+    "GenerationReport",
+    "GenerationResult",
+    "GenerativeModel",
+    "KVCache",
+    "LayerCache",
+    "MlxchatError",
+    "ModelConfig",
+    "ModelModule",
+    "PromptCache",
+    "RopeConfig",
+    "SessionClosedError",
+    "SessionStateError",
+    "StateCache",
+    "StreamConsumedError",
+    "TemplateError",
+    "Tool",
+    "ToolCall",
+    "UnknownModelTypeError",
+    "UnsupportedQuantizationError",
+    "detect_model_type",
+    "hookimpl",
+    "load_model",
+    "registry",
+    "runtime_info",
+    "tool",
+]

@@ -1,0 +1,223 @@
+"""Chat templates rendered exactly as transformers' ``apply_chat_template`` renders them, and tokenized so
+that message content stays data.
+
+Rendering: a sandboxed Jinja environment with ``trim_blocks``/``lstrip_blocks``, HF's ``tojson``
+(Python's default spacing, non-ASCII kept), ``raise_exception``, ``strftime_now``, the
+``{% generation %}`` tag and loop controls; messages with ``None`` values dropped and reasoning copied
+under ``reasoning_content``/``thinking``/``reasoning``.
+
+Tokenizing: control-token text inside user, system and tool content (and tool schemas) is wrapped in
+private-use markers before rendering; the rendered text is then split on the markers and the marked
+pieces are encoded as plain text. A user typing ``<|im_end|>`` gets the characters, never the token.
+Only the template's own markup produces control tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Mapping, Sequence
+from datetime import datetime
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from .checkpoint import read_json
+from .errors import CheckpointError, TemplateError
+from .tokenizer import Tokenizer
+
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+# Roles whose content comes from outside the model: their control-token text is data.
+DATA_ROLES = ("system", "user", "tool", "developer")
+
+_MARK_START, _MARK_END = "\ue000", "\ue001"
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}`` marks assistant text for training masks; renders its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+    def _render(self, caller: Callable[[], str]) -> str:
+        return caller()
+
+
+class _Namespace(jinja2.utils.Namespace):
+    """Jinja's namespace, refusing underscore names as transformers does."""
+
+    def __init__(*args: Any, **kwargs: Any) -> None:
+        self, rest = args[0], args[1:]
+        attrs = dict(*rest, **kwargs)
+        for name in attrs:
+            _Namespace._check(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        _Namespace._check(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check(name: Any) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(f"namespace attributes cannot start with '_': {name!r}")
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
+            sort_keys: bool = False) -> str:
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+@lru_cache(maxsize=32)
+def _compile(source: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now, dict=dict,
+                       namespace=_Namespace)
+    return env.from_string(source)
+
+
+def plain_data(value: Any) -> Any:
+    """Messages and tools as plain JSON types (pydantic models dumped), the only things a template sees."""
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    if isinstance(value, str):
+        return str.__str__(value)
+    if isinstance(value, bool):
+        return bool(value)
+    if isinstance(value, int):
+        return int.__int__(value)
+    if isinstance(value, float):
+        return float.__float__(value)
+    if hasattr(value, "model_dump"):
+        return plain_data(value.model_dump())
+    if isinstance(value, Mapping):
+        return {plain_data(k): plain_data(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [plain_data(v) for v in value]
+    raise TemplateError(f"cannot pass {type(value).__name__} to a chat template")
+
+
+def normalize_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
+    """Drop ``None``-valued keys and alias reasoning fields, as transformers does before rendering."""
+    out = []
+    for message in plain_data(list(messages)):
+        if not isinstance(message, dict):
+            raise TemplateError(f"chat messages must be dicts, got {message!r}")
+        message = {k: v for k, v in message.items() if v is not None}
+        reasoning = next((message[k] for k in REASONING_FIELDS if message.get(k) is not None), None)
+        if reasoning is not None:
+            message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+        out.append(message)
+    return out
+
+
+class ChatTemplate:
+    """A checkpoint's chat template bound to its tokenizer."""
+
+    def __init__(self, source: str, tokenizer: Tokenizer):
+        self.source = source
+        self.tokenizer = tokenizer
+        try:
+            self._template = _compile(source)
+        except jinja2.TemplateSyntaxError as exc:
+            raise CheckpointError(f"chat template does not parse: {exc}") from exc
+        controls = sorted(tokenizer.added_tokens, key=len, reverse=True)
+        self._controls_re = re.compile("|".join(map(re.escape, controls)) or "(?!)")
+        self._markers_re = re.compile(f"{_MARK_START}({self._controls_re.pattern}){_MARK_END}|[{_MARK_START}{_MARK_END}]")
+
+    @property
+    def takes_tools(self) -> bool:
+        """Whether the template renders a ``tools`` list at all."""
+        return "tools" in self.source
+
+    def render(
+        self,
+        messages: Sequence[Any],
+        *,
+        tools: Sequence[Any] | None = None,
+        add_generation_prompt: bool = True,
+        **kwargs: Any,
+    ) -> str:
+        """The prompt text, as ``tokenizer.apply_chat_template(..., tokenize=False)`` gives it."""
+        return self._render(normalize_messages(messages), plain_data(tools) if tools else None,
+                            add_generation_prompt, plain_data(kwargs))
+
+    def encode(
+        self,
+        messages: Sequence[Any],
+        *,
+        tools: Sequence[Any] | None = None,
+        add_generation_prompt: bool = True,
+        **kwargs: Any,
+    ) -> list[int]:
+        """The prompt's token ids; control-token text in user, system and tool content stays text."""
+        normalized = [
+            self._mark(m) if m.get("role") in DATA_ROLES else m for m in normalize_messages(messages)
+        ]
+        marked_tools = self._mark(plain_data(tools)) if tools else None
+        text = self._render(normalized, marked_tools, add_generation_prompt, plain_data(kwargs))
+        pieces = self._markers_re.split(text)
+        ids = self.tokenizer.encode(pieces[0])
+        for i, piece in enumerate(pieces[1:], start=1):
+            if not piece:
+                continue
+            ids += self.tokenizer.encode_plain(piece) if i % 2 == 1 else self.tokenizer.encode(piece)
+        return ids
+
+    def _mark(self, value: Any) -> Any:
+        if isinstance(value, str):
+            value = value.replace(_MARK_START, "").replace(_MARK_END, "")
+            return self._controls_re.sub(f"{_MARK_START}\\g<0>{_MARK_END}", value)
+        if isinstance(value, dict):
+            return {k: (v if k == "role" else self._mark(v)) for k, v in value.items()}
+        if isinstance(value, list):
+            return [self._mark(v) for v in value]
+        return value
+
+    def _render(self, messages: list[dict[str, Any]], tools: Any, add_generation_prompt: bool,
+                kwargs: dict[str, Any]) -> str:
+        context = {**self.tokenizer.special_tokens, **kwargs}
+        try:
+            return self._template.render(messages=messages, tools=tools, documents=None,
+                                         add_generation_prompt=add_generation_prompt, **context)
+        except jinja2.TemplateError as exc:
+            raise TemplateError(f"chat template: {exc}") from exc
+        except (TypeError, ValueError, AttributeError) as exc:
+            raise TemplateError(f"chat template failed on these messages: {exc}") from exc
+
+
+def read_template_source(folder: Path) -> str | None:
+    """The chat template of a checkpoint: ``chat_template.jinja``, ``chat_template.json`` or
+    ``tokenizer_config.json`` (a string, or a list of named templates of which ``default`` is used)."""
+    jinja_file = folder / "chat_template.jinja"
+    if jinja_file.exists():
+        return jinja_file.read_text(encoding="utf-8")
+    for name in ("chat_template.json", "tokenizer_config.json"):
+        value = read_json(folder / name, required=False).get("chat_template")
+        if isinstance(value, str):
+            return value
+        if isinstance(value, list):
+            named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+            if isinstance(named.get("default"), str):
+                return named["default"]
+    return None

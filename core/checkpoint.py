@@ -1,0 +1,112 @@
+"""Checkpoint folders: where they are (local or Hugging Face Hub) and what their files hold.
+
+Every failure names the file or tensor it is about.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from .errors import CheckpointError
+
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model", "*.txt"]
+
+
+def resolve_checkpoint(path_or_repo: str | os.PathLike[str], revision: str | None = None) -> Path:
+    """A local folder as is; otherwise a Hub repo id, downloaded (or read from the cache when offline)."""
+    local = Path(path_or_repo).expanduser()
+    if local.exists():
+        if not local.is_dir():
+            raise CheckpointError(f"{local} is a file; expected a checkpoint folder holding config.json")
+        return local
+    repo = str(path_or_repo)
+    if repo.count("/") != 1 or repo.startswith((".", "/", "~")):
+        raise CheckpointError(f"{repo}: no such folder, and not a Hugging Face repo id (owner/name)")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo, revision=revision, allow_patterns=HUB_PATTERNS))
+    except LocalEntryNotFoundError as exc:
+        raise CheckpointError(
+            f"{repo} is not in the local Hugging Face cache and the Hub cannot be reached "
+            f"(HF_HUB_OFFLINE={os.environ.get('HF_HUB_OFFLINE', '0')}): {exc}"
+        ) from exc
+    except HfHubHTTPError as exc:
+        raise CheckpointError(f"could not download {repo} from the Hugging Face Hub: {exc}") from exc
+
+
+def read_json(path: Path, *, required: bool = True) -> dict[str, Any]:
+    if not path.exists():
+        if required:
+            raise CheckpointError(f"{path}: file not found")
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path}: malformed JSON ({exc})") from exc
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: expected a JSON object at top level")
+    return data
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """The safetensors files of a checkpoint: the index's shards, ``model.safetensors``, or all of them."""
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index}: no weight_map")
+        files = [folder / name for name in sorted(set(weight_map.values()))]
+        for file in files:
+            if not file.exists():
+                raise CheckpointError(f"{file}: shard listed in {index.name} is missing")
+        return files
+    single = folder / "model.safetensors"
+    if single.exists():
+        return [single]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{folder}: no *.safetensors weights found")
+    return files
+
+
+def check_safetensors(path: Path) -> dict[str, Any]:
+    """Validate a safetensors file's header against its size; return the header."""
+    size = path.stat().st_size
+    try:
+        with path.open("rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            if header_len > size - 8:
+                raise ValueError(f"header of {header_len} bytes in a {size}-byte file")
+            header = json.loads(f.read(header_len))
+        end = 8 + header_len + max(
+            (v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0
+        )
+    except (struct.error, ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{path}: corrupt safetensors file ({exc})") from exc
+    if end > size:
+        raise CheckpointError(f"{path}: corrupt safetensors file (truncated: tensors need {end} bytes, file has {size})")
+    return header
+
+
+def read_weights(folder: Path) -> dict[str, mx.array]:
+    weights: dict[str, mx.array] = {}
+    for file in weight_files(folder):
+        check_safetensors(file)
+        try:
+            loaded = mx.load(str(file))
+        except Exception as exc:  # MLX raises RuntimeError/ValueError with its own wording
+            raise CheckpointError(f"{file}: cannot read safetensors ({exc})") from exc
+        assert isinstance(loaded, dict)
+        for name in loaded:
+            if name in weights:
+                raise CheckpointError(f"{file}: tensor {name} appears in more than one shard")
+        weights.update(loaded)
+    return weights

@@ -1,0 +1,39 @@
+"""The library's errors: one base class, a few kinds, messages that say what to do next."""
+
+from __future__ import annotations
+
+
+class MlxchatError(Exception):
+    """Base class of every error mlxchat raises on purpose."""
+
+
+class CheckpointError(MlxchatError):
+    """A checkpoint folder is missing, malformed or does not fit the model (names the file or tensor)."""
+
+
+class UnknownModelTypeError(MlxchatError):
+    """No registered plugin serves a checkpoint's ``model_type``."""
+
+
+class UnsupportedQuantizationError(CheckpointError):
+    """The checkpoint is quantized in a way mlxchat cannot load."""
+
+
+class TemplateError(MlxchatError):
+    """A chat template failed to render (``raise_exception`` in the template, bad message shape)."""
+
+
+class GenerationError(MlxchatError):
+    """A generation failed while running; the session that asked keeps its state."""
+
+
+class SessionClosedError(MlxchatError):
+    """A closed session was used."""
+
+
+class SessionStateError(MlxchatError):
+    """A session call that does not fit the conversation as it stands (e.g. unanswered tool calls)."""
+
+
+class StreamConsumedError(MlxchatError):
+    """A stream was iterated a second time."""

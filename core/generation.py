@@ -1,0 +1,263 @@
+"""Generation: prefill what the cache does not hold, then decode one token at a time.
+
+The hot path is :func:`decode_tokens`. Prefill runs in chunks whose logits are never materialised (MLX is
+lazy: only the cache is evaluated). Decode builds step ``n+1`` before it reads token ``n`` and evaluates
+asynchronously, so the device never waits on Python. Every token that enters the model is recorded in
+the :class:`~mlxchat.prompt_cache.PromptCache`, so the cache always knows exactly what it holds.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any, Literal
+
+import mlx.core as mx
+from pydantic import BaseModel, ConfigDict, Field
+
+from .architecture import ModelModule
+from .detokenizer import StreamingDetokenizer
+from .prompt_cache import PromptCache
+from .sampling import LogitsAdjuster, make_sampler
+from .tokenizer import Tokenizer
+
+FinishReason = Literal["stop", "length", "tool_calls", "cancelled", "error"]
+
+
+class GenerationConfig(BaseModel):
+    """How to generate. Fields left unset fall back to the model's defaults (its generation_config.json)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    max_tokens: int = Field(512, ge=1)
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = Field(default_factory=dict)
+    seed: int | None = None
+    stop: list[str] = Field(default_factory=list)
+    enable_thinking: bool | None = None
+    """Passed to the chat template when set (chat only)."""
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """More keyword arguments for the chat template (chat only)."""
+    prefill_step: int = Field(512, ge=1)
+    """Prompt tokens per prefill chunk."""
+
+    def merged(self, override: GenerationConfig | dict[str, Any] | None) -> GenerationConfig:
+        """This config with the fields ``override`` sets explicitly replaced."""
+        if override is None:
+            return self
+        if isinstance(override, dict):
+            override = GenerationConfig.model_validate(override)
+        return self.model_copy(update=override.model_dump(exclude_unset=True))
+
+
+class GenerationReport(BaseModel):
+    """What one generation cost."""
+
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    """Prompt tokens served from the cache (not prefilled)."""
+    generated_tokens: int = 0
+    ttft_s: float = 0.0
+    """Seconds from the start of the request to the first generated token."""
+    prefill_tps: float = 0.0
+    decode_tps: float = 0.0
+    peak_memory_gb: float = 0.0
+    finish_reason: FinishReason = "stop"
+
+    @property
+    def prefilled_tokens(self) -> int:
+        return self.prompt_tokens - self.cached_prompt_tokens
+
+
+class GenerationChunk(BaseModel):
+    """One streamed piece: the text a token completed (possibly empty), and on the last chunk the report."""
+
+    text: str = ""
+    token: int | None = None
+    finish_reason: FinishReason | None = None
+    report: GenerationReport | None = None
+
+
+class GenerationResult(BaseModel):
+    text: str
+    tokens: list[int]
+    finish_reason: FinishReason
+    report: GenerationReport
+
+
+class DecodeStats:
+    """Timings filled in by :func:`decode_tokens` while it runs."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.cached = 0
+        self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
+        self.tokens = 0
+
+
+def decode_tokens(
+    module: ModelModule,
+    prompt: Sequence[int],
+    cache: PromptCache,
+    config: GenerationConfig,
+    vocab_size: int,
+    *,
+    checkpoints: Sequence[int] = (),
+    stats: DecodeStats | None = None,
+) -> Iterator[int]:
+    """Yield sampled token ids until ``config.max_tokens`` (the caller stops earlier on EOS or a stop string).
+
+    The cache is first cut back to the longest prefix it shares with ``prompt``; at each position in
+    ``checkpoints`` inside the prefilled part it takes a snapshot (for caches that cannot be cut back).
+    """
+    stats = stats or DecodeStats()
+    if not prompt:
+        raise ValueError("cannot generate from an empty prompt")
+    stats.cached = cache.reuse(prompt)
+    pending = list(prompt[stats.cached :])
+    stops = sorted({p for p in checkpoints if stats.cached < p < len(prompt)})
+
+    while len(pending) > 1:
+        size = min(len(pending) - 1, config.prefill_step)
+        if stops:
+            size = min(size, stops[0] - len(cache))
+        chunk, pending = pending[:size], pending[size:]
+        module(mx.array(chunk)[None], cache.layers)
+        mx.eval(cache.arrays())
+        cache.feed(chunk)
+        if stops and len(cache) == stops[0]:
+            cache.checkpoint()
+            stops.pop(0)
+
+    adjust = LogitsAdjuster(vocab_size, config.repetition_penalty, config.presence_penalty,
+                            config.frequency_penalty, config.logit_bias)
+    adjust.start(prompt)
+    sample = make_sampler(config.temperature, config.top_p, config.top_k, config.min_p, config.seed)
+
+    def step(tokens: mx.array) -> mx.array:
+        logits = module(tokens[None], cache.layers)[:, -1, :]
+        if adjust.active:
+            logits = adjust(logits)
+        token = sample(logits)
+        adjust.record(token)
+        return token
+
+    token = step(mx.array(pending))
+    cache.feed(pending)
+    mx.async_eval(token)
+    for n in range(1, config.max_tokens + 1):
+        last = n == config.max_tokens
+        if not last:
+            following = step(token)
+            mx.async_eval(following)
+        value = token.item()
+        now = time.perf_counter()
+        if stats.first_token_at is None:
+            stats.first_token_at = now
+        stats.last_token_at, stats.tokens = now, n
+        if not last:
+            cache.feed([value])  # its forward pass is already queued
+        yield int(value)
+        if last:
+            return
+        token = following
+
+
+def make_report(prompt_len: int, stats: DecodeStats, finish_reason: FinishReason) -> GenerationReport:
+    first = stats.first_token_at or time.perf_counter()
+    ttft = first - stats.start
+    decode_time = (stats.last_token_at or first) - first
+    return GenerationReport(
+        prompt_tokens=prompt_len,
+        cached_prompt_tokens=stats.cached,
+        generated_tokens=stats.tokens,
+        ttft_s=ttft,
+        prefill_tps=(prompt_len - stats.cached) / ttft if ttft > 0 else 0.0,
+        decode_tps=(stats.tokens - 1) / decode_time if decode_time > 0 else 0.0,
+        peak_memory_gb=mx.get_peak_memory() / 1e9,
+        finish_reason=finish_reason,
+    )
+
+
+class StopStrings:
+    """Finds stop strings in streamed text; holds back a tail that might be the start of one."""
+
+    def __init__(self, stops: Sequence[str]):
+        self.stops = [s for s in stops if s]
+        self.held = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """(text safe to emit, whether a stop string was reached)."""
+        self.held += text
+        if not self.stops:
+            out, self.held = self.held, ""
+            return out, False
+        hits = [(self.held.find(s), s) for s in self.stops if s in self.held]
+        if hits:
+            index, _ = min(hits)
+            out, self.held = self.held[:index], ""
+            return out, True
+        keep = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(self.held)), 0, -1):
+                if self.held.endswith(s[:k]):
+                    keep = max(keep, k)
+                    break
+        cut = len(self.held) - keep
+        out, self.held = self.held[:cut], self.held[cut:]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.held = self.held, ""
+        return out
+
+
+def stream_generation(
+    module: ModelModule,
+    tokenizer: Tokenizer,
+    prompt: Sequence[int],
+    cache: PromptCache,
+    config: GenerationConfig,
+    eos_ids: set[int],
+    vocab_size: int,
+    *,
+    checkpoints: Sequence[int] = (),
+    cancel: object = False,
+) -> Iterator[GenerationChunk]:
+    """Text chunks of one generation, one per token (its text may be empty while a character or a possible
+    stop string is incomplete); the last chunk carries ``finish_reason`` and the report.
+
+    A truthy ``cancel`` (checked after every token) ends it with ``finish_reason="cancelled"``. The cache
+    stays consistent however it ends.
+    """
+    mx.reset_peak_memory()
+    stats = DecodeStats()
+    detok = StreamingDetokenizer(tokenizer)
+    stops = StopStrings(config.stop)
+    finish: FinishReason = "length"
+    hit = False
+    for token in decode_tokens(module, prompt, cache, config, vocab_size, checkpoints=checkpoints, stats=stats):
+        if token in eos_ids:
+            finish = "stop"
+            break
+        text, hit = stops.feed(detok.add(token))
+        yield GenerationChunk(text=text, token=token)
+        if hit:
+            finish = "stop"
+            break
+        if cancel:
+            finish = "cancelled"
+            break
+    if not hit:
+        text, hit = stops.feed(detok.flush())
+        tail = text if hit else text + stops.flush()
+        if tail:
+            yield GenerationChunk(text=tail)
+    yield GenerationChunk(finish_reason=finish, report=make_report(len(prompt), stats, finish))

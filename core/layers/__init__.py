@@ -1,0 +1,23 @@
+"""Named layers plugins build their blocks from."""
+
+from .attention import Attention, attend
+from .decoder import CausalLM, Decoder
+from .mlp import SwiGLU
+from .moe import SparseMoE, SwitchGLU, SwitchLinear, softmax_top_k, stack_experts
+from .norms import RMSNorm
+from .rope import RoPE
+
+__all__ = [
+    "Attention",
+    "CausalLM",
+    "Decoder",
+    "RMSNorm",
+    "RoPE",
+    "SparseMoE",
+    "SwiGLU",
+    "SwitchGLU",
+    "SwitchLinear",
+    "attend",
+    "softmax_top_k",
+    "stack_experts",
+]

@@ -1,0 +1,75 @@
+"""Softmax attention over a KV cache."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..cache import KVCache
+from .norms import RMSNorm
+from .rope import RoPE
+
+
+def attend(
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    cache: KVCache | None,
+    scale: float,
+    mask: mx.array | str | None = None,
+) -> mx.array:
+    """Causal attention of ``[B, heads, L, D]`` queries over the cache plus this chunk's keys and values.
+
+    Keys and values keep their own (fewer) heads: grouped-query attention is done by the kernel.
+    """
+    if cache is not None:
+        keys, values = cache.update_and_fetch(keys, values)
+    if mask is None and queries.shape[2] > 1:
+        mask = "causal"
+    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with optional per-head q/k RMSNorm before the rotary embedding.
+
+    Attribute names are the checkpoint's (``q_proj`` ... ``o_proj``, ``q_norm``, ``k_norm``).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        rope: RoPE,
+        *,
+        qk_norm_eps: float | None = None,
+        norm_offset: float = 0.0,
+        bias: bool = False,
+        scale: float | None = None,
+    ):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = head_dim**-0.5 if scale is None else scale
+        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
+        self.qk_norm = qk_norm_eps is not None
+        if qk_norm_eps is not None:
+            self.q_norm = RMSNorm(head_dim, qk_norm_eps, offset=norm_offset)
+            self.k_norm = RMSNorm(head_dim, qk_norm_eps, offset=norm_offset)
+        self.rope = rope
+
+    def __call__(self, x: mx.array, cache: KVCache | None = None) -> mx.array:
+        batch, length, _ = x.shape
+        q = self.q_proj(x).reshape(batch, length, self.num_heads, self.head_dim)
+        k = self.k_proj(x).reshape(batch, length, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(batch, length, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))
+        offset = cache.offset if cache is not None else 0
+        q, k = self.rope(q, offset), self.rope(k, offset)
+        out = attend(q, k, v, cache, self.scale)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(batch, length, -1))

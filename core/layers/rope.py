@@ -1,0 +1,102 @@
+"""Rotary position embeddings (rotate-half style) with the scaling types released checkpoints use."""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..config import RopeConfig
+from ..errors import CheckpointError
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def rope_inv_freq(dims: int, rope: RopeConfig, max_position_embeddings: int) -> tuple[list[float], float]:
+    """Inverse frequencies of the ``dims`` rotated features and the factor applied to them (yarn's mscale).
+
+    Follows transformers' ``ROPE_INIT_FUNCTIONS`` for the supported types.
+    """
+    base = rope.rope_theta
+    inv = [base ** (-2 * j / dims) for j in range(dims // 2)]
+    kind = rope.rope_type
+    if kind == "default":
+        return inv, 1.0
+    factor = rope.factor or 1.0
+    if kind == "linear":
+        return [f / factor for f in inv], 1.0
+    if kind == "llama3":
+        original = rope.original_max_position_embeddings or 8192
+        low_wavelen = original / rope.low_freq_factor
+        high_wavelen = original / rope.high_freq_factor
+        out = []
+        for f in inv:
+            wavelen = 2 * math.pi / f
+            if wavelen < high_wavelen:
+                out.append(f)
+            elif wavelen > low_wavelen:
+                out.append(f / factor)
+            else:
+                smooth = (original / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+                out.append((1 - smooth) * f / factor + smooth * f)
+        return out, 1.0
+    if kind == "yarn":
+        original = rope.original_max_position_embeddings or max_position_embeddings
+        if rope.factor is None:
+            factor = max_position_embeddings / original
+
+        def mscale(scale: float, m: float = 1.0) -> float:
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+        attention = rope.attention_factor
+        if attention is None:
+            if rope.mscale and rope.mscale_all_dim:
+                attention = mscale(factor, rope.mscale) / mscale(factor, rope.mscale_all_dim)
+            else:
+                attention = mscale(factor)
+        beta_fast, beta_slow = rope.beta_fast or 32, rope.beta_slow or 1
+
+        def correction_dim(rotations: float) -> float:
+            return dims * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+        low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+        if rope.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dims - 1)
+        if low == high:
+            high += 0.001
+        out = []
+        for j, f in enumerate(inv):
+            ramp = min(max((j - low) / (high - low), 0.0), 1.0)
+            extrapolation = 1 - ramp
+            out.append(f / factor * (1 - extrapolation) + f * extrapolation)
+        return out, attention
+    raise CheckpointError(
+        f"rope_type {kind!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+    )
+
+
+class RoPE(nn.Module):
+    """Rotates the first ``dims`` features of each head (all of them unless a partial factor says less)."""
+
+    def __init__(self, dims: int, rope: RopeConfig, max_position_embeddings: int = 32768):
+        super().__init__()
+        self.dims = dims
+        self.base = rope.rope_theta
+        inv_freq, self.scale = rope_inv_freq(dims, rope, max_position_embeddings)
+        # mx.fast.rope takes wavelength divisors; the plain case keeps its `base` fast path.
+        self._freqs = None if rope.rope_type == "default" else 1.0 / mx.array(inv_freq, dtype=mx.float32)
+
+    def __call__(self, x: mx.array, offset: int = 0) -> mx.array:
+        if self.scale != 1.0:
+            x = x.at[..., : self.dims].multiply(self.scale)
+        return mx.fast.rope(
+            x,
+            self.dims,
+            traditional=False,
+            base=None if self._freqs is not None else self.base,
+            scale=1.0,
+            offset=offset,
+            freqs=self._freqs,
+        )

@@ -1,0 +1,194 @@
+"""``GenerativeModel``: a loaded checkpoint, its tokenizer and chat template, and the worker that runs it."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import mlx.core as mx
+
+from .architecture import Architecture, ModelModule
+from .chat_template import ChatTemplate
+from .config import ModelConfig
+from .errors import MlxchatError, TemplateError
+from .generation import GenerationChunk, GenerationConfig, GenerationResult, stream_generation
+from .prompt_cache import DEFAULT_MAX_SNAPSHOTS, PromptCache
+from .tokenizer import Tokenizer
+from .worker import Cancelled, Worker
+
+if TYPE_CHECKING:
+    from .session import ChatSession
+    from .tools.schema import ToolSpec
+
+Prompt = str | Sequence[int]
+
+
+class GenerativeModel:
+    """A model ready to generate. Sessions over it take turns on its single worker thread."""
+
+    def __init__(
+        self,
+        *,
+        module: ModelModule,
+        config: ModelConfig,
+        architecture: Architecture,
+        tokenizer: Tokenizer,
+        chat_template: ChatTemplate | None,
+        defaults: GenerationConfig,
+        eos_ids: set[int],
+        path: Path | None = None,
+        dtype: mx.Dtype = mx.float32,
+        quantization: dict[str, Any] | None = None,
+    ):
+        self.module = module
+        self.config = config
+        self.architecture = architecture
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        self.defaults = defaults
+        self.eos_ids = eos_ids
+        self.path = path
+        self.dtype = dtype
+        self.quantization = quantization
+        self.worker = Worker(f"mlxchat-{architecture.name}")
+
+    def __repr__(self) -> str:
+        return f"GenerativeModel({self.architecture.name}, {self.path}, dtype={self.dtype})"
+
+    # -- capabilities -------------------------------------------------------------------------------
+
+    @property
+    def supports_tools(self) -> bool:
+        """Whether tools can be offered: the template renders them and the family has a call format."""
+        return bool(self.chat_template and self.chat_template.takes_tools and self.architecture.chat.tool_format)
+
+    # -- prompts ------------------------------------------------------------------------------------
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Any],
+        *,
+        tools: Sequence[ToolSpec | dict[str, Any] | Any] | None = None,
+        add_generation_prompt: bool = True,
+        tokenize: bool = True,
+        **template_kwargs: Any,
+    ) -> list[int] | str:
+        """Render OpenAI-style messages through the checkpoint's chat template, as transformers does.
+
+        ``tokenize=True`` gives token ids in which message content is data (control-token text typed by a
+        user stays text); ``tokenize=False`` gives the rendered string.
+        """
+        if self.chat_template is None:
+            raise TemplateError(f"{self.path} has no chat template (chat_template.jinja or tokenizer_config.json)")
+        from .tools.schema import tool_schemas
+
+        schemas = tool_schemas(tools) if tools else None
+        kwargs = {**self.architecture.chat.template_kwargs, **template_kwargs}
+        if tokenize:
+            return self.chat_template.encode(messages, tools=schemas, add_generation_prompt=add_generation_prompt,
+                                             **kwargs)
+        return self.chat_template.render(messages, tools=schemas, add_generation_prompt=add_generation_prompt,
+                                         **kwargs)
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        """Token ids of a raw text prompt (with the BOS the tokenizer adds), or the ids given."""
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=True)
+        return [int(t) for t in prompt]
+
+    # -- running ------------------------------------------------------------------------------------
+
+    def make_prompt_cache(self, max_snapshots: int = DEFAULT_MAX_SNAPSHOTS) -> PromptCache:
+        return PromptCache(self.module.make_cache, max_snapshots)
+
+    def logits(self, token_ids: Sequence[int]) -> mx.array:
+        """Float32 logits ``[len, vocab]`` of one cache-free forward pass (research and parity tests)."""
+        tokens = mx.array([int(t) for t in token_ids])[None]
+        return self.worker.run(lambda: _evaluated(self.module(tokens)[0].astype(mx.float32)))
+
+    def stream(
+        self, prompt: Prompt, config: GenerationConfig | dict[str, Any] | None = None, *,
+        cache: PromptCache | None = None,
+    ) -> Iterator[GenerationChunk]:
+        """Stream a generation: text chunks, the last one with the report. ``cache`` (a prompt cache of
+        this model) carries state between calls; without one every call starts fresh."""
+        tokens = self.encode(prompt)
+        merged = self.defaults.merged(config)
+        return self.worker.stream(lambda cancel: self._produce(tokens, merged, cache, cancel))
+
+    async def astream(
+        self, prompt: Prompt, config: GenerationConfig | dict[str, Any] | None = None, *,
+        cache: PromptCache | None = None,
+    ) -> AsyncIterator[GenerationChunk]:
+        tokens = self.encode(prompt)
+        merged = self.defaults.merged(config)
+        async for chunk in self.worker.astream(lambda cancel: self._produce(tokens, merged, cache, cancel)):
+            yield chunk
+
+    def generate(
+        self, prompt: Prompt, config: GenerationConfig | dict[str, Any] | None = None, *,
+        cache: PromptCache | None = None,
+    ) -> GenerationResult:
+        return _collect(self.stream(prompt, config, cache=cache))
+
+    async def agenerate(
+        self, prompt: Prompt, config: GenerationConfig | dict[str, Any] | None = None, *,
+        cache: PromptCache | None = None,
+    ) -> GenerationResult:
+        chunks = [chunk async for chunk in self.astream(prompt, config, cache=cache)]
+        return _collect(iter(chunks))
+
+    def _produce(self, tokens: list[int], config: GenerationConfig, cache: PromptCache | None,
+                 cancel: Cancelled) -> Iterator[GenerationChunk]:
+        cache = cache if cache is not None else self.make_prompt_cache()
+        yield from self.run_generation(tokens, cache, config, cancel)
+
+    def run_generation(self, tokens: Sequence[int], cache: PromptCache, config: GenerationConfig,
+                       cancel: Cancelled, checkpoints: Sequence[int] = ()) -> Iterator[GenerationChunk]:
+        """The generation loop, on the worker thread (sessions call it from their own jobs).
+
+        A set ``cancel`` ends it at the next token with ``finish_reason="cancelled"``. An error inside MLX
+        clears the cache (its state is unknown) and is raised as :class:`MlxchatError`.
+        """
+        try:
+            yield from stream_generation(self.module, self.tokenizer, tokens, cache, config, self.eos_ids,
+                                         self.config.vocab_size, checkpoints=checkpoints, cancel=cancel)
+        except MlxchatError:
+            cache.clear()
+            raise
+        except Exception as exc:
+            cache.clear()
+            raise MlxchatError(f"generation failed: {exc}") from exc
+
+    def chat_session(
+        self,
+        system: str | None = None,
+        default_config: GenerationConfig | dict[str, Any] | None = None,
+        tools: Sequence[Any] | None = None,
+    ) -> ChatSession:
+        """A new conversation over this model (it owns its cache; the model stays shared)."""
+        from .session import ChatSession
+
+        return ChatSession(self, system=system, default_config=default_config, tools=tools)
+
+    def close(self) -> None:
+        """Stop the worker thread (sessions over this model stop working)."""
+        self.worker.close()
+
+
+def _evaluated(array: mx.array) -> mx.array:
+    mx.eval(array)
+    return array
+
+
+def _collect(chunks: Iterator[GenerationChunk]) -> GenerationResult:
+    text, tokens = [], []
+    for chunk in chunks:
+        text.append(chunk.text)
+        if chunk.token is not None:
+            tokens.append(chunk.token)
+        if chunk.report is not None:
+            return GenerationResult(text="".join(text), tokens=tokens, finish_reason=chunk.report.finish_reason,
+                                    report=chunk.report)
+    raise MlxchatError("generation ended without a report")

@@ -1,0 +1,85 @@
+"""Tokenizer: a ``tokenizers`` backend with the checkpoint's special-token settings."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer as Backend
+
+from .checkpoint import read_json
+from .errors import CheckpointError
+
+SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+def _token_text(value: Any) -> str | None:
+    """``tokenizer_config.json`` writes tokens as strings or as AddedToken dicts."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+class Tokenizer:
+    """Encodes and decodes text; knows the added (control) tokens and the special-token map."""
+
+    def __init__(self, backend: Backend, config: dict[str, Any] | None = None):
+        self.backend = backend
+        self.config = config or {}
+        self.special_tokens: dict[str, str] = {}
+        for key in SPECIAL_TOKEN_KEYS:
+            text = _token_text(self.config.get(key))
+            if text is not None:
+                self.special_tokens[key] = text
+        added = backend.get_added_tokens_decoder()
+        for index, token in (self.config.get("added_tokens_decoder") or {}).items():
+            content = _token_text(token)
+            if content is not None and int(index) not in added and backend.token_to_id(content) is None:
+                raise CheckpointError(f"tokenizer_config.json: added token {content!r} is not in tokenizer.json")
+        self.added_tokens: dict[str, int] = {tok.content: idx for idx, tok in added.items()}
+        self.special_ids: set[int] = {idx for idx, tok in added.items() if tok.special}
+
+    @classmethod
+    def from_folder(cls, folder: Path) -> Tokenizer:
+        path = folder / "tokenizer.json"
+        if not path.exists():
+            raise CheckpointError(f"{path}: file not found (mlxchat reads tokenizers in the tokenizer.json format)")
+        try:
+            backend = Backend.from_file(str(path))
+        except Exception as exc:  # tokenizers raises a plain Exception with serde's message
+            raise CheckpointError(f"{path}: cannot read tokenizer ({exc})") from exc
+        return cls(backend, read_json(folder / "tokenizer_config.json", required=False))
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def eos_token(self) -> str | None:
+        return self.special_tokens.get("eos_token")
+
+    @property
+    def bos_token(self) -> str | None:
+        return self.special_tokens.get("bos_token")
+
+    def token_id(self, text: str) -> int | None:
+        return self.backend.token_to_id(text)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of ``text``; added tokens written in it become their control tokens.
+
+        ``add_special_tokens`` applies the tokenizer's post-processor (e.g. a BOS), as for a raw prompt;
+        chat templates write their own BOS, so rendered chats are encoded without it.
+        """
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_plain(self, text: str) -> list[int]:
+        """Token ids of ``text`` read as plain text: no added token is recognised in it."""
+        normalizer, pre_tokenizer = self.backend.normalizer, self.backend.pre_tokenizer
+        if normalizer is not None:
+            text = normalizer.normalize_str(text)
+        pieces = [text] if pre_tokenizer is None else [p for p, _ in pre_tokenizer.pre_tokenize_str(text)]
+        return [tok.id for piece in pieces for tok in self.backend.model.tokenize(piece)]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)

@@ -1,0 +1,135 @@
+"""Incremental tool-call parsing for formats that wrap each call (or list of calls) in start/end markers.
+
+A parser is fed the visible text as it streams and returns plain text and whole calls; text that might
+be the beginning of a start marker is held back, so call markup never leaks into the visible text. A
+call that is cut off or does not parse becomes an *invalid* call that keeps its raw text.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from .schema import ToolSpec, tool_names
+
+
+@dataclass
+class ParsedCall:
+    """One call read from a call block: ``arguments`` is ``None`` when they did not parse."""
+
+    name: str
+    arguments: dict[str, Any] | None
+    error: str | None = None
+
+
+@dataclass
+class CallBlock:
+    """A call block as it appeared in the output: its raw text and the calls read from it."""
+
+    raw: str
+    calls: list[ParsedCall]
+
+
+def held_prefix(text: str, marker: str) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of ``marker``."""
+    for size in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:size]):
+            return size
+    return 0
+
+
+class ToolCallParser:
+    """Base of the tagged formats: subclasses set ``start``/``end`` and implement :meth:`parse`."""
+
+    start: ClassVar[str]
+    end: ClassVar[str]
+
+    def __init__(self, tools: Sequence[ToolSpec] = ()):
+        self.tools = tool_names(tools)
+        self._buffer = ""
+        self._in_call = False
+
+    def parse(self, body: str) -> list[ParsedCall]:
+        """The calls in the text between one start and end marker."""
+        raise NotImplementedError
+
+    def parameters(self, name: str) -> dict[str, Any]:
+        """JSON-schema ``properties`` of an offered tool (empty when unknown)."""
+        spec = self.tools.get(name, {})
+        return ((spec.get("function") or {}).get("parameters") or {}).get("properties") or {}
+
+    def checked(self, call: ParsedCall) -> ParsedCall:
+        """Mark a call to a tool that was not offered as invalid."""
+        if call.error is None and self.tools and call.name not in self.tools:
+            call.error = f"unknown function {call.name!r} (offered: {', '.join(self.tools)})"
+        return call
+
+    def feed(self, text: str) -> list[str | CallBlock]:
+        """Plain text pieces and completed call blocks, in order."""
+        self._buffer += text
+        out: list[str | CallBlock] = []
+        while True:
+            if not self._in_call:
+                index = self._buffer.find(self.start)
+                if index < 0:
+                    keep = held_prefix(self._buffer, self.start)
+                    ready, self._buffer = self._buffer[: len(self._buffer) - keep], self._buffer[len(self._buffer) - keep :]
+                    if ready:
+                        out.append(ready)
+                    return out
+                if index:
+                    out.append(self._buffer[:index])
+                self._buffer = self._buffer[index + len(self.start) :]
+                self._in_call = True
+            else:
+                index = self._buffer.find(self.end)
+                if index < 0:
+                    return out
+                body = self._buffer[:index]
+                self._buffer = self._buffer[index + len(self.end) :]
+                self._in_call = False
+                out.append(CallBlock(self.start + body + self.end, [self.checked(c) for c in self.parse(body)]))
+
+    def finish(self) -> list[str | CallBlock]:
+        """Flush at the end of the reply: an unterminated call becomes invalid, held text is released."""
+        rest, self._buffer = self._buffer, ""
+        if self._in_call:
+            self._in_call = False
+            name = guess_name(rest)
+            return [CallBlock(self.start + rest, [ParsedCall(name, None, "unterminated tool call (output was cut)")])]
+        return [rest] if rest else []
+
+
+def guess_name(body: str) -> str:
+    """A best-effort function name from a broken call body (for reporting only)."""
+    match = re.search(r'"name"\s*:\s*"([^"]+)"', body) or re.search(r"<function=([^>\s]+)", body) or re.search(
+        r"([A-Za-z_][\w.\-]*)\s*[({]", body
+    )
+    return match.group(1) if match else ""
+
+
+class JsonTagsParser(ToolCallParser):
+    """Qwen3 / Hermes: ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``."""
+
+    start = "<tool_call>"
+    end = "</tool_call>"
+
+    def parse(self, body: str) -> list[ParsedCall]:
+        try:
+            obj = json.loads(body.strip())
+        except json.JSONDecodeError as exc:
+            return [ParsedCall(guess_name(body), None, f"invalid JSON: {exc}")]
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            return [ParsedCall(guess_name(body), None, 'expected {"name": ..., "arguments": {...}}')]
+        arguments = obj.get("arguments", obj.get("parameters", {}))
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError as exc:
+                return [ParsedCall(obj["name"], None, f"arguments are not JSON: {exc}")]
+        if not isinstance(arguments, dict):
+            return [ParsedCall(obj["name"], None, "arguments must be a JSON object")]
+        return [ParsedCall(obj["name"], arguments)]
