@@ -104,8 +104,9 @@ class GenerativeModel:
 
     def logits(self, token_ids: Sequence[int]) -> mx.array:
         """Float32 logits ``[len, vocab]`` of one cache-free forward pass (research and parity tests)."""
-        tokens = mx.array([int(t) for t in token_ids])[None]
-        return self.worker.run(lambda: _evaluated(self.module(tokens)[0].astype(mx.float32)))
+        ids = [[int(t) for t in token_ids]]
+        # Arrays are built on the worker: MLX ops belong to the stream of the thread that creates them.
+        return self.worker.run(lambda: _evaluated(self.module(mx.array(ids))[0].astype(mx.float32)))
 
     def stream(
         self, prompt: Prompt, config: GenerationConfig | dict[str, Any] | None = None, *,

@@ -46,7 +46,11 @@ class Worker:
         self._executor.submit(self._remember_thread).result()
 
     def _remember_thread(self) -> None:
+        import mlx.core as mx
+
         self._thread_ident = threading.get_ident()
+        # MLX streams belong to threads: the worker gets its own default stream.
+        mx.set_default_stream(mx.new_stream(mx.default_device()))
 
     @property
     def on_worker(self) -> bool:
