@@ -8,15 +8,27 @@ job (which checks it between items) winds up at its next item.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import queue
 import threading
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any, TypeVar
 
 T = TypeVar("T")
 
 _DONE = object()
+_live: weakref.WeakSet[Worker] = weakref.WeakSet()
+
+
+@atexit.register
+def _shutdown() -> None:
+    import mlx.core as mx
+
+    for worker in list(_live):
+        worker.close()
+    mx.clear_streams()
 
 
 class Cancelled:
@@ -38,26 +50,49 @@ class _Failure:
 
 
 class Worker:
-    """One thread that runs jobs in submission order."""
+    """One daemon thread that runs jobs in submission order.
+
+    MLX keeps per-thread stream state that must be released on the thread itself before the interpreter
+    shuts down (``mx.clear_streams``), so the worker does that when it stops, and an exit hook stops
+    every live worker and then clears the main thread's streams.
+    """
 
     def __init__(self, name: str = "mlxchat-worker"):
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
-        self._thread_ident: int | None = None
-        self._executor.submit(self._remember_thread).result()
+        self._jobs: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]] | None] = (
+            queue.SimpleQueue()
+        )
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._closed = False
+        self._thread.start()
+        _live.add(self)
 
-    def _remember_thread(self) -> None:
+    def _loop(self) -> None:
         import mlx.core as mx
 
-        self._thread_ident = threading.get_ident()
         # MLX streams belong to threads: the worker gets its own default stream.
         mx.set_default_stream(mx.new_stream(mx.default_device()))
+        try:
+            while (job := self._jobs.get()) is not None:
+                future, fn, args = job
+                if not future.set_running_or_notify_cancel():
+                    continue
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as exc:  # handed to whoever waits on the future
+                    future.set_exception(exc)
+        finally:
+            mx.clear_streams()
 
     @property
     def on_worker(self) -> bool:
-        return threading.get_ident() == self._thread_ident
+        return threading.current_thread() is self._thread
 
     def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
-        return self._executor.submit(fn, *args)
+        if self._closed:
+            raise RuntimeError("the model's worker is closed")
+        future: Future[T] = Future()
+        self._jobs.put((future, fn, args))
+        return future
 
     def run(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn`` on the worker and wait for its result (inline when already on the worker)."""
@@ -111,7 +146,12 @@ class Worker:
             await asyncio.wrap_future(job)
 
     def close(self) -> None:
-        self._executor.shutdown(wait=True)
+        """Finish the queued jobs, then stop the thread."""
+        if not self._closed:
+            self._closed = True
+            self._jobs.put(None)
+            if not self.on_worker:
+                self._thread.join()
 
 
 def _pump(produce: Callable[[Cancelled], Iterator[Any]], cancel: Cancelled, put: Callable[[Any], Any]) -> None:
