@@ -1,0 +1,1 @@
+"""The embedded demo model: a small chat model trained by the project itself (in progress)."""
