@@ -21,3 +21,7 @@ __all__ = [
     "softmax_top_k",
     "stack_experts",
 ]
+
+from .short_conv import ShortConv, depthwise_weight  # noqa: E402
+
+__all__ += ["ShortConv", "depthwise_weight"]

@@ -1,0 +1,59 @@
+"""The gated short convolution of LFM2: a cheap token mixer whose whole memory is the last few inputs."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..cache import StateCache
+from ..errors import CheckpointError
+
+
+class ShortConv(nn.Module):
+    """``out_proj(C * conv(B * x))`` where ``B, C, x = in_proj(h)`` and ``conv`` is a causal depthwise
+    convolution over the sequence (``kernel_size`` taps, the last one on the current token).
+
+    The state is the last ``kernel_size - 1`` values of ``B * x`` (``cache[0]``, ``[batch, K-1, dims]``),
+    so a chunk of any length continues exactly where the previous one stopped. Attribute names are the
+    checkpoint's; ``conv.weight`` is MLX's depthwise layout ``[dims, K, 1]`` (see :func:`depthwise_weight`).
+    """
+
+    def __init__(self, dims: int, kernel_size: int, bias: bool = False):
+        super().__init__()
+        self.kernel_size = kernel_size
+        self.in_proj = nn.Linear(dims, 3 * dims, bias=bias)
+        self.conv = nn.Conv1d(dims, dims, kernel_size, groups=dims, bias=bias)
+        self.out_proj = nn.Linear(dims, dims, bias=bias)
+
+    def __call__(self, h: mx.array, cache: StateCache | None = None) -> mx.array:
+        b, c, x = mx.split(self.in_proj(h), 3, axis=-1)
+        gated = b * x
+        batch, length, dims = gated.shape
+        keep = self.kernel_size - 1
+        past = cache[0] if cache is not None else None
+        if past is None:
+            past = mx.zeros((batch, keep, dims), gated.dtype)
+        window = mx.concatenate([past, gated], axis=1)
+        if cache is not None:
+            # An own buffer: a view would pin the whole chunk's activations in the state and its snapshots.
+            cache.update(mx.contiguous(window[:, length:]), tokens=length)
+        # Taps as broadcast multiply-adds: cheaper than a grouped conv1d, which MLX runs channel by channel.
+        taps = self.conv.weight[:, :, 0].T  # [K, dims]
+        if length == 1:
+            y = (window * taps).sum(axis=1, keepdims=True)
+        else:
+            y = window[:, :length] * taps[0]
+            for k in range(1, self.kernel_size):
+                y = y + window[:, k : k + length] * taps[k]
+        if "bias" in self.conv:
+            y = y + self.conv.bias
+        return self.out_proj(c * y)
+
+
+def depthwise_weight(name: str, weight: mx.array) -> mx.array:
+    """Checkpoint tensor ``name``, a depthwise conv weight, in MLX's ``[dims, K, 1]`` layout (from
+    PyTorch's ``[dims, 1, K]``, or already converted)."""
+    if weight.ndim != 3 or 1 not in (weight.shape[1], weight.shape[2]):
+        raise CheckpointError(f"{name}: a depthwise conv weight is [dims, 1, K] or [dims, K, 1], "
+                              f"got {tuple(weight.shape)}")
+    return weight.swapaxes(1, 2) if weight.shape[1] == 1 and weight.shape[2] > 1 else weight
