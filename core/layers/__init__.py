@@ -25,3 +25,7 @@ __all__ = [
 from .short_conv import ShortConv, depthwise_weight  # noqa: E402
 
 __all__ += ["ShortConv", "depthwise_weight"]
+
+from .gated_delta import GatedDeltaNet, RMSNormGated, gated_delta_chunked, gated_delta_step  # noqa: E402
+
+__all__ += ["GatedDeltaNet", "RMSNormGated", "gated_delta_chunked", "gated_delta_step"]

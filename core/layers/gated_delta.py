@@ -1,0 +1,244 @@
+"""Gated DeltaNet, the linear attention of Qwen3.5's ``linear_attention`` layers.
+
+Each value head keeps a state ``S [Dk, Dv]`` that every token decays, corrects and reads::
+
+    S = exp(g_t) * S;   S = S + k_t (beta_t (v_t - S^T k_t))^T;   o_t = S^T q_t
+
+Decoding one token runs this recurrence directly. A prompt runs the equivalent chunked form (as
+transformers does): inside a chunk the delta-rule corrections are one unit-lower-triangular solve and a
+few batched matmuls, and only the state is carried from chunk to chunk, so there is no Python loop over
+tokens. Both forms continue from the cached state, so any split of a prompt into calls gives the same
+result. The state is float32 whatever the model dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..cache import StateCache
+
+CHUNK_SIZE = 64
+L2_EPS = 1e-6
+
+
+def l2_normalize(x: mx.array, scale: float = 1.0) -> mx.array:
+    """``scale * x / sqrt(sum(x^2) + 1e-6)`` over the last axis, as one fused RMS norm.
+
+    ``rms_norm`` divides by ``sqrt(mean(x^2) + eps)``: with ``eps = 1e-6 / D`` that is the L2 norm over
+    ``sqrt(D)``, which the weight folds back in together with ``scale``.
+    """
+    dims = x.shape[-1]
+    weight = mx.full((dims,), scale / math.sqrt(dims), dtype=x.dtype)
+    return mx.fast.rms_norm(x, weight, L2_EPS / dims)
+
+
+@partial(mx.compile, shapeless=True)
+def log_decay(a_log: mx.array, a: mx.array, dt_bias: mx.array) -> mx.array:
+    """Per-token log-decay ``g = -exp(A_log) * softplus(a + dt_bias)`` (float32, at most 0)."""
+    a = a.astype(mx.float32) + dt_bias.astype(mx.float32)
+    softplus = mx.logaddexp(a, mx.zeros_like(a))
+    return -mx.exp(a_log.astype(mx.float32)) * softplus
+
+
+@mx.compile
+def _causal_conv_silu(window: mx.array, weight: mx.array) -> mx.array:
+    """``silu`` of a depthwise causal convolution: ``window [B, K-1+L, C]``, ``weight [K, C]`` -> ``[B, L, C]``."""
+    kernel = weight.shape[0]
+    length = window.shape[1] - kernel + 1
+    out = window[:, :length] * weight[0]
+    for i in range(1, kernel):
+        out = out + window[:, i : i + length] * weight[i]
+    return out * mx.sigmoid(out)
+
+
+@mx.compile
+def _intra_chunk(gamma: mx.array, beta: mx.array, kk: mx.array, qk: mx.array) -> tuple[mx.array, mx.array]:
+    """Per-chunk matrices from cumulative log-decays ``gamma [..., C]`` and ``kk = K K^T``, ``qk = Q K^T``:
+
+    - ``system``: ``I + strictly_lower(beta_i (k_i . k_j) exp(gamma_i - gamma_j))``, whose inverse turns
+      the sequential delta-rule corrections of a chunk into one product;
+    - ``attn``: ``lower(q_i . k_j exp(gamma_i - gamma_j))``, the causal read inside the chunk.
+    """
+    size = gamma.shape[-1]
+    rows = mx.arange(size)[:, None]
+    cols = mx.arange(size)[None, :]
+    diff = gamma[..., :, None] - gamma[..., None, :]
+    decay = mx.exp(mx.where(rows >= cols, diff, -mx.inf))
+    system = mx.where(rows == cols, 1.0, kk * decay * beta[..., :, None])
+    return system, qk * decay
+
+
+@mx.compile
+def _weighted_solution(inverse: mx.array, beta: mx.array, gamma: mx.array) -> tuple[mx.array, mx.array]:
+    """``T diag(beta)`` and ``T diag(beta exp(gamma))``: multiplied by V and K they give the chunk's
+    corrected values and the keys that read the incoming state."""
+    tb = inverse * beta[..., None, :]
+    return tb, tb * mx.exp(gamma)[..., None, :]
+
+
+def gated_delta_chunked(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    g: mx.array,
+    beta: mx.array,
+    state: mx.array | None,
+    chunk_size: int = CHUNK_SIZE,
+) -> tuple[mx.array, mx.array]:
+    """The gated delta rule over a whole sequence, chunk by chunk.
+
+    ``q, k [B, H, L, Dk]`` (normalised, ``q`` scaled), ``v [B, H, L, Dv]``, log-decay ``g`` and ``beta``
+    ``[B, H, L]``, all float32; ``state [B, H, Dk, Dv]`` or ``None`` for zeros. Returns the outputs
+    ``[B, H, L, Dv]`` and the final state.
+    """
+    batch, heads, length, k_dim = k.shape
+    v_dim = v.shape[-1]
+    size = min(chunk_size, length)
+    chunks = -(-length // size)
+    pad = chunks * size - length
+    if pad:
+        # Zero keys, values, beta and log-decay leave the state untouched and the real outputs unchanged.
+        q, k, v = (mx.pad(x, [(0, 0), (0, 0), (0, pad), (0, 0)]) for x in (q, k, v))
+        g, beta = (mx.pad(x, [(0, 0), (0, 0), (0, pad)]) for x in (g, beta))
+    q = q.reshape(batch, heads, chunks, size, k_dim)
+    k = k.reshape(batch, heads, chunks, size, k_dim)
+    v = v.reshape(batch, heads, chunks, size, v_dim)
+    gamma = mx.cumsum(g.reshape(batch, heads, chunks, size), axis=-1)
+    beta = beta.reshape(batch, heads, chunks, size)
+
+    k_t = k.swapaxes(-1, -2)
+    system, attn = _intra_chunk(gamma, beta, k @ k_t, q @ k_t)
+    inverse = mx.linalg.tri_inv(system, upper=False, stream=mx.cpu)
+    tb, tbe = _weighted_solution(inverse, beta, gamma)
+    values = tb @ v  # what the chunk writes if the incoming state were zero
+    readers = tbe @ k  # the keys through which the incoming state enters those values
+    last = gamma[..., -1:]
+    q_decayed = q * mx.exp(gamma)[..., None]
+    k_decayed = (k * mx.exp(last - gamma)[..., None]).swapaxes(-1, -2)
+    chunk_decay = mx.exp(last)[..., None]
+
+    outputs = []
+    for c in range(chunks):
+        if state is None:
+            corrected = values[:, :, c]
+            outputs.append(attn[:, :, c] @ corrected)
+            state = k_decayed[:, :, c] @ corrected
+            continue
+        corrected = values[:, :, c] - readers[:, :, c] @ state
+        outputs.append(mx.addmm(attn[:, :, c] @ corrected, q_decayed[:, :, c], state))
+        state = mx.addmm(state * chunk_decay[:, :, c], k_decayed[:, :, c], corrected)
+    out = mx.concatenate(outputs, axis=2) if chunks > 1 else outputs[0]
+    return out[:, :, :length], state
+
+
+def gated_delta_step(
+    q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array, state: mx.array
+) -> tuple[mx.array, mx.array]:
+    """One token of the recurrence: ``q, k [B, H, Dk]``, ``v [B, H, Dv]``, ``g, beta [B, H]``,
+    ``state [B, H, Dk, Dv]``. Returns ``o [B, H, Dv]`` and the new state."""
+    decay = mx.exp(g)[..., None, None]
+    state = state * decay
+    recalled = (k[..., None, :] @ state)[..., 0, :]
+    delta = (v - recalled) * beta[..., None]
+    state = state + k[..., :, None] * delta[..., None, :]
+    return (q[..., None, :] @ state)[..., 0, :], state
+
+
+class RMSNormGated(nn.Module):
+    """``weight * rmsnorm(x) * silu(gate)`` over the last axis (plain ``weight``, stored around 1)."""
+
+    def __init__(self, dims: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = mx.ones((dims,))
+        self.eps = eps
+
+    def __call__(self, x: mx.array, gate: mx.array) -> mx.array:
+        return _gate_silu(mx.fast.rms_norm(x, self.weight, self.eps), gate)
+
+
+@partial(mx.compile, shapeless=True)
+def _gate_silu(x: mx.array, gate: mx.array) -> mx.array:
+    gate = gate.astype(mx.float32)
+    return (x * (gate * mx.sigmoid(gate))).astype(x.dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    """The Gated DeltaNet mixer: projections, causal depthwise conv over ``[q | k | v]``, the gated delta
+    rule, a gated RMSNorm and the output projection. Attribute names are the checkpoint's.
+
+    Cache: a :class:`~mlxchat.cache.StateCache` of two arrays, the last ``K-1`` conv inputs ``[B, K-1, C]``
+    and the delta-rule state ``[B, Hv, Dk, Dv]`` (float32). ``conv1d.weight`` is ``[C, K, 1]`` (MLX layout).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_key_heads: int,
+        num_value_heads: int,
+        key_head_dim: int,
+        value_head_dim: int,
+        conv_kernel: int = 4,
+        eps: float = 1e-6,
+        chunk_size: int = CHUNK_SIZE,
+    ):
+        super().__init__()
+        if num_value_heads % num_key_heads:
+            raise ValueError(f"linear_num_value_heads ({num_value_heads}) must be a multiple of "
+                             f"linear_num_key_heads ({num_key_heads})")
+        self.num_key_heads, self.num_value_heads = num_key_heads, num_value_heads
+        self.key_head_dim, self.value_head_dim = key_head_dim, value_head_dim
+        self.conv_kernel, self.chunk_size = conv_kernel, chunk_size
+        self.key_dim = num_key_heads * key_head_dim
+        self.value_dim = num_value_heads * value_head_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.in_proj_qkv = nn.Linear(hidden_size, self.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(hidden_size, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(hidden_size, num_value_heads, bias=False)
+        self.in_proj_a = nn.Linear(hidden_size, num_value_heads, bias=False)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, conv_kernel, groups=self.conv_dim, bias=False)
+        self.A_log = mx.zeros((num_value_heads,))
+        self.dt_bias = mx.ones((num_value_heads,))
+        self.norm = RMSNormGated(value_head_dim, eps)
+        self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
+
+    def __call__(self, x: mx.array, cache: StateCache | None = None) -> mx.array:
+        batch, length, _ = x.shape
+        qkv = self.in_proj_qkv(x)
+        conv_state = cache[0] if cache is not None else None
+        if conv_state is None:
+            conv_state = mx.zeros((batch, self.conv_kernel - 1, self.conv_dim), qkv.dtype)
+        window = mx.concatenate([conv_state, qkv], axis=1)
+        mixed = _causal_conv_silu(window, self.conv1d.weight[:, :, 0].T)
+
+        heads, group = self.num_value_heads, self.num_value_heads // self.num_key_heads
+        q, k, v = mx.split(mixed, [self.key_dim, 2 * self.key_dim], axis=-1)
+        q = l2_normalize(q.reshape(batch, length, self.num_key_heads, self.key_head_dim).astype(mx.float32),
+                         self.key_head_dim**-0.5)
+        k = l2_normalize(k.reshape(batch, length, self.num_key_heads, self.key_head_dim).astype(mx.float32))
+        v = v.reshape(batch, length, heads, self.value_head_dim).astype(mx.float32)
+        if group > 1:  # value head j reads key head j // group
+            q, k = mx.repeat(q, group, axis=2), mx.repeat(k, group, axis=2)
+        beta = mx.sigmoid(self.in_proj_b(x).astype(mx.float32))
+        g = log_decay(self.A_log, self.in_proj_a(x), self.dt_bias)
+
+        state = cache[1] if cache is not None else None
+        if length == 1 and state is not None:
+            out, state = gated_delta_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state)
+            out = out[:, None]
+        else:
+            out, state = gated_delta_chunked(
+                q.swapaxes(1, 2), k.swapaxes(1, 2), v.swapaxes(1, 2), g.swapaxes(1, 2), beta.swapaxes(1, 2),
+                state, self.chunk_size,
+            )
+            out = out.swapaxes(1, 2)
+        if cache is not None:
+            # A copy: a slice would keep the whole prompt's projections alive in the cache.
+            cache.update(mx.contiguous(window[:, -(self.conv_kernel - 1) :]), state, tokens=length)
+
+        z = self.in_proj_z(x).reshape(batch, length, heads, self.value_head_dim)
+        out = self.norm(out.astype(x.dtype), z)
+        return self.out_proj(out.reshape(batch, length, self.value_dim))
