@@ -79,4 +79,4 @@ def test_prompt_starts_with_one_bos() -> None:
     bos = TOKENIZER.token_id("<|startoftext|>")
     ids = template("lfm2.jinja").encode([{"role": "user", "content": "hi"}])
     assert ids[0] == bos and ids.count(bos) == 1
-    assert TOKENIZER.encode("hi", add_special_tokens=True)[0] == bos  # a raw prompt gets it from the tokenizer
+    assert TOKENIZER.encode("hi", add_special_tokens=True)[0] == bos  # a raw prompt: from the tokenizer

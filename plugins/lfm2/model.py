@@ -51,7 +51,7 @@ class Lfm2Config(ModelConfig):
     @model_validator(mode="before")
     @classmethod
     def _aliases(cls, data: Any) -> Any:
-        """The keys transformers' ``Lfm2Config`` accepts besides its own (and its defaults where they matter)."""
+        """Keys transformers' ``Lfm2Config`` accepts besides its own, and its defaults where they matter."""
         if not isinstance(data, dict):
             return data
         data = dict(data)
@@ -77,7 +77,8 @@ class Lfm2Config(ModelConfig):
     @model_validator(mode="after")
     def _layer_count(self) -> Lfm2Config:
         if len(self.layer_types) != self.num_hidden_layers:
-            raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for "
+                             f"{self.num_hidden_layers} layers")
         return self
 
     def is_sparse(self, layer: int) -> bool:
@@ -124,8 +125,8 @@ class Lfm2Block(nn.Module):
         self.operator_norm = RMSNorm(h, eps)
         self.is_attention = config.layer_types[layer] == "full_attention"
         if self.is_attention:
-            self.self_attn = Attention(h, config.num_attention_heads, config.num_key_value_heads, config.head_dim,
-                                       rope, qk_norm_eps=eps)
+            self.self_attn = Attention(h, config.num_attention_heads, config.num_key_value_heads,
+                                       config.head_dim, rope, qk_norm_eps=eps)
         else:
             self.conv = ShortConv(h, config.conv_L_cache, bias=config.conv_bias)
         self.ffn_norm = RMSNorm(h, eps)

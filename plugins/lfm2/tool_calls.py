@@ -39,7 +39,8 @@ def repair(source: str) -> str:
     for match in _LEXEME.finditer(source):
         text, kind = match.group(), match.lastgroup
         if kind == "string" and not text.startswith(("'''", '"""')):
-            text = re.sub(r"(\\.)|[\n\r\t]", lambda m: m.group(1) or _ESCAPES[m.group()], text, flags=re.DOTALL)
+            text = re.sub(r"(\\.)|[\n\r\t]", lambda m: m.group(1) or _ESCAPES[m.group()], text,
+                          flags=re.DOTALL)
         elif (kind == "number" and text.isdigit() and text.startswith("0") and text.strip("0")
               and not source[: match.start()].endswith(".")):  # not the fraction of 1.05
             text = text.lstrip("0")
@@ -51,14 +52,17 @@ def repair(source: str) -> str:
 
 
 def argument_name(name: str) -> str:
-    return name.removeprefix(_KEYWORD_PREFIX) if keyword.iskeyword(name.removeprefix(_KEYWORD_PREFIX)) else name
+    original = name.removeprefix(_KEYWORD_PREFIX)
+    return original if keyword.iskeyword(original) else name
 
 
 def split_calls(source: str) -> list[str]:
     """The top-level items of a ``[...]`` list (the whole text when it is not one), split outside strings."""
     if not (source.startswith("[") and source.endswith("]")):
         return [source]
-    items, current, depth = [], [], 0
+    items: list[str] = []
+    current: list[str] = []
+    depth = 0
     for match in _LEXEME.finditer(source[1:-1]):
         text = match.group()
         if match.lastgroup == "other":
@@ -79,8 +83,10 @@ def literal(node: ast.expr) -> Any:
     if isinstance(node, ast.Name) and node.id in _JSON_NAMES:
         return _JSON_NAMES[node.id]
     if (isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub | ast.UAdd)
-            and isinstance(node.operand, ast.Constant) and type(node.operand.value) in (int, float)):
-        return -node.operand.value if isinstance(node.op, ast.USub) else node.operand.value
+            and isinstance(node.operand, ast.Constant)):
+        number = node.operand.value
+        if isinstance(number, int | float) and not isinstance(number, bool):
+            return -number if isinstance(node.op, ast.USub) else number
     if isinstance(node, ast.List | ast.Tuple):
         return [literal(item) for item in node.elts]
     if isinstance(node, ast.Dict):
@@ -139,8 +145,8 @@ class PythonicCallsParser(ToolCallParser):
         arguments: dict[str, Any] = {}
         positional = list(self.parameters(name))
         if len(node.args) > len(positional):
-            return ParsedCall(name, None, "positional arguments need an offered tool with that many parameters "
-                                          "(write name=value)")
+            return ParsedCall(name, None, "positional arguments need an offered tool with that many "
+                                          "parameters (write name=value)")
         pairs = list(zip(positional, node.args, strict=False))
         for item in node.keywords:
             if item.arg is None:
