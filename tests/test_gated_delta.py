@@ -1,0 +1,107 @@
+"""The Gated DeltaNet layer: its chunked form equals the token-by-token recurrence (float64 NumPy) for any
+chunk size and starting state, and the layer gives the same outputs however a sequence is split into calls."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlxchat.cache import StateCache
+from mlxchat.layers import GatedDeltaNet, RMSNormGated, gated_delta_chunked, gated_delta_step
+
+RNG = np.random.default_rng(7)
+B, H, L, DK, DV = 2, 3, 150, 16, 24
+
+
+def recurrence(q, k, v, g, beta, state):
+    """The gated delta rule as written in the paper, one token at a time."""
+    state = state.copy()
+    out = np.zeros(v.shape)
+    for t in range(q.shape[2]):
+        state = state * np.exp(g[:, :, t])[..., None, None]
+        recalled = np.einsum("bhk,bhkv->bhv", k[:, :, t], state)
+        delta = (v[:, :, t] - recalled) * beta[:, :, t][..., None]
+        state = state + k[:, :, t][..., :, None] * delta[..., None, :]
+        out[:, :, t] = np.einsum("bhk,bhkv->bhv", q[:, :, t], state)
+    return out, state
+
+
+def inputs():
+    q = RNG.normal(size=(B, H, L, DK))
+    k = RNG.normal(size=(B, H, L, DK))
+    q /= np.linalg.norm(q, axis=-1, keepdims=True) * np.sqrt(DK)
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    v = RNG.normal(size=(B, H, L, DV))
+    # Per-head decay rates from none to strong (a chunk's cumulative decay reaches far below exp(-80)).
+    g = -np.abs(RNG.normal(size=(B, H, L))) * np.array([0.01, 1.0, 6.0])[None, :, None]
+    beta = 1 / (1 + np.exp(-RNG.normal(size=(B, H, L))))
+    return q, k, v, g, beta
+
+
+def f32(x: np.ndarray) -> mx.array:
+    return mx.array(x.astype(np.float32))
+
+
+@pytest.mark.parametrize("chunk", [64, 16, 7, 1, 1000])
+@pytest.mark.parametrize("with_state", [False, True])
+def test_chunked_form_equals_recurrence(chunk: int, with_state: bool) -> None:
+    q, k, v, g, beta = inputs()
+    state = RNG.normal(size=(B, H, DK, DV)) if with_state else np.zeros((B, H, DK, DV))
+    expected, expected_state = recurrence(q, k, v, g, beta, state)
+    out, final = gated_delta_chunked(f32(q), f32(k), f32(v), f32(g), f32(beta),
+                                     f32(state) if with_state else None, chunk)
+    assert np.abs(np.array(out) - expected).max() < 1e-5
+    assert np.abs(np.array(final) - expected_state).max() < 1e-5
+
+
+def test_recurrent_step_equals_recurrence() -> None:
+    q, k, v, g, beta = inputs()
+    state0 = RNG.normal(size=(B, H, DK, DV))
+    expected, expected_state = recurrence(q, k, v, g, beta, state0)
+    state = f32(state0)
+    for t in range(L):
+        out, state = gated_delta_step(f32(q[:, :, t]), f32(k[:, :, t]), f32(v[:, :, t]), f32(g[:, :, t]),
+                                      f32(beta[:, :, t]), state)
+        assert np.abs(np.array(out) - expected[:, :, t]).max() < 1e-5
+    assert np.abs(np.array(state) - expected_state).max() < 1e-5
+
+
+def _layer(chunk: int) -> GatedDeltaNet:
+    mx.random.seed(3)
+    layer = GatedDeltaNet(32, num_key_heads=2, num_value_heads=4, key_head_dim=8, value_head_dim=12,
+                          conv_kernel=4, chunk_size=chunk)
+    layer.update({"A_log": mx.random.uniform(-2, 2, (4,)), "dt_bias": mx.random.normal((4,)),
+                  "norm": {"weight": 1 + 0.3 * mx.random.normal((12,))}})
+    return layer
+
+
+def test_layer_gives_the_same_outputs_for_any_split_into_calls() -> None:
+    layer = _layer(chunk=8)
+    x = mx.random.normal((1, 45, 32))
+    whole = np.array(layer(x))
+    for sizes in ([45], [9, 1, 20, 15], [1] * 45, [3, 40, 1, 1]):
+        cache, parts, pos = StateCache(2), [], 0
+        for size in sizes:
+            parts.append(np.array(layer(x[:, pos : pos + size], cache)))
+            pos += size
+        assert cache.offset == 45
+        assert np.abs(np.concatenate(parts, axis=1) - whole).max() < 1e-5, sizes
+
+
+def test_chunk_size_does_not_change_the_layer() -> None:
+    x = mx.random.normal((2, 70, 32))
+    assert np.abs(np.array(_layer(64)(x)) - np.array(_layer(5)(x))).max() < 1e-5
+
+
+def test_gated_norm_uses_a_plain_weight() -> None:
+    norm = RMSNormGated(6, eps=1e-6)
+    norm.weight = mx.array([0.5, 1.0, 1.5, 2.0, -1.0, 0.0])
+    x, z = RNG.normal(size=(3, 6)), RNG.normal(size=(3, 6))
+    expected = norm.weight * (x / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-6)) * (z / (1 + np.exp(-z)))
+    assert np.abs(np.array(norm(f32(x), f32(z))) - np.array(expected)).max() < 1e-5
+
+
+def test_value_heads_must_share_key_heads_evenly() -> None:
+    with pytest.raises(ValueError, match="multiple"):
+        GatedDeltaNet(32, num_key_heads=3, num_value_heads=4, key_head_dim=8, value_head_dim=8)
