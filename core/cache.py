@@ -124,3 +124,86 @@ def cache_arrays(layers: list[LayerCache]) -> list[mx.array]:
         state = getattr(layer, "state", [])
         arrays.extend(a for a in state if isinstance(a, mx.array))
     return arrays
+
+
+class SlidingWindowCache(LayerCache):
+    """Keys and values of a sliding-window attention layer, which attends to the last ``window`` tokens
+    only; just those are kept, so memory stays at the window however long the conversation grows.
+
+    Position ``p`` lives in slot ``p % window``. Decoding writes each token over the one that just left the
+    window, and a single query needs no mask. A multi-token chunk is attended over the kept tokens, in
+    order, followed by the chunk (the window plus one chunk, transiently; see :func:`window_mask`), after
+    which the last ``window`` tokens are kept. Updates never write into an existing array (MLX reuses
+    the buffer when nothing else holds it), so a snapshot is references and an offset.
+
+    Tokens that left the window are gone: the cache cuts back only as far as the window before the
+    new position is still held; further rewinds need a snapshot.
+    """
+
+    trimmable = False
+
+    def __init__(self, window: int) -> None:
+        self.window = window
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
+        self.offset = 0
+        self.start = 0
+        """Oldest position still held: the valid positions are ``[start, offset)``."""
+
+    def can_trim_to(self, position: int) -> bool:
+        return position <= self.offset and max(0, position - self.window + 1) >= self.start
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Add this chunk; return the keys and values its queries attend to.
+
+        One token: every held slot (all within its window; slot order, which a single query ignores).
+        Several: the window before the chunk and the chunk, in position order.
+        """
+        if keys.shape[2] == 1 and self.keys is not None and self.values is not None:
+            return self._write_one(keys, values)
+        return self._write_chunk(keys, values)
+
+    def _write_one(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        assert self.keys is not None and self.values is not None
+        slot = mx.array([self.offset % self.window])
+        self.keys = mx.slice_update(self.keys, keys, slot, axes=(2,))
+        self.values = mx.slice_update(self.values, values, slot, axes=(2,))
+        self.offset += 1
+        self.start = max(self.start, self.offset - self.window)
+        held = min(self.offset, self.window)
+        return self.keys[..., :held, :], self.values[..., :held, :]
+
+    def _write_chunk(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        first = max(0, self.offset - self.window + 1)
+        if self.keys is not None and self.values is not None and first < self.offset:
+            slots = mx.arange(first, self.offset) % self.window
+            keys = mx.concatenate([mx.take(self.keys, slots, axis=2), keys], axis=2)
+            values = mx.concatenate([mx.take(self.values, slots, axis=2), values], axis=2)
+        self.offset += keys.shape[2] - (self.offset - first)
+        kept = min(self.window, keys.shape[2])
+        self.start = self.offset - kept
+        self.keys = self._slotted(keys[..., -kept:, :])
+        self.values = self._slotted(values[..., -kept:, :])
+        return keys, values
+
+    def _slotted(self, tail: mx.array) -> mx.array:
+        """The last tokens in a ``window``-slot buffer with position ``p`` in slot ``p % window``."""
+        if tail.shape[2] < self.window:  # nothing has left the window yet: position p is at index p
+            return mx.pad(tail, [(0, 0), (0, 0), (0, self.window - tail.shape[2]), (0, 0)])
+        return mx.roll(tail, self.offset % self.window, axis=2)
+
+    def snapshot(self) -> Any:
+        return (self.offset, self.start, self.keys, self.values)
+
+    def restore(self, snapshot: Any) -> None:
+        self.offset, self.start, self.keys, self.values = snapshot
+
+    @property
+    def state(self) -> list[mx.array]:
+        if self.keys is None or self.values is None:
+            return []
+        return [self.keys, self.values]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.state)

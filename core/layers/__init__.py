@@ -29,3 +29,8 @@ __all__ += ["ShortConv", "depthwise_weight"]
 from .gated_delta import GatedDeltaNet, RMSNormGated, gated_delta_chunked, gated_delta_step  # noqa: E402
 
 __all__ += ["GatedDeltaNet", "RMSNormGated", "gated_delta_chunked", "gated_delta_step"]
+
+from .attention import window_mask  # noqa: E402
+from .rope import ProportionalRoPE  # noqa: E402
+
+__all__ += ["ProportionalRoPE", "window_mask"]

@@ -73,3 +73,13 @@ class Attention(nn.Module):
         q, k = self.rope(q, offset), self.rope(k, offset)
         out = attend(q, k, v, cache, self.scale)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(batch, length, -1))
+
+
+def window_mask(length: int, key_length: int, window: int) -> mx.array | None:
+    """Sliding-window causal mask: ``length`` queries, the last positions of ``key_length`` contiguous keys,
+    each seeing itself and the ``window - 1`` keys before it. ``None`` when that is every key."""
+    if length == 1 and key_length <= window:
+        return None
+    queries = mx.arange(key_length - length, key_length)[:, None]
+    keys = mx.arange(key_length)[None]
+    return (keys <= queries) & (queries - keys < window)

@@ -100,3 +100,26 @@ class RoPE(nn.Module):
             offset=offset,
             freqs=self._freqs,
         )
+
+
+class ProportionalRoPE(nn.Module):
+    """Gemma 4's "proportional" RoPE: rotate-half pairs ``(j, j + head_dim/2)`` over the whole head, of which
+    only the first ``partial_rotary_factor * head_dim / 2`` turn; the other pairs pass unchanged.
+
+    Unlike a partial rotary (``RoPE`` with ``dims < head_dim``), the rotated features are two separate
+    slices, ``[0, a)`` and ``[head_dim/2, head_dim/2 + a)``, and the frequencies are those of the full
+    head dim. Pairs that stay put get an infinite wavelength (angle 0).
+    """
+
+    def __init__(self, head_dim: int, rope: RopeConfig):
+        super().__init__()
+        self.head_dim = head_dim
+        rotated = int(rope.partial_rotary_factor * head_dim // 2)
+        factor = rope.factor or 1.0
+        wavelengths = [factor * rope.rope_theta ** (2 * j / head_dim) for j in range(rotated)]
+        wavelengths += [math.inf] * (head_dim // 2 - rotated)
+        self._freqs = mx.array(wavelengths, dtype=mx.float32)
+
+    def __call__(self, x: mx.array, offset: int = 0) -> mx.array:
+        return mx.fast.rope(x, self.head_dim, traditional=False, base=None, scale=1.0, offset=offset,
+                            freqs=self._freqs)

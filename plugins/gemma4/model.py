@@ -1,0 +1,422 @@
+"""Gemma 4 (text): decoder blocks that alternate sliding-window and global attention, with per-layer
+embeddings and K/V shared by the last layers (E2B/E4B), or a dense MLP beside routed experts (26B-A4B).
+
+Gemma 4 is not Gemma 3: every norm multiplies by ``w`` (not ``1 + w``), attention is unscaled (the q/k
+norms do the scaling) and values get a weightless norm. Sliding layers use ``head_dim`` and plain RoPE;
+global layers use ``global_head_dim`` and proportional RoPE, and with ``attention_k_eq_v`` read their
+values off the key projection. Logits are soft-capped.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from functools import partial
+from typing import Any, Literal
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlxchat.cache import KVCache, LayerCache, SlidingWindowCache
+from mlxchat.config import ModelConfig, RopeConfig
+from mlxchat.errors import CheckpointError
+from mlxchat.layers import (
+    CausalLM,
+    Decoder,
+    ProportionalRoPE,
+    RMSNorm,
+    RoPE,
+    SwitchGLU,
+    softmax_top_k,
+    stack_experts,
+    window_mask,
+)
+from mlxchat.layers.moe import _SORT_THRESHOLD
+from pydantic import model_validator
+
+LayerType = Literal["sliding_attention", "full_attention"]
+
+# transformers' defaults, used where config.json is silent (released configs spell everything out).
+DEFAULT_ROPE = {
+    "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+    "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0},
+}
+DEFAULT_GLOBAL_HEAD_DIM = 512
+DEFAULT_PATTERN = 6  # five sliding layers, then a global one
+_OVERRIDABLE = ("head_dim", "num_key_value_heads")
+
+
+class Gemma4Config(ModelConfig):
+    """``text_config`` of a Gemma 4 checkpoint, with the per-layer attention geometry resolved.
+
+    transformers 5 writes the global layers' geometry only as ``per_layer_config`` (layer index ->
+    overrides); released configs say ``global_head_dim`` / ``num_global_key_value_heads``. Both end up in
+    ``layer_head_dims`` / ``layer_kv_heads``.
+    """
+
+    tie_word_embeddings: bool = True
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    hidden_activation: Literal["gelu_pytorch_tanh"] = "gelu_pytorch_tanh"
+    layer_types: list[LayerType]
+    sliding_window: int
+    rope_parameters: dict[LayerType, RopeConfig]
+    layer_head_dims: list[int]
+    layer_kv_heads: list[int]
+    attention_k_eq_v: bool = False
+    attention_bias: bool = False
+    final_logit_softcapping: float | None = None
+    hidden_size_per_layer_input: int = 256
+    vocab_size_per_layer_input: int = 262_144
+    num_kv_shared_layers: int = 0
+    use_double_wide_mlp: bool = False
+    enable_moe_block: bool = False
+    num_experts: int | None = None
+    top_k_experts: int | None = None
+    moe_intermediate_size: int | None = None
+    use_bidirectional_attention: Literal["vision"] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _resolve(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        layers = data.get("num_hidden_layers")
+        if not isinstance(layers, int):
+            return data  # the field check reports it
+        if data.get("layer_types") is None:
+            pattern = data.get("sliding_window_pattern") or DEFAULT_PATTERN
+            data["layer_types"] = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                                   for i in range(layers)]
+        types = list(data["layer_types"])
+        if len(types) != layers:
+            raise ValueError(f"layer_types has {len(types)} entries for {layers} layers")
+        types[-1] = "full_attention"  # transformers forces the last layer global
+        data["layer_types"] = types
+        data["rope_parameters"] = {**DEFAULT_ROPE, **(data.get("rope_parameters") or {})}
+        data["layer_head_dims"], data["layer_kv_heads"] = _layer_geometry(data, types)
+        return data
+
+    @model_validator(mode="after")
+    def _check(self) -> Gemma4Config:
+        experts = (self.num_experts, self.top_k_experts, self.moe_intermediate_size)
+        if self.enable_moe_block and not all(experts):
+            raise ValueError("enable_moe_block needs num_experts, top_k_experts and moe_intermediate_size")
+        owners = set(self.layer_types[: self.first_shared_layer])
+        for i in range(self.first_shared_layer, self.num_hidden_layers):
+            if self.layer_types[i] not in owners:
+                raise ValueError(f"layer {i} reuses {self.layer_types[i]} keys and values that no earlier "
+                                 "layer makes")
+        return self
+
+    @property
+    def first_shared_layer(self) -> int:
+        """Layers from here on reuse the K/V of the last earlier layer of their type (and have no cache)."""
+        return self.num_hidden_layers - self.num_kv_shared_layers
+
+    def owns_kv(self, layer: int) -> bool:
+        return layer < self.first_shared_layer
+
+    def mlp_width(self, layer: int) -> int:
+        double = self.use_double_wide_mlp and not self.owns_kv(layer)
+        return self.intermediate_size * (2 if double else 1)
+
+
+def _layer_geometry(data: dict[str, Any], types: list[str]) -> tuple[list[Any], list[Any]]:
+    """Head dim and KV heads of every layer, from ``per_layer_config`` or the ``global_*`` keys (the
+    field checks catch missing values)."""
+    head_dim, kv_heads = data.get("head_dim"), data.get("num_key_value_heads")
+    global_head_dim = data.get("global_head_dim") or DEFAULT_GLOBAL_HEAD_DIM
+    global_kv_heads = data.get("num_global_key_value_heads") if data.get("attention_k_eq_v") else None
+    dims = [global_head_dim if t == "full_attention" else head_dim for t in types]
+    heads = [(global_kv_heads or kv_heads) if t == "full_attention" else kv_heads for t in types]
+    overrides = data.get("per_layer_config") or {}
+    for key in sorted(overrides, key=lambda k: str(k).isdigit()):  # layer-type keys first, indices win
+        values = overrides[key] or {}
+        unknown = sorted(set(values) - set(_OVERRIDABLE))
+        if unknown:
+            raise ValueError(f"per_layer_config[{key!r}] overrides {unknown}, which mlxchat does not support")
+        if str(key).isdigit() and int(key) < len(types):
+            chosen = [int(key)]
+        elif key in types:
+            chosen = [i for i, t in enumerate(types) if t == key]
+        else:
+            raise ValueError(f"per_layer_config key {key!r} is neither a layer index nor a layer type")
+        for i in chosen:
+            dims[i] = values.get("head_dim", dims[i])
+            heads[i] = values.get("num_key_value_heads", heads[i])
+    return dims, heads
+
+
+def rms_norm(x: mx.array, eps: float) -> mx.array:
+    """RMS normalisation without a weight (Gemma's ``with_scale=False``)."""
+    return mx.fast.rms_norm(x, None, eps)
+
+
+def make_rope(head_dim: int, rope: RopeConfig, max_positions: int) -> nn.Module:
+    if rope.rope_type == "proportional":
+        return ProportionalRoPE(head_dim, rope)
+    return RoPE(head_dim, rope.model_copy(update={"partial_rotary_factor": 1.0}), max_positions)
+
+
+class Gemma4Attention(nn.Module):
+    """Unscaled attention with q/k norms and a weightless value norm.
+
+    A layer that owns K/V writes them to its cache and to ``shared`` (by layer type); a KV-shared layer
+    has no K/V projections and attends over what the last owner of its type left there.
+    """
+
+    def __init__(self, config: Gemma4Config, layer: int):
+        super().__init__()
+        h, eps = config.hidden_size, config.rms_norm_eps
+        self.kind = config.layer_types[layer]
+        self.window = config.sliding_window if self.kind == "sliding_attention" else None
+        self.num_heads, self.head_dim = config.num_attention_heads, config.layer_head_dims[layer]
+        self.num_kv_heads, self.eps = config.layer_kv_heads[layer], eps
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, eps)
+        self.owns_kv = config.owns_kv(layer)
+        self.values_from_keys = config.attention_k_eq_v and self.window is None
+        if self.owns_kv:
+            self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
+            if not self.values_from_keys:
+                self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
+            self.k_norm = RMSNorm(self.head_dim, eps)
+        rope = config.rope_parameters[self.kind]
+        self.rope = make_rope(self.head_dim, rope, config.max_position_embeddings)
+
+    def __call__(self, x: mx.array, offset: int, cache: LayerCache | None,
+                 shared: dict[str, tuple[mx.array, mx.array]]) -> mx.array:
+        batch, length, _ = x.shape
+        q = self.q_norm(self.q_proj(x).reshape(batch, length, self.num_heads, self.head_dim))
+        q = self.rope(q.transpose(0, 2, 1, 3), offset)
+        if self.owns_kv:
+            k = self.k_proj(x).reshape(batch, length, self.num_kv_heads, self.head_dim)
+            v = k if self.values_from_keys else self.v_proj(x).reshape(batch, length, self.num_kv_heads, -1)
+            k = self.rope(self.k_norm(k).transpose(0, 2, 1, 3), offset)
+            v = rms_norm(v, self.eps).transpose(0, 2, 1, 3)
+            if cache is not None:
+                k, v = cache.update_and_fetch(k, v)  # type: ignore[attr-defined]
+            shared[self.kind] = (k, v)
+        else:
+            k, v = shared[self.kind]
+        if self.window is not None:
+            mask: mx.array | str | None = window_mask(length, k.shape[2], self.window)
+        else:
+            mask = "causal" if length > 1 else None
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=1.0, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(batch, length, -1))
+
+
+class GeGLU(nn.Module):
+    """``down_proj(gelu_tanh(gate_proj(x)) * up_proj(x))``."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(gelu_gate(self.gate_proj(x), self.up_proj(x)))
+
+
+@partial(mx.compile, shapeless=True)
+def gelu_gate(gate: mx.array, x: mx.array) -> mx.array:
+    """One fused kernel for the gate (MLX's CPU elementwise ops run one at a time, single-threaded)."""
+    return nn.gelu_approx(gate) * x
+
+
+class Gemma4Router(nn.Module):
+    """Softmax over all experts of the weightless-normed, ``scale``-weighted input; top-k renormalised, then
+    scaled per expert."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, eps: float):
+        super().__init__()
+        self.proj = nn.Linear(hidden_size, num_experts, bias=False)
+        self.scale = mx.ones((hidden_size,))
+        self.per_expert_scale = mx.ones((num_experts,))
+        self.top_k, self.eps, self.root = top_k, eps, hidden_size**-0.5
+
+    def __call__(self, x: mx.array) -> tuple[mx.array, mx.array]:
+        x = mx.fast.rms_norm(x, self.scale * self.root, self.eps)
+        weights, indices = softmax_top_k(self.proj(x), self.top_k, normalize=True)
+        return weights * self.per_expert_scale[indices], indices
+
+
+class Gemma4Experts(SwitchGLU):
+    """:class:`SwitchGLU` experts gated by tanh-approximated GELU instead of SiLU."""
+
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        top_k, shape = indices.shape[-1], indices.shape
+        x = mx.expand_dims(x, (-2, -3))
+        sort = indices.size >= _SORT_THRESHOLD
+        if sort:
+            flat = indices.flatten()
+            order = mx.argsort(flat)
+            inverse = mx.argsort(order)
+            x = x.flatten(0, -3)[order // top_k]
+            indices = flat[order]
+        hidden = gelu_gate(self.gate_proj(x, indices, sort), self.up_proj(x, indices, sort))
+        out = self.down_proj(hidden, indices, sort)
+        if sort:
+            out = out[inverse].reshape(*shape, 1, out.shape[-1])
+        return out.squeeze(-2)
+
+
+class Gemma4Block(nn.Module):
+    """Attention and feed-forward, each sandwiched between two norms; then the layer's per-layer-embedding
+    residual, and the whole hidden state times ``layer_scalar``."""
+
+    def __init__(self, config: Gemma4Config, layer: int):
+        super().__init__()
+        h, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = RMSNorm(h, eps)
+        self.self_attn = Gemma4Attention(config, layer)
+        self.post_attention_layernorm = RMSNorm(h, eps)
+        self.pre_feedforward_layernorm = RMSNorm(h, eps)
+        self.mlp = GeGLU(h, config.mlp_width(layer))
+        self.post_feedforward_layernorm = RMSNorm(h, eps)
+        self.moe = config.enable_moe_block
+        if self.moe:
+            assert config.num_experts and config.top_k_experts and config.moe_intermediate_size
+            self.router = Gemma4Router(h, config.num_experts, config.top_k_experts, eps)
+            self.switch_mlp = Gemma4Experts(h, config.moe_intermediate_size, config.num_experts)
+            self.pre_feedforward_layernorm_2 = RMSNorm(h, eps)
+            self.post_feedforward_layernorm_1 = RMSNorm(h, eps)
+            self.post_feedforward_layernorm_2 = RMSNorm(h, eps)
+        self.per_layer = bool(config.hidden_size_per_layer_input)
+        if self.per_layer:
+            p = config.hidden_size_per_layer_input
+            self.per_layer_input_gate = nn.Linear(h, p, bias=False)
+            self.per_layer_projection = nn.Linear(p, h, bias=False)
+            self.post_per_layer_input_norm = RMSNorm(h, eps)
+        self.layer_scalar = mx.ones((1,))
+
+    def __call__(self, x: mx.array, per_layer_input: mx.array | None, offset: int, cache: LayerCache | None,
+                 shared: dict[str, tuple[mx.array, mx.array]]) -> mx.array:
+        h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), offset, cache, shared))
+        f = self.mlp(self.pre_feedforward_layernorm(h))
+        if self.moe:
+            weights, indices = self.router(h)
+            experts = self.switch_mlp(self.pre_feedforward_layernorm_2(h), indices)
+            experts = (experts * weights[..., None]).sum(-2)
+            f = self.post_feedforward_layernorm_1(f) + self.post_feedforward_layernorm_2(experts)
+        h = h + self.post_feedforward_layernorm(f)
+        if per_layer_input is not None:
+            gated = gelu_gate(self.per_layer_input_gate(h), per_layer_input)
+            h = h + self.post_per_layer_input_norm(self.per_layer_projection(gated))
+        return h * self.layer_scalar
+
+
+class Gemma4TextModel(Decoder):
+    """Scaled token embedding, per-layer embeddings (PLE) for every block, the blocks and the final norm.
+
+    PLE gives each layer a small input of its own: a per-token row of ``embed_tokens_per_layer`` plus a
+    projection of the token embedding, normalised, mixed and fed into the layer's residual.
+    """
+
+    def __init__(self, config: Gemma4Config):
+        h = config.hidden_size
+        blocks = [Gemma4Block(config, i) for i in range(config.num_hidden_layers)]
+        super().__init__(config.vocab_size, h, blocks, RMSNorm(h, config.rms_norm_eps))
+        self.embed_scale = math.sqrt(h)
+        self.ple_dim = config.hidden_size_per_layer_input
+        if self.ple_dim:
+            n, p = config.num_hidden_layers, self.ple_dim
+            self.embed_tokens_per_layer = nn.Embedding(config.vocab_size_per_layer_input, n * p)
+            self.per_layer_model_projection = nn.Linear(h, n * p, bias=False)
+            self.per_layer_projection_norm = RMSNorm(p, config.rms_norm_eps)
+        # Layer i's cache index (None: it reuses another layer's K/V).
+        owners = [i for i in range(config.num_hidden_layers) if config.owns_kv(i)]
+        self.cache_slots = [owners.index(i) if i in owners else None for i in range(config.num_hidden_layers)]
+
+    def embed(self, tokens: mx.array) -> mx.array:
+        h = self.embed_tokens(tokens)
+        return h * mx.array(self.embed_scale, h.dtype)  # the scale rounds to the weights' dtype, as in HF
+
+    def per_layer_inputs(self, tokens: mx.array, embeddings: mx.array) -> mx.array:
+        """``[batch, length, layers, ple_dim]``: token rows plus the normalised embedding projection."""
+        shape = (*tokens.shape, len(self.layers), self.ple_dim)
+        rows = self.embed_tokens_per_layer(tokens)
+        rows = (rows * mx.array(math.sqrt(self.ple_dim), rows.dtype)).reshape(shape)
+        context = self.per_layer_model_projection(embeddings) * (embeddings.shape[-1] ** -0.5)
+        context = self.per_layer_projection_norm(context.reshape(shape))
+        return (context + rows) * (2**-0.5)
+
+    def __call__(self, tokens: mx.array, cache: list[LayerCache] | None = None) -> mx.array:  # type: ignore[override]
+        h = self.embed(tokens)
+        per_layer = self.per_layer_inputs(tokens, h) if self.ple_dim else None
+        offset = cache[0].offset if cache else 0
+        shared: dict[str, tuple[mx.array, mx.array]] = {}
+        for i, (layer, slot) in enumerate(zip(self.layers, self.cache_slots, strict=True)):
+            layer_cache = cache[slot] if cache is not None and slot is not None else None
+            layer_input = per_layer[..., i, :] if per_layer is not None else None
+            h = layer(h, layer_input, offset, layer_cache, shared)
+        return self.norm(h)
+
+
+class Gemma4ForCausalLM(CausalLM):
+    """The text model under ``model`` and the tied head, soft-capped."""
+
+    model: Gemma4TextModel
+
+    def __init__(self, config: Gemma4Config):
+        super().__init__(config, Gemma4TextModel(config))
+        self.softcap = config.final_logit_softcapping
+
+    def __call__(self, tokens: mx.array, cache: list[LayerCache] | None = None) -> mx.array:  # type: ignore[override]
+        logits = self.project(self.model(tokens, cache))
+        if self.softcap:
+            logits = softcap(logits, mx.array(self.softcap, logits.dtype))
+        return logits
+
+    def make_cache(self) -> list[LayerCache]:
+        """One cache per layer that owns K/V: sliding layers keep their window, global layers everything."""
+        config: Gemma4Config = self.config  # type: ignore[assignment]
+        return [SlidingWindowCache(config.sliding_window) if t == "sliding_attention" else KVCache()
+                for i, t in enumerate(config.layer_types) if config.owns_kv(i)]
+
+    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        config: Gemma4Config = self.config  # type: ignore[assignment]
+        text = {}
+        for key, value in text_weights(weights).items():
+            match = _SHARED_KV.match(key)
+            if match and not config.owns_kv(int(match.group(1))):
+                continue  # KV-shared layers: some checkpoints keep projections they never use
+            text[key.replace(".experts.switch_glu.", ".switch_mlp.")] = value
+        return stack_experts(super().sanitize(text))
+
+
+@partial(mx.compile, shapeless=True)
+def softcap(logits: mx.array, cap: mx.array) -> mx.array:
+    return mx.tanh(logits / cap) * cap
+
+
+_SHARED_KV = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(?:k_proj|v_proj|k_norm|v_norm)\.")
+# Multimodal parts of a released checkpoint; the text model skips them (a vision plugin would take them).
+TOWERS = ("vision_tower.", "audio_tower.", "embed_vision.", "embed_audio.", "multi_modal_projector.",
+          "vision_embedder.")
+# Where the text model sits: HF wrapper, mlx-lm conversions of the wrapper, text-only checkpoints.
+TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+                 ("language_model.", ""), ("model.", "model."), ("lm_head.", "lm_head."))
+
+
+def text_weights(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """The text model's tensors under this module's names; multimodal towers left out."""
+    out = {}
+    for key, value in weights.items():
+        bare = key.removeprefix("model.")
+        if bare.startswith(TOWERS):
+            continue
+        for prefix, replacement in TEXT_PREFIXES:
+            if key.startswith(prefix):
+                out[replacement + key[len(prefix):]] = value
+                break
+        else:
+            raise CheckpointError(f"tensor {key!r} is not part of a Gemma 4 checkpoint's text model")
+    return out
