@@ -17,7 +17,7 @@ from typing import Any
 from mlxchat.tools.parsing import CallBlock, ParsedCall, ToolCallParser
 
 STRING = '<|"|>'
-_NAME = re.compile(r"\s*(?:call\s*:\s*)?([\w.\-]+)\s*")
+_NAME = re.compile(r"\s*(?:call\s*:\s*)?([\w.\-]++)(?!\s*:)\s*")  # "call:" itself is no name
 _KEY = re.compile(r"[^\s:{}\[\](),<>\"'][^:{}\[\](),<>\"']*")
 _NUMBER = re.compile(r"-?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?")
 _WORD = re.compile(r"[A-Za-z_]\w*")
