@@ -24,19 +24,25 @@ from .errors import (  # noqa: E402
 )
 from .generation import GenerationChunk, GenerationConfig, GenerationReport, GenerationResult  # noqa: E402
 from .hookspecs import hookimpl  # noqa: E402
-from .loading import load_model  # noqa: E402
+from .loading import load_model, load_session  # noqa: E402
 from .messages import ChatMessage, FunctionCall, ToolCall  # noqa: E402
 from .model import GenerativeModel  # noqa: E402
 from .prompt_cache import PromptCache  # noqa: E402
 from .registry import detect_model_type, registry  # noqa: E402
+from .reply import TextDelta, ThinkingDelta, ToolCallEvent  # noqa: E402
 from .runtime import runtime_info  # noqa: E402
+from .session import ChatResult, ChatSession, ChatStream, Done, SessionCapableModel, StreamEvent  # noqa: E402
 from .tools import Tool, tool  # noqa: E402
 
 __all__ = [
     "Architecture",
     "ChatMessage",
+    "ChatResult",
+    "ChatSession",
+    "ChatStream",
     "ChatQuirks",
     "CheckpointError",
+    "Done",
     "FunctionCall",
     "GenerationChunk",
     "GenerationConfig",
@@ -51,18 +57,24 @@ __all__ = [
     "ModelModule",
     "PromptCache",
     "RopeConfig",
+    "SessionCapableModel",
     "SessionClosedError",
     "SessionStateError",
     "StateCache",
     "StreamConsumedError",
+    "StreamEvent",
     "TemplateError",
+    "TextDelta",
+    "ThinkingDelta",
     "Tool",
     "ToolCall",
+    "ToolCallEvent",
     "UnknownModelTypeError",
     "UnsupportedQuantizationError",
     "detect_model_type",
     "hookimpl",
     "load_model",
+    "load_session",
     "registry",
     "runtime_info",
     "tool",

@@ -150,6 +150,12 @@ class ChatTemplate:
         """Whether the template renders a ``tools`` list at all."""
         return "tools" in self.source
 
+    @property
+    def renders_tool_calls(self) -> bool:
+        """Whether assistant ``tool_calls`` appear in the rendering (some LFM2 templates drop them, so
+        the call text has to stay in the message content)."""
+        return "tool_calls" in self.source
+
     def render(
         self,
         messages: Sequence[Any],
@@ -171,18 +177,29 @@ class ChatTemplate:
         **kwargs: Any,
     ) -> list[int]:
         """The prompt's token ids; control-token text in user, system and tool content stays text."""
+        return self.render_encoded(messages, tools=tools, add_generation_prompt=add_generation_prompt, **kwargs)[1]
+
+    def render_encoded(
+        self,
+        messages: Sequence[Any],
+        *,
+        tools: Sequence[Any] | None = None,
+        add_generation_prompt: bool = True,
+        **kwargs: Any,
+    ) -> tuple[str, list[int]]:
+        """The prompt as text (what :meth:`render` gives) and as safe token ids, from one rendering."""
         normalized = [
             self._mark(m) if m.get("role") in DATA_ROLES else m for m in normalize_messages(messages)
         ]
         marked_tools = self._mark(plain_data(tools)) if tools else None
-        text = self._render(normalized, marked_tools, add_generation_prompt, plain_data(kwargs))
-        pieces = self._markers_re.split(text)
+        marked = self._render(normalized, marked_tools, add_generation_prompt, plain_data(kwargs))
+        pieces = self._markers_re.split(marked)
         ids = self.tokenizer.encode(pieces[0])
         for i, piece in enumerate(pieces[1:], start=1):
             if not piece:
                 continue
             ids += self.tokenizer.encode_plain(piece) if i % 2 == 1 else self.tokenizer.encode(piece)
-        return ids
+        return marked.replace(_MARK_START, "").replace(_MARK_END, ""), ids
 
     def _mark(self, value: Any) -> Any:
         if isinstance(value, str):

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -19,6 +20,9 @@ from .model import GenerativeModel
 from .registry import registry
 from .runtime import default_dtype
 from .tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from .session import ChatSession
 
 _DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 _QUANT_MODES = ("affine", "mxfp4", "nvfp4", "mxfp8")
@@ -73,6 +77,19 @@ def load_model(
         dtype=target,
         quantization=quantization,
     )
+
+
+def load_session(
+    path_or_repo: str | os.PathLike[str],
+    *,
+    system: str | None = None,
+    default_config: GenerationConfig | dict[str, Any] | None = None,
+    tools: Sequence[Any] | None = None,
+    **load_kwargs: Any,
+) -> ChatSession:
+    """Load a model and open a chat session over it in one step (``load_kwargs`` go to :func:`load_model`)."""
+    model = load_model(path_or_repo, **load_kwargs)
+    return model.chat_session(system=system, default_config=default_config, tools=tools)
 
 
 def _quantization(raw: dict[str, Any]) -> dict[str, Any] | None:

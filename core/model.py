@@ -19,6 +19,7 @@ from .worker import Cancelled, Worker
 
 if TYPE_CHECKING:
     from .session import ChatSession
+    from .tools.parsing import ToolCallParser
     from .tools.schema import ToolSpec
 
 Prompt = str | Sequence[int]
@@ -79,17 +80,47 @@ class GenerativeModel:
         ``tokenize=True`` gives token ids in which message content is data (control-token text typed by a
         user stays text); ``tokenize=False`` gives the rendered string.
         """
+        text, ids = self.render_prompt(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                       **template_kwargs)
+        return ids if tokenize else text
+
+    def render_prompt(
+        self,
+        messages: Sequence[Any],
+        *,
+        tools: Sequence[Any] | None = None,
+        add_generation_prompt: bool = True,
+        **template_kwargs: Any,
+    ) -> tuple[str, list[int]]:
+        """The chat prompt as text and as safe token ids (one rendering)."""
         if self.chat_template is None:
             raise TemplateError(f"{self.path} has no chat template (chat_template.jinja or tokenizer_config.json)")
         from .tools.schema import tool_schemas
 
         schemas = tool_schemas(tools) if tools else None
         kwargs = {**self.architecture.chat.template_kwargs, **template_kwargs}
-        if tokenize:
-            return self.chat_template.encode(messages, tools=schemas, add_generation_prompt=add_generation_prompt,
-                                             **kwargs)
-        return self.chat_template.render(messages, tools=schemas, add_generation_prompt=add_generation_prompt,
-                                         **kwargs)
+        return self.chat_template.render_encoded(messages, tools=schemas,
+                                                 add_generation_prompt=add_generation_prompt, **kwargs)
+
+    def tool_parser(self, tools: Sequence[ToolSpec]) -> ToolCallParser | None:
+        """A fresh parser for this family's tool-call format, knowing the offered tools."""
+        from .registry import registry
+
+        name = self.architecture.chat.tool_format
+        if not tools or name is None:
+            return None
+        parsers = registry().tool_parsers()
+        if name not in parsers:
+            raise MlxchatError(f"tool-call format {name!r} is not registered (known: {', '.join(parsers)})")
+        return parsers[name](tools)
+
+    @property
+    def reasoning_markers(self) -> tuple[str, str] | None:
+        return self.architecture.chat.reasoning
+
+    @property
+    def renders_tool_calls(self) -> bool:
+        return self.chat_template is not None and self.chat_template.renders_tool_calls
 
     def encode(self, prompt: Prompt) -> list[int]:
         """Token ids of a raw text prompt (with the BOS the tokenizer adds), or the ids given."""
@@ -176,6 +207,12 @@ class GenerativeModel:
     def close(self) -> None:
         """Stop the worker thread (sessions over this model stop working)."""
         self.worker.close()
+
+    def __enter__(self) -> GenerativeModel:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _evaluated(array: mx.array) -> mx.array:

@@ -103,45 +103,55 @@ class Worker:
     async def arun(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.wrap_future(self.submit(fn, *args))
 
-    def stream(self, produce: Callable[[Cancelled], Iterator[T]]) -> Iterator[T]:
+    def stream(self, produce: Callable[[Cancelled], Iterator[T]], cancel: Cancelled | None = None) -> Iterator[T]:
         """Run the generator ``produce(cancel)`` on the worker; yield its items here as they come.
 
-        Stopping early (``break``, ``close()``) sets ``cancel``, which ``produce`` must check between items,
-        and waits for the job to wind up, so whatever it commits on its way out is in place on return.
+        The job runs at most one item ahead of the reader, so what the reader has seen is what was
+        produced, give or take one. Stopping early (``break``, ``close()``) sets ``cancel``, which
+        ``produce`` must check between items, and waits for the job to wind up, so whatever it commits on
+        its way out is in place on return.
         """
+        cancel = Cancelled() if cancel is None else cancel
         if self.on_worker:
-            yield from produce(Cancelled())
+            yield from produce(cancel)
             return
-        items: queue.Queue[Any] = queue.Queue()
-        cancel = Cancelled()
-        job = self.submit(_pump, produce, cancel, items.put)
+        items: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        handoff = _Handoff(items.put)
+        job = self.submit(_pump, produce, cancel, handoff)
         try:
             while True:
                 item = items.get()
+                handoff.taken()
                 if item is _DONE:
                     return
                 if isinstance(item, _Failure):
                     raise item.error
                 yield item
         finally:
+            handoff.abandon()
             cancel.set()
             job.result()
 
-    async def astream(self, produce: Callable[[Cancelled], Iterator[T]]) -> AsyncIterator[T]:
+    async def astream(
+        self, produce: Callable[[Cancelled], Iterator[T]], cancel: Cancelled | None = None
+    ) -> AsyncIterator[T]:
         """:meth:`stream` for asyncio: items arrive through the event loop, which never blocks."""
         loop = asyncio.get_running_loop()
         items: asyncio.Queue[Any] = asyncio.Queue()
-        cancel = Cancelled()
-        job = self.submit(_pump, produce, cancel, lambda item: loop.call_soon_threadsafe(items.put_nowait, item))
+        cancel = Cancelled() if cancel is None else cancel
+        handoff = _Handoff(lambda item: loop.call_soon_threadsafe(items.put_nowait, item))
+        job = self.submit(_pump, produce, cancel, handoff)
         try:
             while True:
                 item = await items.get()
+                handoff.taken()
                 if item is _DONE:
                     return
                 if isinstance(item, _Failure):
                     raise item.error
                 yield item
         finally:
+            handoff.abandon()
             cancel.set()
             await asyncio.wrap_future(job)
 
@@ -154,17 +164,38 @@ class Worker:
                 self._thread.join()
 
 
-def _pump(produce: Callable[[Cancelled], Iterator[Any]], cancel: Cancelled, put: Callable[[Any], Any]) -> None:
+class _Handoff:
+    """Passes items from the job to the reader, one at a time; drops them once the reader has gone."""
+
+    def __init__(self, put: Callable[[Any], Any]):
+        self._put = put
+        self._slot = threading.Semaphore(1)
+        self._abandoned = threading.Event()
+
+    def put(self, item: Any) -> None:
+        while not self._slot.acquire(timeout=0.05):
+            if self._abandoned.is_set():
+                return
+        self._put(item)
+
+    def taken(self) -> None:
+        self._slot.release()
+
+    def abandon(self) -> None:
+        self._abandoned.set()
+
+
+def _pump(produce: Callable[[Cancelled], Iterator[Any]], cancel: Cancelled, handoff: _Handoff) -> None:
     try:
         iterator = produce(cancel)
         try:
             for item in iterator:
-                put(item)
+                handoff.put(item)
         finally:
             close = getattr(iterator, "close", None)
             if close is not None:
                 close()
     except BaseException as exc:  # delivered to the consumer, never lost on the worker
-        put(_Failure(exc))
+        handoff.put(_Failure(exc))
     finally:
-        put(_DONE)
+        handoff.put(_DONE)

@@ -1,0 +1,181 @@
+"""Build the demo model from nothing: data, tokenizer, training, evaluation, the shipped checkpoint.
+
+    python -m mlxchat.demo.build [--out FOLDER] [--seed 0] [--steps N] ...
+
+Every step is seeded, so the same command on the same machine rebuilds the same model. Without ``--out``
+it replaces the model shipped in the package (``mlxchat/demo/model``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from ..chat_template import ChatTemplate
+from ..loading import load_model
+from ..tokenizer import Tokenizer
+from ..tools.schema import tool_schemas
+from ..train import Example, LogRecord, TrainConfig, encode_chat, from_scratch, save_checkpoint, train
+from ..train import train_tokenizer, untrained_tokenizer
+from .data import Conversation, DemoData
+from .evaluate import evaluate
+from .world import DEMO_TOOLS
+
+TEMPLATE = Path(__file__).with_name("qwen3.jinja")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Everything the build depends on besides the code. The defaults are the shipped model's."""
+
+    seed: int = 0
+    conversations: int = 60000
+    vocab_size: int = 2048
+    """BPE pieces (the 256 bytes included); the control tokens come on top."""
+    hidden_size: int = 256
+    intermediate_size: int = 768
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    steps: int = 3000
+    learning_rate: float = 3e-3
+    warmup_steps: int = 150
+    batch_tokens: int = 4096
+    weight_decay: float = 0.1
+    eval_every: int = 500
+
+
+def hf_config(recipe: Recipe, vocab_size: int, eos_id: int, pad_id: int) -> dict[str, Any]:
+    """The checkpoint's ``config.json``: a small Qwen3, tied embeddings, vocabulary padded to 64."""
+    return {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "vocab_size": -(-vocab_size // 64) * 64,
+        "hidden_size": recipe.hidden_size,
+        "intermediate_size": recipe.intermediate_size,
+        "num_hidden_layers": recipe.num_hidden_layers,
+        "num_attention_heads": recipe.num_attention_heads,
+        "num_key_value_heads": recipe.num_key_value_heads,
+        "head_dim": recipe.hidden_size // recipe.num_attention_heads,
+        "hidden_act": "silu",
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": True,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "use_sliding_window": False,
+        "initializer_range": 0.02,
+        "bos_token_id": pad_id,
+        "eos_token_id": eos_id,
+        "pad_token_id": pad_id,
+    }
+
+
+def tokenizer_for(conversations: Sequence[Conversation], recipe: Recipe, source: str) -> Tokenizer:
+    """A BPE trained on the rendered training conversations."""
+    tools = tool_schemas(DEMO_TOOLS)
+    bootstrap = ChatTemplate(source, Tokenizer(untrained_tokenizer()))
+    texts = [bootstrap.render(c.messages, tools=tools if c.tools else None, add_generation_prompt=False)
+             for c in conversations[:10000]]
+    backend = train_tokenizer(texts, recipe.vocab_size)
+    return Tokenizer(backend, {"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+                               "model_max_length": 4096, "clean_up_tokenization_spaces": False,
+                               "split_special_tokens": False})
+
+
+def encode_all(conversations: Sequence[Conversation], template: ChatTemplate, stop_id: int) -> list[Example]:
+    tools = tool_schemas(DEMO_TOOLS)
+    examples = []
+    for c in conversations:
+        example = encode_chat(template, c.messages, tools=tools if c.tools else None, stop_ids={stop_id})
+        if not example.trained_turns:
+            raise RuntimeError(f"no assistant turn of a {c.task!r} conversation is trainable: {c.messages}")
+        examples.append(example)
+    return examples
+
+
+def build(recipe: Recipe, out: Path, eval_limit: int | None = None, log: Any = print) -> dict[str, Any]:
+    """Run the whole build into ``out``; returns the report (also written to ``out/build_report.json``)."""
+    started = time.perf_counter()
+    data = DemoData(recipe.seed)
+    conversations = data.training(recipe.conversations)
+    source = TEMPLATE.read_text(encoding="utf-8")
+    tokenizer = tokenizer_for(conversations, recipe, source)
+    template = ChatTemplate(source, tokenizer)
+    eos_id, pad_id = tokenizer.token_id("<|im_end|>"), tokenizer.token_id("<|endoftext|>")
+    assert eos_id is not None and pad_id is not None
+    examples = encode_all(conversations, template, eos_id)
+    validation = encode_all(data.validation()[::3], template, eos_id)  # a third keeps evaluation cheap
+    prepared = time.perf_counter() - started
+    log(f"data: {len(examples)} conversations, {sum(len(e.ids) for e in examples)} tokens "
+        f"({sum(sum(e.mask) for e in examples)} targets); tokenizer {tokenizer.vocab_size}; {prepared:.0f} s")
+
+    config = hf_config(recipe, tokenizer.vocab_size, eos_id, pad_id)
+    module = from_scratch(config, seed=recipe.seed)
+    params = sum(v.size for _, v in _flat(module))
+    log(f"model: {params / 1e6:.2f}M parameters")
+    train_config = TrainConfig(steps=recipe.steps, learning_rate=recipe.learning_rate,
+                               warmup_steps=recipe.warmup_steps, batch_tokens=recipe.batch_tokens,
+                               weight_decay=recipe.weight_decay, eval_every=recipe.eval_every, log_every=50,
+                               seed=recipe.seed)
+
+    def report(r: LogRecord) -> None:
+        log(f"step {r.step:5d} {r.kind:5s} loss {r.loss:.4f} lr {r.learning_rate:.2e} {r.elapsed_s:6.0f} s")
+
+    history = train(module, examples, train_config, eval_examples=validation, on_log=report)
+    trained = time.perf_counter() - started - prepared
+    save_checkpoint(out, module, config=config, tokenizer=tokenizer, chat_template=source,
+                    generation_config={"bos_token_id": pad_id, "eos_token_id": [eos_id, pad_id],
+                                       "pad_token_id": pad_id, "do_sample": False},
+                    dtype=mx.bfloat16)
+    scores = evaluate(load_model(out), recipe.seed, eval_limit)
+    result = {
+        "recipe": asdict(recipe),
+        "parameters": params,
+        "scores": scores,
+        "eval_limit": eval_limit,
+        "seconds": {"data": round(prepared), "training": round(trained),
+                    "total": round(time.perf_counter() - started)},
+        "final_loss": {kind: next((r.loss for r in reversed(history) if r.kind == kind), None)
+                       for kind in ("train", "eval")},
+        "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+    }
+    (out / "build_report.json").write_text(json.dumps(result, indent=2) + "\n")
+    for metric, value in scores.items():
+        log(f"{metric:14s} {100 * value:6.1f}%")
+    log(f"total {result['seconds']['total']} s")
+    return result
+
+
+def _flat(module: Any) -> list[tuple[str, mx.array]]:
+    from mlx.utils import tree_flatten
+
+    return tree_flatten(module.parameters())
+
+
+def main(argv: list[str] | None = None) -> int:
+    from . import default_model_path
+
+    parser = argparse.ArgumentParser(prog="python -m mlxchat.demo.build", description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, default=None, help="output folder (default: the package's model)")
+    parser.add_argument("--eval-limit", type=int, default=None, help="held-out items per metric (default: all)")
+    for f in fields(Recipe):
+        parser.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=None)
+    args = parser.parse_args(argv)
+    recipe = replace(Recipe(), **{f.name: getattr(args, f.name) for f in fields(Recipe)
+                                  if getattr(args, f.name) is not None})
+    build(recipe, args.out or default_model_path(), args.eval_limit, log=lambda s: print(s, flush=True))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,184 @@
+"""Reading a reply as it streams: reasoning apart from visible text, tool calls out of the text.
+
+Two layers, as the parsers in vLLM, llama.cpp and Ollama have them: a reasoning splitter first, then the
+tool-call parser on the visible part. A tool-call opener inside reasoning ends the reasoning (Qwen3.5
+sometimes skips ``</think>``). Both channels are trimmed the way chat templates trim them when they
+re-render the turn, and the stream never emits whitespace the final text will not have.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from typing import Literal
+
+from pydantic import BaseModel
+
+from .messages import FunctionCall, ToolCall
+from .tools.parsing import CallBlock, ToolCallParser, held_prefix
+
+
+class TextDelta(BaseModel):
+    type: Literal["text"] = "text"
+    text: str
+
+
+class ThinkingDelta(BaseModel):
+    type: Literal["thinking"] = "thinking"
+    text: str
+
+
+class ToolCallEvent(BaseModel):
+    type: Literal["tool_call"] = "tool_call"
+    call: ToolCall
+
+
+ReplyEvent = TextDelta | ThinkingDelta | ToolCallEvent
+
+
+class ReasoningSplitter:
+    """Splits text into ``("thinking" | "text", piece)`` at the reasoning markers, incrementally.
+
+    ``inside`` says the prompt already opened the reasoning (the template prefilled the start marker).
+    ``implicit_ends`` are markers that end reasoning without being consumed (they belong to the text).
+    """
+
+    def __init__(self, start: str, end: str, inside: bool = False, implicit_ends: Sequence[str] = ()):
+        self.start, self.end = start, end
+        self.inside = inside
+        self.implicit_ends = [m for m in implicit_ends if m]
+        self._buffer = ""
+
+    def feed(self, text: str) -> list[tuple[str, str]]:
+        self._buffer += text
+        out: list[tuple[str, str]] = []
+        while True:
+            if self.inside:
+                found = [(self._buffer.find(m), m) for m in [self.end, *self.implicit_ends] if m in self._buffer]
+                if not found:
+                    keep = max(held_prefix(self._buffer, m) for m in [self.end, *self.implicit_ends])
+                    self._emit(out, "thinking", len(self._buffer) - keep)
+                    return out
+                index, marker = min(found)
+                self._emit(out, "thinking", index)
+                # the explicit end marker is consumed; an implicit one stays for the text channel
+                self._buffer = self._buffer[len(marker) :] if marker == self.end else self._buffer
+                self.inside = False
+            else:
+                index = self._buffer.find(self.start)
+                if index < 0:
+                    self._emit(out, "text", len(self._buffer) - held_prefix(self._buffer, self.start))
+                    return out
+                self._emit(out, "text", index)
+                self._buffer = self._buffer[len(self.start) :]
+                self.inside = True
+
+    def finish(self) -> list[tuple[str, str]]:
+        out: list[tuple[str, str]] = []
+        self._emit(out, "thinking" if self.inside else "text", len(self._buffer))
+        return out
+
+    def _emit(self, out: list[tuple[str, str]], channel: str, size: int) -> None:
+        if size > 0:
+            out.append((channel, self._buffer[:size]))
+        self._buffer = self._buffer[size:]
+
+
+class Trimmed:
+    """Accumulates a channel with leading and trailing whitespace removed, holding back trailing
+    whitespace until more text follows it."""
+
+    def __init__(self) -> None:
+        self.value = ""
+        self._pending = ""
+
+    def feed(self, text: str) -> str:
+        if not self.value:
+            text = text.lstrip()
+            if not text:
+                return ""
+        text = self._pending + text
+        kept = text.rstrip()
+        self._pending = text[len(kept) :]
+        self.value += kept
+        return kept
+
+
+class ReplyParser:
+    """Turns streamed reply text into events, and keeps the reply's text, reasoning and calls."""
+
+    def __init__(
+        self,
+        reasoning: tuple[str, str] | None,
+        in_reasoning: bool,
+        tool_parser: ToolCallParser | None,
+        new_call_id: Callable[[], str],
+    ):
+        implicit = [tool_parser.start] if tool_parser is not None else []
+        self._splitter = ReasoningSplitter(*reasoning, in_reasoning, implicit) if reasoning else None
+        self._tools = tool_parser
+        self._new_call_id = new_call_id
+        self._text = Trimmed()
+        self._thinking = Trimmed()
+        self.saw_reasoning = in_reasoning
+        self.calls: list[ToolCall] = []
+        self._visible: list[str] = []
+
+    @property
+    def text(self) -> str:
+        return self._text.value
+
+    @property
+    def thinking(self) -> str | None:
+        return self._thinking.value if self.saw_reasoning else None
+
+    @property
+    def text_with_calls(self) -> str:
+        """The visible text with each call's raw markup where the model wrote it (for templates that do
+        not render ``tool_calls``)."""
+        return "".join(self._visible).strip()
+
+    def feed(self, text: str) -> list[ReplyEvent]:
+        pieces = self._splitter.feed(text) if self._splitter else [("text", text)]
+        return self._route(pieces)
+
+    def finish(self) -> list[ReplyEvent]:
+        events = self._route(self._splitter.finish()) if self._splitter else []
+        if self._tools is not None:
+            events += self._visible_events(self._tools.finish())
+        return events
+
+    def _route(self, pieces: list[tuple[str, str]]) -> list[ReplyEvent]:
+        events: list[ReplyEvent] = []
+        for channel, piece in pieces:
+            if channel == "thinking":
+                self.saw_reasoning = True
+                if delta := self._thinking.feed(piece):
+                    events.append(ThinkingDelta(text=delta))
+            elif self._tools is not None:
+                events += self._visible_events(self._tools.feed(piece))
+            else:
+                events += self._visible_events([piece])
+        return events
+
+    def _visible_events(self, items: list[str | CallBlock]) -> list[ReplyEvent]:
+        events: list[ReplyEvent] = []
+        for item in items:
+            if isinstance(item, str):
+                self._visible.append(item)
+                if delta := self._text.feed(item):
+                    events.append(TextDelta(text=delta))
+                continue
+            self._visible.append(item.raw)
+            for parsed in item.calls:
+                call = ToolCall(
+                    id=self._new_call_id(),
+                    function=FunctionCall(name=parsed.name, arguments=json.dumps(parsed.arguments or {},
+                                                                                 ensure_ascii=False)),
+                    status="ok" if parsed.error is None else "invalid",
+                    raw=item.raw,
+                    error=parsed.error,
+                )
+                self.calls.append(call)
+                events.append(ToolCallEvent(call=call))
+        return events

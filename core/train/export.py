@@ -1,0 +1,62 @@
+"""Saving a trained model as a Hugging Face checkpoint folder that mlxchat and transformers both load."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from ..tokenizer import Tokenizer
+
+_DTYPE_NAMES = {mx.float32: "float32", mx.float16: "float16", mx.bfloat16: "bfloat16"}
+
+
+def save_checkpoint(
+    folder: str | os.PathLike[str],
+    module: nn.Module,
+    *,
+    config: dict[str, Any],
+    tokenizer: Tokenizer,
+    chat_template: str | None = None,
+    generation_config: dict[str, Any] | None = None,
+    dtype: mx.Dtype = mx.float32,
+) -> Path:
+    """Write ``config.json``, ``model.safetensors`` (in ``dtype``), ``tokenizer.json``,
+    ``tokenizer_config.json`` (the tokenizer's special-token settings, its added tokens and
+    ``chat_template``) and ``generation_config.json``.
+
+    Tensors are saved under the module's parameter names, which are the checkpoint names for plugins whose
+    ``sanitize`` only drops or ties tensors (dense decoders such as Qwen3); a tied output projection is
+    left out, as transformers saves it.
+    """
+    if dtype not in _DTYPE_NAMES:
+        raise ValueError(f"dtype must be one of {', '.join(_DTYPE_NAMES.values())}, got {dtype}")
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    weights = {name: value.astype(dtype) for name, value in tree_flatten(module.parameters())}
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "pt"})
+    _write_json(out / "config.json", {**config, "dtype": _DTYPE_NAMES[dtype]})
+
+    tokenizer.backend.save(str(out / "tokenizer.json"))
+    added = {
+        str(index): {"content": tok.content, "special": tok.special, "lstrip": tok.lstrip, "rstrip": tok.rstrip,
+                     "normalized": tok.normalized, "single_word": tok.single_word}
+        for index, tok in sorted(tokenizer.backend.get_added_tokens_decoder().items())
+    }
+    settings = {k: v for k, v in tokenizer.config.items() if k not in ("added_tokens_decoder", "chat_template")}
+    tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", **settings, "added_tokens_decoder": added}
+    if chat_template is not None:
+        tokenizer_config["chat_template"] = chat_template
+    _write_json(out / "tokenizer_config.json", tokenizer_config)
+    if generation_config is not None:
+        _write_json(out / "generation_config.json", generation_config)
+    return out
+
+
+def _write_json(path: Path, value: dict[str, Any]) -> None:
+    path.write_text(json.dumps(value, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
