@@ -508,9 +508,9 @@ class ChatSession:
             )
 
     def _check_can_respond(self) -> None:
+        self._check_no_pending_calls()
         if not self._messages or self._messages[-1].role not in ("user", "tool"):
             raise SessionStateError("respond() needs the conversation to end with a user turn or a tool result")
-        self._check_no_pending_calls()
 
     def _insert_tool_result(self, message: ChatMessage) -> None:
         """Insert a tool result so that results follow the order of their calls (templates that match

