@@ -12,6 +12,7 @@ A session owns no weights: it runs on the model's worker thread, one session at 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import threading
@@ -148,7 +149,7 @@ class ChatStream:
         try:
             for item in inner:
                 yield self._receive(item)
-        except GeneratorExit:
+        except (GeneratorExit, KeyboardInterrupt):  # the reader stopped (break, close, Ctrl-C)
             abandoned = True
             raise
         finally:
@@ -165,7 +166,7 @@ class ChatStream:
         try:
             async for item in inner:
                 yield self._receive(item)
-        except GeneratorExit:
+        except (GeneratorExit, asyncio.CancelledError):  # the reader stopped (aclose, task cancelled)
             abandoned = True
             raise
         finally:
@@ -329,6 +330,14 @@ class ChatSession:
             raise ValueError(f"keep must be between 0 and {len(self._messages)}, got {keep}")
         del self._messages[keep:]
         self._tool_calls = []
+
+    def set_system(self, system: str | None) -> None:
+        """Replace the system prompt (``None`` removes it); the rest of the conversation stays."""
+        self._check_open()
+        self._check_idle()
+        self._system = system
+        rest = [m for m in self._messages[:1] if m.role != "system"] + self._messages[1:]
+        self._messages = ([ChatMessage(role="system", content=system)] if system else []) + rest
 
     def reset(self, keep_system: bool = True) -> None:
         """Forget the conversation, the last report and its calls (the cache stays for prefix reuse)."""
