@@ -317,7 +317,9 @@ class Split:
         self.tool_cities = sorted(rng.sample(real_cities, 24))
         self.train_cities = [c for c in real_cities if c not in self.tool_cities]
         names = invented_names(440, rng)
-        self.heldout_places, self.train_places = names[:40], names[40:]
+        self.heldout_places = names[:40]
+        # No trained name contains a held-out one (or the reverse): held-out places are wholly new.
+        self.train_places = [n for n in names[40:] if not any(h in n or n in h for h in self.heldout_places)]
         self.out_of_world = sorted(rng.sample(OUT_OF_WORLD, 8))
         self.train_out_of_world = [q for q in OUT_OF_WORLD if q not in self.out_of_world]
 

@@ -1,0 +1,158 @@
+"""mlxchat.demo's data: deterministic for a seed, held-out combinations never in training, answers right."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mlxchat.demo.data import (
+    ADD_QUESTIONS,
+    CAPITAL_QUESTIONS,
+    CONVERSION_QUESTIONS,
+    SUB_QUESTIONS,
+    DemoData,
+    arithmetic_exchange,
+    conversion_exchange,
+)
+from mlxchat.demo.evaluate import CHECKS, Reply
+from mlxchat.demo.world import CAPITALS, CONVERSIONS, clock_report, get_time, get_weather, weather_report
+
+SEED = 0
+
+
+@pytest.fixture(scope="module")
+def data() -> DemoData:
+    return DemoData(SEED)
+
+
+@pytest.fixture(scope="module")
+def training(data):
+    return data.training(6000)
+
+
+def user_texts(conversations) -> set[str]:
+    return {m["content"] for c in conversations for m in c.messages if m["role"] == "user"}
+
+
+def called_cities(conversations) -> set[str]:
+    return {call["function"]["arguments"]["city"] for c in conversations for m in c.messages
+            for call in m.get("tool_calls") or []}
+
+
+def test_deterministic_for_a_seed():
+    assert DemoData(7).training(300) == DemoData(7).training(300)
+    assert DemoData(7).evaluation() == DemoData(7).evaluation()
+    assert DemoData(7).training(300) != DemoData(8).training(300)
+
+
+def test_mixture_covers_every_task(training):
+    tasks = {c.task for c in training}
+    assert tasks == {"capital", "arithmetic", "conversion", "tool_call", "two_calls", "greeting", "thanks",
+                     "identity", "unknown_country", "out_of_world", "no_tool"}
+    assert all(c.tools for c in training if c.task in ("tool_call", "two_calls"))
+    assert not any(c.tools for c in training if c.task == "no_tool")
+
+
+def test_heldout_capital_phrasings_never_trained(data, training):
+    asked = user_texts(training)
+    held = {CAPITAL_QUESTIONS[p].format(c=c) for c, p in data.split.capital_phrasing.items()}
+    assert not held & asked
+    # ...while every country is trained with its other phrasings.
+    assert all(any(f" {country}?" in q or f" {country}." in q for q in asked) for country in CAPITALS)
+
+
+def test_heldout_arithmetic_and_conversions_never_trained(data, training):
+    asked = user_texts(training)
+    for op, a, b in data.split.arithmetic:
+        phrasings = ADD_QUESTIONS if op == "+" else SUB_QUESTIONS
+        assert not {q.format(a=a, b=b) for q in phrasings} & asked
+    for index, n in data.split.conversions:
+        unit, plural, target, _ = CONVERSIONS[index]
+        name = unit if n == 1 else plural
+        assert not {q.format(n=n, unit=name, to=target) for q in CONVERSION_QUESTIONS} & asked
+
+
+def test_heldout_places_never_used_with_tools_or_as_countries(data, training):
+    held = set(data.split.tool_cities) | set(data.split.heldout_places)
+    assert not called_cities(training) & held
+    assert not any(place in text for text in user_texts(training) for place in data.split.heldout_places)
+    assert not set(data.split.out_of_world) & user_texts(training)
+
+
+def test_evaluation_asks_the_heldout_items(data):
+    items = data.evaluation()
+    assert {k: len(v) for k, v in items.items()} == {
+        "capitals": len(CAPITALS), "arithmetic": 300, "conversions": 60, "tool_calls": 100, "two_calls": 100,
+        "tool_answers": 100, "dont_know": 20}
+    held = set(data.split.tool_cities) | set(data.split.heldout_places)
+    for item in items["tool_calls"] + items["two_calls"]:
+        assert item.tools and item.messages[-1]["role"] == "user"
+        assert {city for _, city in item.expected["calls"]} <= held
+    assert all(len(i.expected["calls"]) == 2 for i in items["two_calls"])
+    for item in items["tool_answers"]:
+        assert item.messages[-1]["role"] == "tool"
+
+
+@pytest.mark.parametrize(("op", "a", "b", "result", "reasoning"), [
+    ("+", 47, 38, 85, "47 + 38\nUnits: 7 + 8 = 15, write 5, carry 1.\nTens: 4 + 3 + 1 = 8, write 8.\nResult: 85."),
+    ("+", 99, 99, 198, "99 + 99\nUnits: 9 + 9 = 18, write 8, carry 1.\nTens: 9 + 9 + 1 = 19, write 19.\nResult: 198."),
+    ("-", 50, 7, 43, "50 - 7\n50 is at least 7, so the result is not negative.\nUnits: 0 - 7 needs a borrow: "
+                     "10 - 7 = 3, write 3, borrow 1.\nTens: 5 - 0 - 1 = 4, write 4.\nResult: 43."),
+    ("-", 21, 97, -76, "21 - 97\n21 is less than 97, so I compute 97 - 21 and make it negative.\nUnits: 7 - 1 = 6, "
+                       "write 6, borrow 0.\nTens: 9 - 2 - 0 = 7, write 7.\nResult: -76."),
+])
+def test_arithmetic_reasoning_goes_digit_by_digit(op, a, b, result, reasoning):
+    exchange = arithmetic_exchange(op, a, b, 0)
+    answer = exchange.messages[-1]
+    assert answer["reasoning_content"] == reasoning
+    assert answer["content"] == f"{a} {op} {b} = {result}."
+    assert exchange.expected == {"answer": result}
+
+
+def test_every_arithmetic_trace_is_right():
+    for op in "+-":
+        for a in range(0, 100, 3):
+            for b in range(0, 100, 7):
+                reasoning = arithmetic_exchange(op, a, b, 0).messages[-1]["reasoning_content"]
+                assert reasoning.endswith(f"Result: {a + b if op == '+' else a - b}.")
+
+
+def test_conversion_answer():
+    exchange = conversion_exchange(0, 25, 0)
+    assert exchange.messages[0]["content"] == "How many meters are in 25 kilometers?"
+    assert exchange.messages[-1]["content"] == "25 kilometers is 25000 meters."
+
+
+def test_tool_exchanges_answer_from_their_results(training):
+    for c in training:
+        if c.task not in ("tool_call", "two_calls"):
+            continue
+        calls = [m for m in c.messages if m.get("tool_calls")][-1]["tool_calls"]
+        results = [json.loads(m["content"]) for m in c.messages[-1 - len(calls):-1]]
+        answer = c.messages[-1]["content"]
+        for call, result in zip(calls, results, strict=True):
+            assert result["city"] == call["function"]["arguments"]["city"]
+            assert all(str(v) in answer for k, v in result.items())
+
+
+def test_checks_accept_the_reference_answers(data):
+    """The evaluation's checks pass the training-format answer of every held-out item."""
+    for metric, exchanges in data.heldout().items():
+        for exchange in exchanges:
+            final = exchange.messages[-1]
+            if metric in ("tool_calls", "two_calls"):
+                call_turn = exchange.messages[1]
+                text = f"<think>\n{call_turn['reasoning_content']}\n</think>\n\n" + "\n".join(
+                    "<tool_call>\n" + json.dumps({"name": c["function"]["name"],
+                                                  "arguments": c["function"]["arguments"]}) + "\n</tool_call>"
+                    for c in call_turn["tool_calls"])
+            else:
+                text = f"<think>\n{final.get('reasoning_content', '')}\n</think>\n\n{final['content']}"
+            assert CHECKS[metric](Reply.parse(text), exchange.expected), (metric, text)
+
+
+def test_demo_tools_are_deterministic_stand_ins():
+    assert json.loads(get_weather("Paris")) == weather_report("Paris") == weather_report("Paris")
+    assert json.loads(get_time("Oslo"))["time"] == clock_report("Oslo")["time"]
+    assert get_weather.schema["function"]["parameters"]["required"] == ["city"]
