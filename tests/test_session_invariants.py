@@ -10,7 +10,7 @@ from session_support import GREEDY, assert_matches_stateless, expected_reuse, pr
 import mlxchat
 
 # Plugins add their fixtures here.
-SESSION_FIXTURES = ["qwen3", "qwen3_moe", "lfm2", "lfm2_moe", "qwen3_5", "qwen3_5_moe"]
+SESSION_FIXTURES = ["qwen3", "qwen3_moe", "lfm2", "lfm2_moe", "qwen3_5", "qwen3_5_moe", "gemma4", "gemma4_moe"]
 
 QUESTIONS = ["Hello there", "What is the capital of France?", "And of Italy?", "Thanks, and Spain?",
              "Tell me a number"]
