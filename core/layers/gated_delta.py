@@ -44,35 +44,46 @@ def log_decay(a_log: mx.array, a: mx.array, dt_bias: mx.array) -> mx.array:
     return -mx.exp(a_log.astype(mx.float32)) * softplus
 
 
-@mx.compile
-def _causal_conv_silu(window: mx.array, weight: mx.array) -> mx.array:
-    """``silu`` of a depthwise causal convolution: ``window [B, K-1+L, C]``, ``weight [K, C]`` -> ``[B, L, C]``."""
+def causal_conv_silu(window: mx.array, weight: mx.array) -> mx.array:
+    """``silu`` of a depthwise causal convolution: ``window [B, K-1+L, C]``, ``weight [K, C]`` -> ``[B, L, C]``.
+
+    The taps are shifted views of the window, summed in one fused pass (a grouped ``conv1d`` runs channel
+    by channel on the CPU).
+    """
     kernel = weight.shape[0]
     length = window.shape[1] - kernel + 1
-    out = window[:, :length] * weight[0]
-    for i in range(1, kernel):
-        out = out + window[:, i : i + length] * weight[i]
+    return _taps_silu([window[:, i : i + length] for i in range(kernel)], weight)
+
+
+@partial(mx.compile, shapeless=True)
+def _taps_silu(shifted: list[mx.array], weight: mx.array) -> mx.array:
+    out = shifted[0] * weight[0]
+    for i in range(1, len(shifted)):
+        out = out + shifted[i] * weight[i]
     return out * mx.sigmoid(out)
 
 
-@mx.compile
-def _intra_chunk(gamma: mx.array, beta: mx.array, kk: mx.array, qk: mx.array) -> tuple[mx.array, mx.array]:
+def _triangles(size: int) -> tuple[mx.array, mx.array]:
+    """Masks of the lower triangle (diagonal included) and of the diagonal of a ``size`` square."""
+    rows, cols = mx.arange(size)[:, None], mx.arange(size)[None, :]
+    return rows >= cols, rows == cols
+
+
+@partial(mx.compile, shapeless=True)
+def _intra_chunk(gamma: mx.array, beta: mx.array, kk: mx.array, qk: mx.array, lower: mx.array,
+                 diagonal: mx.array) -> tuple[mx.array, mx.array]:
     """Per-chunk matrices from cumulative log-decays ``gamma [..., C]`` and ``kk = K K^T``, ``qk = Q K^T``:
 
     - ``system``: ``I + strictly_lower(beta_i (k_i . k_j) exp(gamma_i - gamma_j))``, whose inverse turns
       the sequential delta-rule corrections of a chunk into one product;
     - ``attn``: ``lower(q_i . k_j exp(gamma_i - gamma_j))``, the causal read inside the chunk.
     """
-    size = gamma.shape[-1]
-    rows = mx.arange(size)[:, None]
-    cols = mx.arange(size)[None, :]
-    diff = gamma[..., :, None] - gamma[..., None, :]
-    decay = mx.exp(mx.where(rows >= cols, diff, -mx.inf))
-    system = mx.where(rows == cols, 1.0, kk * decay * beta[..., :, None])
+    decay = mx.exp(mx.where(lower, gamma[..., :, None] - gamma[..., None, :], -mx.inf))
+    system = mx.where(diagonal, 1.0, kk * decay * beta[..., :, None])
     return system, qk * decay
 
 
-@mx.compile
+@partial(mx.compile, shapeless=True)
 def _weighted_solution(inverse: mx.array, beta: mx.array, gamma: mx.array) -> tuple[mx.array, mx.array]:
     """``T diag(beta)`` and ``T diag(beta exp(gamma))``: multiplied by V and K they give the chunk's
     corrected values and the keys that read the incoming state."""
@@ -111,8 +122,8 @@ def gated_delta_chunked(
     beta = beta.reshape(batch, heads, chunks, size)
 
     k_t = k.swapaxes(-1, -2)
-    system, attn = _intra_chunk(gamma, beta, k @ k_t, q @ k_t)
-    inverse = mx.linalg.tri_inv(system, upper=False, stream=mx.cpu)
+    system, attn = _intra_chunk(gamma, beta, k @ k_t, q @ k_t, *_triangles(size))
+    inverse = mx.linalg.tri_inv(system, upper=False, stream=mx.cpu)  # LAPACK: MLX has it on the CPU only
     tb, tbe = _weighted_solution(inverse, beta, gamma)
     values = tb @ v  # what the chunk writes if the incoming state were zero
     readers = tbe @ k  # the keys through which the incoming state enters those values
@@ -123,12 +134,12 @@ def gated_delta_chunked(
 
     outputs = []
     for c in range(chunks):
-        if state is None:
+        if state is None:  # nothing to read from or decay: the first chunk stands alone
             corrected = values[:, :, c]
             outputs.append(attn[:, :, c] @ corrected)
             state = k_decayed[:, :, c] @ corrected
             continue
-        corrected = values[:, :, c] - readers[:, :, c] @ state
+        corrected = mx.addmm(values[:, :, c], readers[:, :, c], state, alpha=-1.0)
         outputs.append(mx.addmm(attn[:, :, c] @ corrected, q_decayed[:, :, c], state))
         state = mx.addmm(state * chunk_decay[:, :, c], k_decayed[:, :, c], corrected)
     out = mx.concatenate(outputs, axis=2) if chunks > 1 else outputs[0]
@@ -139,13 +150,20 @@ def gated_delta_step(
     q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array, state: mx.array
 ) -> tuple[mx.array, mx.array]:
     """One token of the recurrence: ``q, k [B, H, Dk]``, ``v [B, H, Dv]``, ``g, beta [B, H]``,
-    ``state [B, H, Dk, Dv]``. Returns ``o [B, H, Dv]`` and the new state."""
-    decay = mx.exp(g)[..., None, None]
-    state = state * decay
-    recalled = (k[..., None, :] @ state)[..., 0, :]
+    ``state [B, H, Dk, Dv]``. Returns ``o [B, H, Dv]`` and the new state.
+
+    The state is read by two matrix-vector products and rewritten in one fused pass.
+    """
+    decay = mx.exp(g)[..., None]
+    recalled = decay * (k[..., None, :] @ state)[..., 0, :]
     delta = (v - recalled) * beta[..., None]
-    state = state + k[..., :, None] * delta[..., None, :]
+    state = _decay_and_write(state, decay[..., None], k[..., :, None], delta[..., None, :])
     return (q[..., None, :] @ state)[..., 0, :], state
+
+
+@partial(mx.compile, shapeless=True)
+def _decay_and_write(state: mx.array, decay: mx.array, k: mx.array, delta: mx.array) -> mx.array:
+    return state * decay + k * delta
 
 
 class RMSNormGated(nn.Module):
@@ -212,7 +230,7 @@ class GatedDeltaNet(nn.Module):
         if conv_state is None:
             conv_state = mx.zeros((batch, self.conv_kernel - 1, self.conv_dim), qkv.dtype)
         window = mx.concatenate([conv_state, qkv], axis=1)
-        mixed = _causal_conv_silu(window, self.conv1d.weight[:, :, 0].T)
+        mixed = causal_conv_silu(window, self.conv1d.weight[:, :, 0].T)
 
         heads, group = self.num_value_heads, self.num_value_heads // self.num_key_heads
         q, k, v = mx.split(mixed, [self.key_dim, 2 * self.key_dim], axis=-1)
