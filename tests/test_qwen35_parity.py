@@ -103,6 +103,15 @@ def test_mlx_lm_conversion_is_detected() -> None:
     assert mx.allclose(a.input_layernorm.weight, stored + 1.0)
 
 
+def test_mlx_lm_quantized_checkpoint_loads_and_matches_mlx_lm() -> None:
+    ref = reference("qwen3_5_q4")
+    model = loaded("qwen3_5_q4")
+    assert model.quantization is not None and model.quantization["bits"] == 4
+    assert_close(full_logits(model, ref["input_ids"]), ref["logits"])
+    result = model.generate(ref["input_ids"][:8].tolist(), {"max_tokens": 10, "temperature": 0.0})
+    assert len(result.tokens) == 10 or result.finish_reason == "stop"
+
+
 @pytest.mark.xfail(strict=True, raises=CheckpointError,
                    reason="mlxchat.loading applies mlx-lm's per-layer quantization overrides by module path, "
                           "and mlx-lm keys them 'language_model.model.layers.N.mlp.gate' (8-bit routers)")
