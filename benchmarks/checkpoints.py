@@ -1,0 +1,587 @@
+"""Random-weight checkpoints with the real shapes of released models, written by transformers in bfloat16.
+
+    python -m benchmarks.checkpoints [KEY ...] [--force]    # build what is missing (all keys by default)
+
+Speed depends on shapes, not on trained values, so random weights with a release's exact tensor shapes,
+vocabulary size (the lm_head is a large share of decode), dtype (bf16, as released) and file layout
+(config.json keys, tensor names) measure what a user of that release gets. transformers builds each model
+(its own random init) and ``save_pretrained`` writes it; the config is then patched to the released style.
+
+Where the shapes come from (see ../shared/research/arch_qwen.md §7 and arch_gemma4_lfm2.md; [3p] = a
+third-party copy of the released config, not checked against the hub):
+
+- Qwen3-0.6B: every value from a [3p] copy of the released config.json.
+- Qwen3-MoE: Qwen3-30B-A3B's expert count (128), top-k (8), head_dim (128), GQA ratio (8:1), expert
+  width / hidden ratio (768/2048) and vocabulary; scaled down (our choice) to hidden 1024, 8 layers,
+  16/2 heads and expert width 384 so that it fits a 24 GB machine in float32.
+- Qwen3.5-0.8B: hidden 1024, 24 layers (3 Gated DeltaNet : 1 attention), 8/2 heads of 256, FFN 3584,
+  vocab 248320, rope theta 1e7, partial rotary 0.25 ([3p] model cards); assumed: 16 key and 16 value
+  DeltaNet heads of 128 (one [3p] code comment), tied embeddings, conv kernel 4 (transformers default).
+  Written text-only (no vision tower), top-level model_type qwen3_5 as released.
+- LFM2-350M: hidden 1024, 16 layers with attention at [2, 5, 8, 10, 12, 14], 16/8 heads, FFN 6656 (auto
+  adjusted to 4608), vocab 65536, conv kernel 3, rope theta 1e6, tied ([3p] configs quoted in ports).
+- Gemma 4 E2B (text): 35 layers, hidden 1536, 8 heads / 1 KV head, head_dim 256 (sliding) and 512 (full,
+  every 5th layer), FFN 6144 and 12288 on the 20 KV-sharing layers, per-layer inputs 256 wide, vocab
+  262144, window 512, softcap 30 (gemma.cpp test [3p] and mlx-lm's defaults, which equal them). Written
+  text-only (no vision/audio towers), model_type gemma4 as released.
+
+Tokenizers: the real Qwen3 / Qwen3.5 vocabularies when ../shared/tokenizers (or $MLXCHAT_BENCH_TOKENIZERS)
+has them; otherwise, and for LFM2 and Gemma 4, a byte-level BPE trained on the benchmark's own text with
+the family's control tokens. Embedding and lm_head rows of ids the tokenizer lacks are zeroed, so greedy
+decoding never picks them (as a trained model never does). Chat templates are the real ones
+(benchmarks/templates, copied from ../shared/templates; provenance in their SOURCES.md there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+TEMPLATES = HERE / "templates"
+DEFAULT_DIR = Path(os.environ.get("MLXCHAT_BENCH_CHECKPOINTS", HERE / "checkpoints"))
+MARKER = "benchmark.json"
+DELETE = object()
+
+
+def _shared_tokenizers() -> Path:
+    return Path(os.environ.get("MLXCHAT_BENCH_TOKENIZERS", HERE.parent.parent / "shared" / "tokenizers"))
+
+
+@dataclass(frozen=True)
+class BenchModel:
+    """One benchmark checkpoint: how transformers builds it and what its release looks like on disk."""
+
+    key: str
+    title: str
+    model_type: str
+    """The model_type an mlxchat plugin must serve for the model to be benchmarked."""
+    template: str
+    hybrid: bool
+    """Has layer state that cannot be cut back (conv / recurrent / sliding window)."""
+    specials: tuple[str, ...]
+    """Control tokens (a synthetic tokenizer puts them first, in this order)."""
+    bos: str | None
+    eos: tuple[str, ...]
+    pad: str
+    real_tokenizer: str | None
+    params: float
+    """Parameter count (checks memory before a checkpoint is built)."""
+    make: Callable[[], tuple[Any, Any]] = field(repr=False)
+    """Returns (transformers model class, config)."""
+    patch: Callable[[dict[str, Any]], None] = field(repr=False)
+    """Edits the saved config.json into the released style."""
+    rename: Callable[[str], str] | None = field(default=None, repr=False)
+    """Maps saved tensor names to the released ones (when they differ)."""
+
+
+# -- Qwen3 ------------------------------------------------------------------------------------------
+
+QWEN_SPECIALS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<think>",
+    "</think>",
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+
+
+def _qwen3_dense() -> tuple[Any, Any]:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    return Qwen3ForCausalLM, Qwen3Config(
+        vocab_size=151936,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        tie_word_embeddings=True,
+        max_position_embeddings=40960,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+    )
+
+
+def _qwen3_moe() -> tuple[Any, Any]:
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    return Qwen3MoeForCausalLM, Qwen3MoeConfig(  # type: ignore[call-arg]  # head_dim arrives via **kwargs
+        vocab_size=151936,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        head_dim=128,
+        tie_word_embeddings=False,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=384,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        max_position_embeddings=40960,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+    )
+
+
+def _qwen3_release(config: dict[str, Any]) -> None:
+    """Released Qwen3 configs are transformers-4 style: top-level rope_theta (and num_experts for MoE)."""
+    _set(config, rope_theta=1e6, rope_scaling=None, rope_parameters=DELETE)
+    if "num_local_experts" in config:
+        _set(config, num_experts=config["num_local_experts"], num_local_experts=DELETE)
+
+
+# -- Qwen3.5 ----------------------------------------------------------------------------------------
+
+
+def _qwen35() -> tuple[Any, Any]:
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    layers = 24
+    return Qwen3_5ForCausalLM, Qwen3_5TextConfig(
+        vocab_size=248320,
+        hidden_size=1024,
+        intermediate_size=3584,
+        num_hidden_layers=layers,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=256,
+        linear_num_key_heads=16,
+        linear_num_value_heads=16,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        layer_types=["full_attention" if i % 4 == 3 else "linear_attention" for i in range(layers)],
+        tie_word_embeddings=True,
+        max_position_embeddings=262144,
+        rms_norm_eps=1e-6,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 1e7,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": [11, 11, 10],
+            "mrope_interleaved": True,
+        },
+    )
+
+
+def _qwen35_name(name: str) -> str:
+    """Released Qwen3.5 keeps the text model under model.language_model (the VLM's layout)."""
+    return name.replace("model.", "model.language_model.", 1) if name.startswith("model.") else name
+
+
+def _qwen35_release(config: dict[str, Any]) -> None:
+    """Released Qwen3.5 is a VLM config with the text model nested (and full_attention_interval kept)."""
+    text = {**config, "model_type": "qwen3_5_text", "full_attention_interval": 4}
+    for key in ("architectures", "transformers_version", "dtype"):
+        text.pop(key, None)
+    config.clear()
+    config.update(
+        {
+            "architectures": ["Qwen3_5ForConditionalGeneration"],
+            "model_type": "qwen3_5",
+            "text_config": text,
+            "tie_word_embeddings": True,
+            "dtype": "bfloat16",
+        }
+    )
+
+
+# -- LFM2 -------------------------------------------------------------------------------------------
+
+LFM2_SPECIALS = (
+    "<|pad|>",
+    "<|startoftext|>",
+    "<|endoftext|>",
+    "<|fim_pre|>",
+    "<|fim_mid|>",
+    "<|fim_suf|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|tool_list_start|>",
+    "<|tool_list_end|>",
+    "<|tool_call_start|>",
+    "<|tool_call_end|>",
+    "<|tool_response_start|>",
+    "<|tool_response_end|>",
+)
+LFM2_ATTENTION = (2, 5, 8, 10, 12, 14)
+
+
+def _lfm2() -> tuple[Any, Any]:
+    from transformers import Lfm2Config, Lfm2ForCausalLM
+
+    layers = 16
+    return Lfm2ForCausalLM, Lfm2Config(
+        vocab_size=65536,
+        hidden_size=1024,
+        intermediate_size=6656,
+        num_hidden_layers=layers,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        max_position_embeddings=128000,
+        norm_eps=1e-5,
+        tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        conv_bias=False,
+        conv_L_cache=3,
+        block_multiple_of=256,
+        block_ffn_dim_multiplier=1.0,
+        block_auto_adjust_ff_dim=True,
+        layer_types=["full_attention" if i in LFM2_ATTENTION else "conv" for i in range(layers)],
+    )
+
+
+def _lfm2_release(config: dict[str, Any]) -> None:
+    _set(
+        config,
+        block_dim=config["hidden_size"],
+        block_ff_dim=config["intermediate_size"],
+        full_attn_idxs=list(LFM2_ATTENTION),
+        rope_theta=1e6,
+    )
+
+
+# -- Gemma 4 ----------------------------------------------------------------------------------------
+
+GEMMA4_SPECIALS = (
+    "<pad>",
+    "<eos>",
+    "<bos>",
+    "<unk>",
+    "<|turn>",
+    "<turn|>",
+    "<|channel>",
+    "<channel|>",
+    "<|think|>",
+    "<|tool>",
+    "<tool|>",
+    "<|tool_call>",
+    "<tool_call|>",
+    "<|tool_response>",
+    "<tool_response|>",
+    '<|"|>',
+    "<|image|>",
+    "<|audio|>",
+    "<|video|>",
+)
+
+
+def _gemma4() -> tuple[Any, Any]:
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration, Gemma4TextConfig
+
+    layers = 35
+    text = Gemma4TextConfig(  # type: ignore[call-arg]  # saved as per_layer_config
+        vocab_size=262144,
+        hidden_size=1536,
+        intermediate_size=6144,
+        num_hidden_layers=layers,
+        num_attention_heads=8,
+        num_key_value_heads=1,
+        head_dim=256,
+        global_head_dim=512,
+        hidden_activation="gelu_pytorch_tanh",
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        sliding_window=512,
+        final_logit_softcapping=30.0,
+        layer_types=["full_attention" if i % 5 == 4 else "sliding_attention" for i in range(layers)],
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6},
+        },
+        vocab_size_per_layer_input=262144,
+        hidden_size_per_layer_input=256,
+        num_kv_shared_layers=20,
+        use_double_wide_mlp=True,
+        attention_k_eq_v=False,
+        enable_moe_block=False,
+    )
+    return Gemma4ForConditionalGeneration, Gemma4Config(
+        text_config=text, vision_config=None, audio_config=None, tie_word_embeddings=True
+    )
+
+
+def _gemma4_release(config: dict[str, Any]) -> None:
+    """Hub configs carry global_head_dim and a top-level vocab_size (transformers writes neither)."""
+    config["vocab_size"] = 262144
+    config["text_config"].update(global_head_dim=512, num_global_key_value_heads=None)
+
+
+QWEN_EOS = ("<|im_end|>", "<|endoftext|>")
+
+MODELS: dict[str, BenchModel] = {
+    m.key: m
+    for m in (
+        BenchModel(
+            key="qwen3-0.6b",
+            title="Qwen3-0.6B",
+            model_type="qwen3",
+            template="qwen3.jinja",
+            hybrid=False,
+            specials=QWEN_SPECIALS,
+            bos=None,
+            eos=QWEN_EOS,
+            pad="<|endoftext|>",
+            real_tokenizer="qwen3",
+            params=0.596e9,
+            make=_qwen3_dense,
+            patch=_qwen3_release,
+        ),
+        BenchModel(
+            key="qwen3-moe",
+            title="Qwen3-MoE 128x8 (30B-A3B-like, scaled)",
+            model_type="qwen3_moe",
+            template="qwen3.jinja",
+            hybrid=False,
+            specials=QWEN_SPECIALS,
+            bos=None,
+            eos=QWEN_EOS,
+            pad="<|endoftext|>",
+            real_tokenizer="qwen3",
+            params=1.558e9,
+            make=_qwen3_moe,
+            patch=_qwen3_release,
+        ),
+        BenchModel(
+            key="qwen3.5-0.8b",
+            title="Qwen3.5-0.8B",
+            model_type="qwen3_5",
+            template="qwen3.5-2b-and-smaller.jinja",
+            hybrid=True,
+            specials=QWEN_SPECIALS,
+            bos=None,
+            eos=QWEN_EOS,
+            pad="<|endoftext|>",
+            real_tokenizer="qwen3.5",
+            params=0.752e9,
+            make=_qwen35,
+            patch=_qwen35_release,
+            rename=_qwen35_name,
+        ),
+        BenchModel(
+            key="lfm2-350m",
+            title="LFM2-350M",
+            model_type="lfm2",
+            template="lfm2.jinja",
+            hybrid=True,
+            specials=LFM2_SPECIALS,
+            bos="<|startoftext|>",
+            eos=("<|im_end|>",),
+            pad="<|pad|>",
+            real_tokenizer=None,
+            params=0.354e9,
+            make=_lfm2,
+            patch=_lfm2_release,
+        ),
+        BenchModel(
+            key="gemma4-e2b",
+            title="Gemma 4 E2B (text)",
+            model_type="gemma4",
+            template="gemma4-e2b-e4b.jinja",
+            hybrid=True,
+            specials=GEMMA4_SPECIALS,
+            bos="<bos>",
+            eos=("<eos>", "<turn|>"),
+            pad="<pad>",
+            real_tokenizer=None,
+            params=4.629e9,
+            make=_gemma4,
+            patch=_gemma4_release,
+        ),
+    )
+}
+
+
+def _set(config: dict[str, Any], **changes: Any) -> None:
+    for key, value in changes.items():
+        if value is DELETE:
+            config.pop(key, None)
+        else:
+            config[key] = value
+
+
+# -- tokenizers -------------------------------------------------------------------------------------
+
+
+def _synthetic_tokenizer(specials: tuple[str, ...]) -> Any:
+    """A byte-level BPE with merges learned from the benchmark text and the family's control tokens first."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from .texts import corpus
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(
+        vocab_size=4096, special_tokens=list(specials), show_progress=False, initial_alphabet=alphabet
+    )
+    tok.train_from_iterator(corpus(), trainer)
+    return tok
+
+
+def _write_tokenizer(spec: BenchModel, folder: Path) -> tuple[str, Any]:
+    """Writes tokenizer.json / tokenizer_config.json; returns (what it is, the tokenizer)."""
+    from tokenizers import Tokenizer
+
+    real = _shared_tokenizers() / spec.real_tokenizer if spec.real_tokenizer else None
+    if real is not None and (real / "tokenizer.json").exists():
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copyfile(real / name, folder / name)
+        tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        return f"real {spec.real_tokenizer} vocabulary ({real})", tok
+    tok = _synthetic_tokenizer(spec.specials)
+    tok.save(str(folder / "tokenizer.json"))
+    flags = {"special": True, "normalized": False, "lstrip": False, "rstrip": False, "single_word": False}
+    added = {str(tok.token_to_id(t)): {"content": t, **flags} for t in spec.specials}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": spec.bos,
+        "eos_token": spec.eos[0],
+        "pad_token": spec.pad,
+        "added_tokens_decoder": added,
+        "clean_up_tokenization_spaces": False,
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+    return "synthetic byte-level BPE (merges learned on the benchmark text; no real vocabulary here)", tok
+
+
+def _control_ids(spec: BenchModel, tok: Any, folder: Path) -> dict[str, int]:
+    ids = {t: tok.token_to_id(t) for t in {*spec.eos, spec.pad, *([spec.bos] if spec.bos else [])}}
+    missing = sorted(t for t, i in ids.items() if i is None)
+    if missing:
+        raise SystemExit(f"{folder}: tokenizer lacks control tokens {missing}")
+    return {t: int(i) for t, i in ids.items()}
+
+
+def _silence_unused_rows(model: Any, used: int) -> None:
+    """Zero the embedding and lm_head rows of ids the tokenizer does not have.
+
+    A trained model never emits those ids; random weights would, and their text cannot be tokenized back,
+    which would make every engine's prompt-cache reuse look worse than on a real checkpoint.
+    """
+    import torch
+
+    tables = {id(t): t for t in (model.get_input_embeddings().weight, model.get_output_embeddings().weight)}
+    with torch.no_grad():
+        for table in tables.values():
+            table[used:] = 0
+
+
+# -- building ---------------------------------------------------------------------------------------
+
+
+def _rename_tensors(folder: Path, rename: Callable[[str], str]) -> None:
+    from safetensors.torch import load_file, save_file
+
+    for shard in sorted(folder.glob("*.safetensors")):
+        tensors = load_file(shard)
+        save_file({rename(k): v for k, v in tensors.items()}, shard, metadata={"format": "pt"})
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        data = json.loads(index.read_text())
+        data["weight_map"] = {rename(k): v for k, v in data["weight_map"].items()}
+        index.write_text(json.dumps(data, indent=2))
+
+
+def folder_of(key: str, root: Path = DEFAULT_DIR) -> Path:
+    return root / key
+
+
+def is_built(key: str, root: Path = DEFAULT_DIR) -> bool:
+    return (folder_of(key, root) / MARKER).exists()
+
+
+def build(spec: BenchModel, root: Path = DEFAULT_DIR) -> Path:
+    """Writes the checkpoint to ``root/<key>`` (via a temporary folder, so a half-built one never counts)."""
+    import torch
+    import transformers
+
+    target = folder_of(spec.key, root)
+    work = target.with_name(target.name + ".partial")
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    kind, tok = _write_tokenizer(spec, work)
+    used = tok.get_vocab_size(with_added_tokens=True)
+    ids = _control_ids(spec, tok, work)
+
+    torch.manual_seed(0)
+    model_class, config = spec.make()
+    model = model_class._from_config(config, dtype=torch.bfloat16)
+    _silence_unused_rows(model, used)
+    model.save_pretrained(work, max_shard_size="2GB")
+    params = sum(p.numel() for p in model.parameters())
+    del model
+    if spec.rename is not None:
+        _rename_tensors(work, spec.rename)
+
+    saved = json.loads((work / "config.json").read_text())
+    spec.patch(saved)
+    eos = [ids[t] for t in spec.eos]
+    special = {"eos_token_id": eos[0] if len(eos) == 1 else eos, "pad_token_id": ids[spec.pad]}
+    if spec.bos:
+        special["bos_token_id"] = ids[spec.bos]
+    saved.get("text_config", saved).update(special)
+    (work / "config.json").write_text(json.dumps(saved, indent=2))
+    sampling = {"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20}
+    generation = {**special, "eos_token_id": eos, **sampling}
+    (work / "generation_config.json").write_text(json.dumps(generation, indent=2))
+    shutil.copyfile(TEMPLATES / spec.template, work / "chat_template.jinja")
+    meta = {
+        "key": spec.key,
+        "title": spec.title,
+        "parameters": params,
+        "tokenizer": kind,
+        "tokenizer_size": used,
+        "template": spec.template,
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "weights": f"random (transformers' own init, seed 0), stored bfloat16; embedding and lm_head rows "
+        f"from id {used} on (ids the tokenizer lacks) are zero",
+    }
+    (work / MARKER).write_text(json.dumps(meta, indent=2))
+    shutil.rmtree(target, ignore_errors=True)
+    work.rename(target)
+    return target
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.checkpoints", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("keys", nargs="*", help=f"checkpoints to build (default: all of {', '.join(MODELS)})")
+    parser.add_argument("--force", action="store_true", help="rebuild even if present")
+    parser.add_argument("--root", type=Path, default=DEFAULT_DIR, help="where checkpoints live")
+    args = parser.parse_args(argv)
+    for key in args.keys or list(MODELS):
+        if key not in MODELS:
+            raise SystemExit(f"unknown checkpoint {key!r}; known: {', '.join(MODELS)}")
+        if is_built(key, args.root) and not args.force:
+            print(f"{folder_of(key, args.root)}: present")
+            continue
+        print(f"{build(MODELS[key], args.root)}: built", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,208 @@
+"""The runtimes being compared, behind one small interface: load a checkpoint, stream greedy token ids.
+
+Each engine runs in its own process (see :mod:`benchmarks.worker`), because what a process loads first
+decides which BLAS MLX calls: mlxchat puts OpenBLAS and its single-row gemv route under MLX when it is
+imported; "mlx-lm" preloads the same OpenBLAS itself before importing MLX (its best CPU setting) and
+computes in the dtype mlxchat uses; "mlx-lm-default" is mlx-lm as installed: the stored bfloat16 on
+MLX's bundled reference BLAS. llama.cpp (llama-cpp-python, optional) runs GGUF conversions of the same
+checkpoint.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import resource
+import time
+from collections.abc import Iterator
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any, cast
+
+ENGINES = ("mlxchat", "mlx-lm", "mlx-lm-default", "llama.cpp-f32", "llama.cpp-q8_0")
+LABELS = {
+    "mlxchat": "mlxchat",
+    "mlx-lm": "mlx-lm (same dtype, OpenBLAS)",
+    "mlx-lm-default": "mlx-lm (defaults)",
+    "llama.cpp-f32": "llama.cpp F32",
+    "llama.cpp-q8_0": "llama.cpp Q8_0",
+}
+
+
+def peak_rss_bytes() -> int:
+    """The process's peak resident memory (Linux reports KiB, macOS bytes)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if os.uname().sysname == "Darwin" else peak * 1024
+
+
+class Engine:
+    """One runtime with one checkpoint loaded."""
+
+    name = ""
+    dtype = ""
+    blas = ""
+
+    def stream(self, ids: list[int], max_tokens: int) -> Iterator[int]:
+        """Greedy token ids, yielded as each one is ready (stops early on the checkpoint's EOS)."""
+        raise NotImplementedError
+
+    def reset_peak(self) -> None:
+        """Start a new peak-memory window (where the runtime keeps one)."""
+
+    def peak_bytes(self) -> int | None:
+        """Peak bytes the runtime's allocator held since :meth:`reset_peak` (None: it keeps no count)."""
+        return None
+
+    def describe(self) -> dict[str, Any]:
+        return {"engine": self.name, "dtype": self.dtype, "blas": self.blas}
+
+
+def _mlx_dtype_name(dtype: Any) -> str:
+    return str(dtype).rsplit(".", 1)[-1]
+
+
+def _mlx_blas_gflops() -> float | None:
+    """float32 GEMM speed MLX gets in this process: tells which BLAS is really underneath (CPU only)."""
+    import mlx.core as mx
+
+    if mx.default_device().type != mx.DeviceType.cpu:
+        return None
+    a = mx.random.normal((512, 512))
+    mx.eval(a)
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        mx.eval(a @ a)
+        best = min(best, time.perf_counter() - start)
+    return 2 * 512**3 / best / 1e9
+
+
+class MlxEngine(Engine):
+    """Shared by mlxchat and mlx-lm: MLX's allocator keeps the peak."""
+
+    def reset_peak(self) -> None:
+        import mlx.core as mx
+
+        mx.reset_peak_memory()
+
+    def peak_bytes(self) -> int | None:
+        import mlx.core as mx
+
+        return int(mx.get_peak_memory())
+
+    def describe(self) -> dict[str, Any]:
+        import mlx.core as mx
+
+        return {
+            **super().describe(),
+            "device": str(mx.default_device()),
+            "mlx": version("mlx"),
+            "blas_gflops_512": _mlx_blas_gflops(),
+        }
+
+
+class Mlxchat(MlxEngine):
+    name = "mlxchat"
+
+    def __init__(self, folder: Path):
+        import mlxchat
+
+        self.model = mlxchat.load_model(folder)
+        info = mlxchat.runtime_info()
+        self.info = info
+        self.dtype = _mlx_dtype_name(self.model.dtype)
+        self.blas = info["blas"] + (" + gemv route" if info["gemv_route"] else "")
+
+    def stream(self, ids: list[int], max_tokens: int) -> Iterator[int]:
+        from mlxchat import GenerationConfig
+
+        config = GenerationConfig(max_tokens=max_tokens, temperature=0.0)
+        for chunk in self.model.stream(ids, config):
+            if chunk.token is not None:
+                yield chunk.token
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            **super().describe(),
+            "mlxchat": self.info["mlxchat"],
+            "blas_path": self.info["blas_path"],
+            "gemv_route": self.info["gemv_route"],
+            "blas_note": self.info["blas_note"],
+        }
+
+
+class MlxLm(MlxEngine):
+    """mlx-lm's own load and stream_generate; ``dtype`` None keeps the stored dtype."""
+
+    def __init__(self, folder: Path, *, blas_path: str | None, dtype: str | None, name: str):
+        self.name = name
+        self.blas = "MLX's bundled BLAS"
+        if blas_path:
+            # Must happen before mlx.core is imported: MLX binds cblas_* to the first definition it finds.
+            ctypes.CDLL(blas_path, mode=ctypes.RTLD_GLOBAL)
+            self.blas = f"OpenBLAS preloaded ({blas_path})"
+        import mlx.core as mx
+        from mlx_lm import load
+
+        loaded = load(str(folder), lazy=dtype is not None)
+        self.model, self.tokenizer = loaded[0], loaded[1]
+        if dtype is not None:
+            self.model.set_dtype(getattr(mx, dtype))
+        mx.eval(self.model.parameters())
+        floats = [p.dtype for _, p in _leaves(self.model.parameters()) if mx.issubdtype(p.dtype, mx.floating)]
+        self.dtype = _mlx_dtype_name(max(set(floats), key=floats.count))
+
+    def stream(self, ids: list[int], max_tokens: int) -> Iterator[int]:
+        from mlx_lm import stream_generate
+
+        for response in stream_generate(self.model, self.tokenizer, ids, max_tokens=max_tokens):
+            yield response.token
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "mlx_lm": version("mlx-lm")}
+
+
+def _leaves(tree: Any) -> list[tuple[str, Any]]:
+    from mlx.utils import tree_flatten
+
+    return cast(list[tuple[str, Any]], tree_flatten(tree))
+
+
+class LlamaCpp(Engine):
+    """llama-cpp-python on a GGUF file (converted from the same checkpoint by :mod:`benchmarks.gguf`)."""
+
+    def __init__(self, gguf: Path, *, name: str, context: int):
+        from llama_cpp import Llama
+
+        self.name = name
+        self.dtype = name.split("-")[-1].upper()
+        self.blas = "llama.cpp (ggml CPU kernels)"
+        self.llm = Llama(
+            model_path=str(gguf), n_ctx=context, n_batch=512, n_threads=os.cpu_count(), verbose=False
+        )
+
+    def stream(self, ids: list[int], max_tokens: int) -> Iterator[int]:
+        eos = self.llm.token_eos()
+        for count, token in enumerate(self.llm.generate(ids, top_k=1, top_p=1.0, temp=0.0, reset=True), 1):
+            yield token
+            if count >= max_tokens or token == eos:
+                return
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "llama_cpp_python": version("llama-cpp-python")}
+
+
+def open_engine(name: str, folder: Path, *, blas_path: str | None, dtype: str | None, context: int) -> Engine:
+    """``dtype``: what the "mlx-lm" engine computes in (mlxchat's dtype); ``blas_path``: the OpenBLAS
+    mlxchat found (None off Linux-CPU)."""
+    if name == "mlxchat":
+        return Mlxchat(folder)
+    if name == "mlx-lm":
+        return MlxLm(folder, blas_path=blas_path, dtype=dtype, name=name)
+    if name == "mlx-lm-default":
+        return MlxLm(folder, blas_path=None, dtype=None, name=name)
+    if name.startswith("llama.cpp-"):
+        from .gguf import converted
+
+        return LlamaCpp(converted(folder, name.split("-")[-1]), name=name, context=context)
+    raise ValueError(f"unknown engine {name!r}; known: {', '.join(ENGINES)}")

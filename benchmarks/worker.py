@@ -1,0 +1,128 @@
+"""One measurement job in its own process: ``python -m benchmarks.worker '<json job>'``.
+
+The driver (``python -m benchmarks``) spawns one of these per engine, model and repetition, so every
+engine starts from a clean process (its own BLAS, allocator and caches) and engines alternate in time.
+The result is printed as one JSON line after ``RESULT_MARK``.
+
+Jobs: ``info`` (what mlxchat runs on here), ``limits`` (bandwidth and GEMM), ``speed`` (prefill at
+several prompt lengths, decode, peak memory) and ``sessions`` (see :mod:`benchmarks.sessions`).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+RESULT_MARK = "BENCHMARK-RESULT "
+FIRST_ID, LAST_ID = 256, 30000
+"""Prompt ids are drawn from here (capped by the tokenizer's size): ordinary tokens, not control tokens."""
+
+
+def prompt_ids(length: int, seed: int, tokenizer_size: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(FIRST_ID, min(LAST_ID, tokenizer_size)) for _ in range(length)]
+
+
+def info(_: dict[str, Any]) -> dict[str, Any]:
+    import mlxchat
+    from mlxchat.runtime import default_dtype, on_gpu
+
+    from .gguf import available
+
+    stored = "stored"
+    policy = default_dtype(stored)
+    return {
+        **mlxchat.runtime_info(),
+        "model_types": mlxchat.registry().known_model_types(),
+        "compute_dtype": None if policy is stored else str(policy).rsplit(".", 1)[-1],
+        "gpu": on_gpu(),
+        "llama_cpp": available(),
+    }
+
+
+def limits(job: dict[str, Any]) -> dict[str, Any]:
+    from .limits import measure
+
+    return measure(job["device"])
+
+
+def speed(job: dict[str, Any]) -> dict[str, Any]:
+    from .engines import open_engine, peak_rss_bytes
+
+    start = time.perf_counter()
+    engine = open_engine(
+        job["engine"],
+        Path(job["folder"]),
+        blas_path=job.get("blas_path"),
+        dtype=job.get("dtype"),
+        context=max(job["prefill"]) + job["decode"] + 64,
+    )
+    load_s = time.perf_counter() - start
+    size = job["tokenizer_size"]
+    list(engine.stream(prompt_ids(16, 1, size), 2))  # warm-up: first-call allocations and compilation
+    runs = []
+    for length in job["prefill"]:
+        ids = prompt_ids(length, length, size)
+        max_tokens = job["decode"] if length == job["decode_at"] else 1
+        engine.reset_peak()
+        arrivals = []
+        begin = time.perf_counter()
+        for _ in engine.stream(ids, max_tokens):
+            arrivals.append(time.perf_counter())
+        ttft = arrivals[0] - begin
+        run: dict[str, Any] = {
+            "prompt": length,
+            "ttft_s": ttft,
+            "prefill_tps": length / ttft,
+            "peak_bytes": engine.peak_bytes(),
+        }
+        if max_tokens > 1:
+            run["generated"] = len(arrivals)
+            span = arrivals[-1] - arrivals[0]
+            run["decode_tps"] = (len(arrivals) - 1) / span if span > 0 else None
+        runs.append(run)
+    return {**engine.describe(), "load_s": load_s, "runs": runs, "peak_rss_bytes": peak_rss_bytes()}
+
+
+def sessions(job: dict[str, Any]) -> dict[str, Any]:
+    from . import sessions as scenarios
+    from .engines import open_engine, peak_rss_bytes
+
+    steps = scenarios.script(job["chat_turns"], job["document_words"], job["follow_ups"], job["hybrid"])
+    if job["engine"] == "mlxchat":
+        try:
+            import mlxchat.session  # noqa: F401
+        except ImportError:
+            return {
+                "engine": "mlxchat",
+                "unavailable": "sessions not available: mlxchat has no ChatSession yet",
+            }
+        rows = scenarios.run_mlxchat(job["folder"], steps, job["reply_tokens"])
+        return {"engine": "mlxchat", "rows": rows, "peak_rss_bytes": peak_rss_bytes()}
+    engine = open_engine(
+        "mlx-lm", Path(job["folder"]), blas_path=job.get("blas_path"), dtype=job.get("dtype"), context=0
+    )
+    rows = scenarios.run_mlx_lm(engine, steps, job["reply_tokens"])
+    return {**engine.describe(), "rows": rows, "peak_rss_bytes": peak_rss_bytes()}
+
+
+JOBS = {"info": info, "limits": limits, "speed": speed, "sessions": sessions}
+
+
+def main() -> None:
+    job = json.loads(sys.argv[1])
+    try:
+        result = JOBS[job["job"]](job)
+    except Exception as exc:
+        traceback.print_exc()
+        result = {"error": f"{type(exc).__name__}: {exc}"}
+    print(RESULT_MARK + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
