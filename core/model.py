@@ -124,9 +124,11 @@ class GenerativeModel:
 
     def encode(self, prompt: Prompt) -> list[int]:
         """Token ids of a raw text prompt (with the BOS the tokenizer adds), or the ids given."""
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt, add_special_tokens=True)
-        return [int(t) for t in prompt]
+        ids = self.tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else [
+            int(t) for t in prompt]
+        if not ids:
+            raise ValueError("cannot generate from an empty prompt")
+        return ids
 
     # -- running ------------------------------------------------------------------------------------
 

@@ -1,0 +1,118 @@
+"""Generation: sampling options, stop strings, penalties, streaming text that never splits a character,
+and the report."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from conftest import loaded
+
+import mlxchat
+from mlxchat.detokenizer import StreamingDetokenizer
+from mlxchat.generation import GenerationConfig, StopStrings
+
+PROMPT = [5, 77, 300, 12, 9, 41]
+
+
+@pytest.fixture
+def model() -> mlxchat.GenerativeModel:
+    return loaded("qwen3")
+
+
+def test_seeded_sampling_is_reproducible_and_top_k_1_is_greedy(model) -> None:
+    sampled = {"max_tokens": 16, "temperature": 1.0, "top_p": 0.9, "min_p": 0.05, "seed": 7}
+    assert model.generate(PROMPT, sampled).tokens == model.generate(PROMPT, sampled).tokens
+    greedy = model.generate(PROMPT, {"max_tokens": 16, "temperature": 0.0}).tokens
+    assert model.generate(PROMPT, {"max_tokens": 16, "temperature": 0.8, "top_k": 1, "seed": 1}).tokens == greedy
+
+
+def test_logit_bias_and_penalties_change_the_choice(model) -> None:
+    forced = model.generate(PROMPT, {"max_tokens": 4, "temperature": 0.0, "logit_bias": {123: 100.0}}).tokens
+    assert forced == [123, 123, 123, 123]
+    repeated = model.generate(PROMPT, {"max_tokens": 4, "temperature": 0.0, "logit_bias": {123: 100.0},
+                                       "frequency_penalty": 150.0}).tokens
+    assert repeated[0] == 123 and repeated[1] != 123
+    presence = model.generate(PROMPT, {"max_tokens": 3, "temperature": 0.0, "logit_bias": {123: 100.0},
+                                       "presence_penalty": 200.0}).tokens
+    assert presence[0] == 123 and 123 not in presence[1:]
+
+
+def test_config_fields_merge_over_the_checkpoint_defaults(model) -> None:
+    assert model.defaults.temperature == 0.6 and model.defaults.top_k == 20  # generation_config.json
+    merged = model.defaults.merged({"max_tokens": 3})
+    assert merged.max_tokens == 3 and merged.temperature == 0.6
+    with pytest.raises(ValueError):
+        GenerationConfig(max_tokens=0)
+    with pytest.raises(ValueError):
+        GenerationConfig.model_validate({"temprature": 1.0})
+
+
+def test_stop_strings_end_the_reply_before_them(model) -> None:
+    full = model.generate(PROMPT, {"max_tokens": 24, "temperature": 0.0})
+    stop = full.text[5:8]
+    assert stop and stop not in full.text[:7]
+    cut = model.generate(PROMPT, {"max_tokens": 24, "temperature": 0.0, "stop": [stop]})
+    assert cut.text == full.text[: full.text.index(stop)] and cut.finish_reason == "stop"
+
+
+def test_stop_string_matcher_holds_back_a_possible_start() -> None:
+    stops = StopStrings(["</end>"])
+    assert stops.feed("abc</e") == ("abc", False)
+    assert stops.feed("nd>rest") == ("", True)
+    stops = StopStrings(["xy"])
+    assert stops.feed("ax") == ("a", False) and stops.feed("z") == ("xz", False)
+
+
+def test_eos_ends_with_stop_and_the_report_adds_up(model) -> None:
+    eos = next(iter(model.eos_ids))
+    result = model.generate(PROMPT, {"max_tokens": 10, "temperature": 0.0, "logit_bias": {eos: 100.0}})
+    assert result.finish_reason == "stop" and result.tokens == [] and result.text == ""
+    report = model.generate(PROMPT, {"max_tokens": 10, "temperature": 0.0}).report
+    assert report.prompt_tokens == len(PROMPT) and report.cached_prompt_tokens == 0
+    assert report.generated_tokens == 10 and report.finish_reason == "length"
+    assert report.ttft_s > 0 and report.prefill_tps > 0 and report.decode_tps > 0 and report.peak_memory_gb > 0
+
+
+def test_a_prompt_cache_carries_state_between_generate_calls(model) -> None:
+    cache = model.make_prompt_cache()
+    first = model.generate(PROMPT, {"max_tokens": 4, "temperature": 0.0}, cache=cache)
+    again = model.generate(PROMPT + first.tokens + [7], {"max_tokens": 4, "temperature": 0.0}, cache=cache)
+    fresh = model.generate(PROMPT + first.tokens + [7], {"max_tokens": 4, "temperature": 0.0})
+    assert again.tokens == fresh.tokens
+    # the reply's last token was sampled but never fed to the model, so the cache holds one token less
+    assert again.report.cached_prompt_tokens == len(PROMPT) + len(first.tokens) - 1
+
+
+def test_streaming_never_splits_a_character() -> None:
+    tokenizer = loaded("qwen3").tokenizer
+    text = "naïve café — 日本語のテキスト 🙂 ok"
+    ids = tokenizer.encode(text)
+    assert any("\ufffd" in tokenizer.decode([i]) for i in ids)  # some tokens are partial characters
+    detok = StreamingDetokenizer(tokenizer)
+    pieces = [detok.add(i) for i in ids] + [detok.flush()]
+    assert "".join(pieces) == text
+    assert not any("\ufffd" in p for p in pieces)
+
+
+def test_long_streams_decode_in_windows_and_still_match() -> None:
+    tokenizer = loaded("qwen3").tokenizer
+    text = " ".join(["the weather in tokyo is sunny today, 21 C — ça va?"] * 12)
+    detok = StreamingDetokenizer(tokenizer)
+    assert "".join(detok.add(i) for i in tokenizer.encode(text)) + detok.flush() == text
+
+
+def test_async_generate_and_stream(model) -> None:
+    async def main():
+        result = await model.agenerate(PROMPT, {"max_tokens": 5, "temperature": 0.0})
+        chunks = [c async for c in model.astream(PROMPT, {"max_tokens": 5, "temperature": 0.0})]
+        return result, chunks
+
+    result, chunks = asyncio.run(main())
+    assert result.tokens == [c.token for c in chunks if c.token is not None]
+    assert chunks[-1].report is not None
+
+
+def test_empty_prompt_is_refused(model) -> None:
+    with pytest.raises(ValueError, match="empty prompt"):
+        model.generate([], {"max_tokens": 2})
