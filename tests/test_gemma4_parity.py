@@ -1,6 +1,6 @@
 """The gemma4 plugin matches transformers: logits, cached decoding, chunked prefill after the sliding window
 has filled (chunks longer than the window too), greedy tokens; sliding layers keep only their window; both
-config dialects and the checkpoint layouts Gemma 4 ships in load."""
+config dialects and the checkpoint layouts Gemma 4 ships in load; mlx-lm's 4-bit conversion matches mlx-lm."""
 
 from __future__ import annotations
 
@@ -162,3 +162,13 @@ def test_fixture_configs_are_in_the_wrapper_layout() -> None:
         raw = json.loads((fixture_path(name) / "config.json").read_text())
         assert raw["model_type"] == "gemma4" and raw["text_config"]["model_type"] == "gemma4_text"
         assert raw["text_config"]["sliding_window"] == WINDOW
+
+
+def test_mlx_lm_quantized_checkpoint_loads_and_matches_mlx_lm() -> None:
+    """mlx-lm's 4-bit conversion: its layout (``language_model.model.*``), quantized embeddings (the
+    per-layer table too) and the tied quantized head."""
+    ref = reference("gemma4_q4")
+    model = loaded("gemma4_q4")
+    assert model.quantization is not None and model.quantization["bits"] == 4
+    assert_close(full_logits(model, ref["input_ids"]), ref["logits"])
+    assert_close(chunked_logits(model, ref["input_ids"], [5, 11, 1, 7, 13]), ref["logits"])

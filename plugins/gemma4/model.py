@@ -156,9 +156,11 @@ def rms_norm(x: mx.array, eps: float) -> mx.array:
 
 
 def make_rope(head_dim: int, rope: RopeConfig, max_positions: int) -> nn.Module:
+    """Proportional RoPE for the global layers; otherwise the whole head rotates (transformers ignores a
+    partial factor there)."""
     if rope.rope_type == "proportional":
         return ProportionalRoPE(head_dim, rope)
-    return RoPE(head_dim, rope.model_copy(update={"partial_rotary_factor": 1.0}), max_positions)
+    return RoPE(head_dim, rope, max_positions)
 
 
 class Gemma4Attention(nn.Module):
