@@ -190,7 +190,7 @@ class SlidingWindowCache(LayerCache):
         """The last tokens in a ``window``-slot buffer with position ``p`` in slot ``p % window``."""
         if tail.shape[2] < self.window:  # nothing has left the window yet: position p is at index p
             return mx.pad(tail, [(0, 0), (0, 0), (0, self.window - tail.shape[2]), (0, 0)])
-        return mx.roll(tail, self.offset % self.window, axis=2)
+        return mx.roll(tail, self.offset % self.window, 2)
 
     def snapshot(self) -> Any:
         return (self.offset, self.start, self.keys, self.values)

@@ -87,8 +87,7 @@ class Gemma4Config(ModelConfig):
         if not isinstance(layers, int):
             return data  # the field check reports it
         if data.get("layer_types") is None:
-            pattern = data.get("sliding_window_pattern") or DEFAULT_PATTERN
-            data["layer_types"] = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+            data["layer_types"] = ["full_attention" if (i + 1) % DEFAULT_PATTERN == 0 else "sliding_attention"
                                    for i in range(layers)]
         types = list(data["layer_types"])
         if len(types) != layers:
