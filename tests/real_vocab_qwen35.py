@@ -17,8 +17,9 @@ QWEN35_ADDED = [
     ("<|quad_end|>", True), ("<|vision_start|>", True), ("<|vision_end|>", True), ("<|vision_pad|>", True),
     ("<|image_pad|>", True), ("<|video_pad|>", True), ("<tool_call>", False), ("</tool_call>", False),
     ("<|fim_prefix|>", False), ("<|fim_middle|>", False), ("<|fim_suffix|>", False), ("<|fim_pad|>", False),
-    ("<|repo_name|>", False), ("<|file_sep|>", False), ("<tool_response>", False), ("</tool_response>", False),
-    ("<think>", False), ("</think>", False), ("<|audio_start|>", True), ("<|audio_end|>", True),
+    ("<|repo_name|>", False), ("<|file_sep|>", False), ("<tool_response>", False),
+    ("</tool_response>", False), ("<think>", False), ("</think>", False), ("<|audio_start|>", True),
+    ("<|audio_end|>", True),
     ("<tts_pad>", True), ("<tts_text_bos>", True), ("<tts_text_eod>", True), ("<tts_text_bos_single>", True),
     ("<|audio_pad|>", True),
 ]
@@ -39,10 +40,11 @@ def build_qwen35_tokenizer_json(target: Path) -> Path:
         return "".join(chars[x] for x in b)
 
     first = len(ranks)
+    added = {first + i: (t, s) for i, (t, s) in enumerate(QWEN35_ADDED)}
     data = {
         "version": "1.0",
-        "added_tokens": [{"id": first + i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
-                          "normalized": False, "special": s} for i, (t, s) in enumerate(QWEN35_ADDED)],
+        "added_tokens": [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
+                          "normalized": False, "special": s} for i, (t, s) in added.items()],
         "normalizer": {"type": "NFC"},
         "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
             {"type": "Split", "pattern": {"Regex": SPLIT}, "behavior": "Isolated", "invert": False},
@@ -58,6 +60,6 @@ def build_qwen35_tokenizer_json(target: Path) -> Path:
     (target / "tokenizer.json").write_text(json.dumps(data, ensure_ascii=False))
     (target / "tokenizer_config.json").write_text(json.dumps({
         "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None,
-        "added_tokens_decoder": {str(first + i): {"content": t, "special": s} for i, (t, s) in enumerate(QWEN35_ADDED)},
+        "added_tokens_decoder": {str(i): {"content": t, "special": s} for i, (t, s) in added.items()},
     }))
     return target

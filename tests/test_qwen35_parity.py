@@ -9,15 +9,14 @@ import shutil
 from pathlib import Path
 
 import mlx.core as mx
+import mlxchat
 import numpy as np
 import pytest
 from conftest import fixture_path, loaded, reference
-from parity import assert_close, chunked_logits, full_logits, greedy
-
-import mlxchat
 from mlxchat.cache import KVCache, StateCache
 from mlxchat.errors import CheckpointError
 from mlxchat_qwen35 import Qwen35Config
+from parity import assert_close, chunked_logits, full_logits, greedy
 
 ARCHS = ["qwen3_5", "qwen3_5_moe"]
 
@@ -67,7 +66,7 @@ def test_released_layout_is_what_the_fixtures_hold() -> None:
 
 
 def test_per_expert_checkpoint_loads_and_matches(tmp_path: Path) -> None:
-    """The other MoE layout: one tensor per expert and projection (what transformers' save_pretrained writes)."""
+    """The other MoE layout: one tensor per expert and projection (transformers' save_pretrained)."""
     source = fixture_path("qwen3_5_moe")
     for item in source.iterdir():
         if item.name != "model.safetensors":

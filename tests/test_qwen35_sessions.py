@@ -11,18 +11,17 @@ import json
 from collections.abc import Iterator
 
 import mlx.core as mx
+import mlxchat
+import mlxchat.generation
 import pytest
 from conftest import loaded
 from session_support import GREEDY, assert_matches_stateless, prompt_ids
 
-import mlxchat
-import mlxchat.generation
-
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
     "required": ["city"]}}}]
-CALL = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n2\n</parameter>\n" \
-       "</function>\n</tool_call>"
+CALL = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+        "<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>")
 ARCHS = ["qwen3_5", "qwen3_5_moe"]
 
 
@@ -89,9 +88,11 @@ def test_tool_result_prefills_only_the_tool_turn(name: str, scripted) -> None:
     asked = session.send("Weather in Paris?", config=config)
     assert asked.finish_reason == "tool_calls"
     (call,) = asked.tool_calls
-    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Paris", "days": 2})
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris", "days": 2}
     held = len(session.cache.tokens)  # the prompt, the reply and its end-of-turn token
-    assert held == asked.report.prompt_tokens + len(asked.tokens) + 1 and held in session.cache.snapshot_positions
+    assert held == asked.report.prompt_tokens + len(asked.tokens) + 1
+    assert held in session.cache.snapshot_positions
 
     session.add_tool_result(call.id, "sunny")
     scripted.append(model.tokenizer.encode("It is sunny.") + [end])

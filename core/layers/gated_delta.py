@@ -45,7 +45,8 @@ def log_decay(a_log: mx.array, a: mx.array, dt_bias: mx.array) -> mx.array:
 
 
 def causal_conv_silu(window: mx.array, weight: mx.array) -> mx.array:
-    """``silu`` of a depthwise causal convolution: ``window [B, K-1+L, C]``, ``weight [K, C]`` -> ``[B, L, C]``.
+    """``silu`` of a depthwise causal convolution: ``window [B, K-1+L, C]`` and ``weight [K, C]`` give
+    ``[B, L, C]``.
 
     The taps are shifted views of the window, summed in one fused pass (a grouped ``conv1d`` runs channel
     by channel on the CPU).
@@ -132,13 +133,11 @@ def gated_delta_chunked(
     k_decayed = (k * mx.exp(last - gamma)[..., None]).swapaxes(-1, -2)
     chunk_decay = mx.exp(last)[..., None]
 
-    outputs = []
-    for c in range(chunks):
-        if state is None:  # nothing to read from or decay: the first chunk stands alone
-            corrected = values[:, :, c]
-            outputs.append(attn[:, :, c] @ corrected)
-            state = k_decayed[:, :, c] @ corrected
-            continue
+    outputs, first = [], 0
+    if state is None:  # nothing to read or decay: the first chunk stands alone
+        outputs.append(attn[:, :, 0] @ values[:, :, 0])
+        state, first = k_decayed[:, :, 0] @ values[:, :, 0], 1
+    for c in range(first, chunks):
         corrected = mx.addmm(values[:, :, c], readers[:, :, c], state, alpha=-1.0)
         outputs.append(mx.addmm(attn[:, :, c] @ corrected, q_decayed[:, :, c], state))
         state = mx.addmm(state * chunk_decay[:, :, c], k_decayed[:, :, c], corrected)

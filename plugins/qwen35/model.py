@@ -13,12 +13,21 @@ from typing import Any, Literal
 
 import mlx.core as mx
 import mlx.nn as nn
-from pydantic import model_validator
-
 from mlxchat.cache import KVCache, LayerCache, StateCache
 from mlxchat.config import ModelConfig, RopeConfig
 from mlxchat.errors import CheckpointError
-from mlxchat.layers import CausalLM, Decoder, GatedDeltaNet, RMSNorm, RoPE, SparseMoE, SwiGLU, attend, stack_experts
+from mlxchat.layers import (
+    CausalLM,
+    Decoder,
+    GatedDeltaNet,
+    RMSNorm,
+    RoPE,
+    SparseMoE,
+    SwiGLU,
+    attend,
+    stack_experts,
+)
+from pydantic import model_validator
 
 LayerType = Literal["linear_attention", "full_attention"]
 
@@ -68,7 +77,8 @@ class Qwen35Config(ModelConfig):
     @model_validator(mode="after")
     def _check(self) -> Qwen35Config:
         if len(self.layer_types) != self.num_hidden_layers:
-            raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for "
+                             f"{self.num_hidden_layers} layers")
         if self.num_experts == 0 and self.intermediate_size == 0:
             raise ValueError("neither intermediate_size (dense) nor num_experts (MoE) is set")
         return self
@@ -85,7 +95,8 @@ class GatedAttention(nn.Module):
     def __init__(self, config: Qwen35Config, rope: RoPE):
         super().__init__()
         h, d, bias = config.hidden_size, config.head_dim, config.attention_bias
-        self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, d
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = d
         self.q_proj = nn.Linear(h, 2 * self.num_heads * d, bias=bias)
         self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
         self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
@@ -96,7 +107,8 @@ class GatedAttention(nn.Module):
 
     def __call__(self, x: mx.array, cache: KVCache | None = None) -> mx.array:
         batch, length, _ = x.shape
-        q, gate = mx.split(self.q_proj(x).reshape(batch, length, self.num_heads, 2 * self.head_dim), 2, axis=-1)
+        queries = self.q_proj(x).reshape(batch, length, self.num_heads, 2 * self.head_dim)
+        q, gate = mx.split(queries, 2, axis=-1)
         k = self.k_proj(x).reshape(batch, length, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).reshape(batch, length, self.num_kv_heads, self.head_dim)
         q, k, v = self.q_norm(q).swapaxes(1, 2), self.k_norm(k).swapaxes(1, 2), v.swapaxes(1, 2)
@@ -120,9 +132,10 @@ class Qwen35Block(nn.Module):
             self.self_attn = GatedAttention(config, rope)
         self.post_attention_layernorm = RMSNorm(h, eps)
         if config.num_experts:
+            shared = config.shared_expert_intermediate_size or None
             self.mlp: nn.Module = SparseMoE(h, config.moe_intermediate_size, config.num_experts,
                                             config.num_experts_per_tok, norm_topk_prob=True,
-                                            shared_intermediate_size=config.shared_expert_intermediate_size)
+                                            shared_intermediate_size=shared)
         else:
             self.mlp = SwiGLU(h, config.intermediate_size)
 

@@ -71,7 +71,8 @@ class XmlToolCallParser(ToolCallParser):
             if parameter is None:
                 end = body.find(_FUNCTION_CLOSE, pos)
                 resume = len(body) if end < 0 else end + len(_FUNCTION_CLOSE)
-                return ParsedCall(name, None, f"unexpected text in <function={name}>: {body[pos:pos + 40]!r}"), resume
+                error = f"unexpected text in <function={name}>: {body[pos:pos + 40]!r}"
+                return ParsedCall(name, None, error), resume
             key = parameter.group(1).strip()
             value_end, pos = _value_end(body, parameter.end(), schema)
             arguments[key] = coerce(_strip_newline(body[parameter.end() : value_end]), schema.get(key))
