@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
 _DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 _QUANT_MODES = ("affine", "mxfp4", "nvfp4", "mxfp8")
+_BITS = (2, 3, 4, 5, 6, 8)
 _SHOWN = 6
 
 
@@ -106,7 +107,7 @@ def _quantization(raw: dict[str, Any]) -> dict[str, Any] | None:
                     f"checkpoints (as `mlx_lm.convert -q` writes them: \"quantization\": {{\"group_size\", \"bits\"}})"
                 )
             mode = value.get("mode", "affine")
-            if mode not in _QUANT_MODES or value["bits"] not in (2, 3, 4, 5, 6, 8):
+            if mode not in _QUANT_MODES or value["bits"] not in _BITS:
                 raise UnsupportedQuantizationError(
                     f"config.json: quantization mode {mode!r} with {value['bits']} bits is not supported "
                     f"(modes: {', '.join(_QUANT_MODES)}; bits 2-6 or 8)"
@@ -116,15 +117,24 @@ def _quantization(raw: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def _quantize(module: nn.Module, weights: dict[str, mx.array], quantization: dict[str, Any]) -> None:
-    default = {k: quantization[k] for k in ("group_size", "bits")} | {"mode": quantization.get("mode", "affine")}
+    """Quantize the layers the checkpoint stores quantized, each with the bits and group size its own
+    tensors imply (per-layer overrides in config.json use the converter's module names, which need not
+    be ours, so the shapes are the reliable record)."""
+    mode = quantization.get("mode", "affine")
 
     def predicate(path: str, layer: nn.Module) -> bool | dict[str, Any]:
-        override = quantization.get(path)
-        if isinstance(override, dict):
-            return {**default, **{k: override[k] for k in ("group_size", "bits", "mode") if k in override}}
-        if override is False or not hasattr(layer, "to_quantized"):
+        scales = weights.get(f"{path}.scales")
+        packed = weights.get(f"{path}.weight")
+        if scales is None or packed is None or not hasattr(layer, "to_quantized"):
             return False
-        return default if f"{path}.scales" in weights else False
+        in_dims = layer.weight.shape[-1]
+        bits, group_size = packed.shape[-1] * 32 // in_dims, in_dims // scales.shape[-1]
+        if bits not in _BITS or packed.shape[-1] * 32 != bits * in_dims or group_size * scales.shape[-1] != in_dims:
+            raise UnsupportedQuantizationError(
+                f"{path}: quantized tensors of shapes {tuple(packed.shape)} and {tuple(scales.shape)} do not fit "
+                f"a layer with {in_dims} inputs"
+            )
+        return {"group_size": group_size, "bits": bits, "mode": mode}
 
     nn.quantize(module, class_predicate=predicate)
 

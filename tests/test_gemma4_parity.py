@@ -164,11 +164,12 @@ def test_fixture_configs_are_in_the_wrapper_layout() -> None:
         assert raw["text_config"]["sliding_window"] == WINDOW
 
 
-def test_mlx_lm_quantized_checkpoint_loads_and_matches_mlx_lm() -> None:
+@pytest.mark.parametrize("name", ["gemma4_q4", "gemma4_moe_q4"])
+def test_mlx_lm_quantized_checkpoint_loads_and_matches_mlx_lm(name: str) -> None:
     """mlx-lm's 4-bit conversion: its layout (``language_model.model.*``), quantized embeddings (the
-    per-layer table too) and the tied quantized head."""
-    ref = reference("gemma4_q4")
-    model = loaded("gemma4_q4")
+    per-layer table too), the tied quantized head, and 8-bit routers written under mlx-lm's own names."""
+    ref = reference(name)
+    model = loaded(name)
     assert model.quantization is not None and model.quantization["bits"] == 4
     assert_close(full_logits(model, ref["input_ids"]), ref["logits"])
     assert_close(chunked_logits(model, ref["input_ids"], [5, 11, 1, 7, 13]), ref["logits"])

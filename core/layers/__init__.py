@@ -1,36 +1,36 @@
 """Named layers plugins build their blocks from."""
 
-from .attention import Attention, attend
+from .attention import Attention, attend, window_mask
 from .decoder import CausalLM, Decoder
-from .mlp import SwiGLU
+from .gated_delta import GatedDeltaNet, RMSNormGated, gated_delta_chunked, gated_delta_step
+from .mlp import SwiGLU, gate_function, gelu_tanh_gate, silu_gate
 from .moe import SparseMoE, SwitchGLU, SwitchLinear, softmax_top_k, stack_experts
 from .norms import RMSNorm
-from .rope import RoPE
+from .rope import ProportionalRoPE, RoPE
+from .short_conv import ShortConv, depthwise_weight
 
 __all__ = [
     "Attention",
     "CausalLM",
     "Decoder",
+    "GatedDeltaNet",
+    "ProportionalRoPE",
     "RMSNorm",
+    "RMSNormGated",
     "RoPE",
+    "ShortConv",
     "SparseMoE",
     "SwiGLU",
     "SwitchGLU",
     "SwitchLinear",
     "attend",
+    "depthwise_weight",
+    "gate_function",
+    "gated_delta_chunked",
+    "gated_delta_step",
+    "gelu_tanh_gate",
+    "silu_gate",
     "softmax_top_k",
     "stack_experts",
+    "window_mask",
 ]
-
-from .short_conv import ShortConv, depthwise_weight  # noqa: E402
-
-__all__ += ["ShortConv", "depthwise_weight"]
-
-from .gated_delta import GatedDeltaNet, RMSNormGated, gated_delta_chunked, gated_delta_step  # noqa: E402
-
-__all__ += ["GatedDeltaNet", "RMSNormGated", "gated_delta_chunked", "gated_delta_step"]
-
-from .attention import window_mask  # noqa: E402
-from .rope import ProportionalRoPE  # noqa: E402
-
-__all__ += ["ProportionalRoPE", "window_mask"]

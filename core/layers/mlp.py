@@ -2,18 +2,46 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+
 import mlx.core as mx
 import mlx.nn as nn
 
 
-class SwiGLU(nn.Module):
-    """``down_proj(silu(gate_proj(x)) * up_proj(x))``."""
+@partial(mx.compile, shapeless=True)
+def silu_gate(gate: mx.array, x: mx.array) -> mx.array:
+    return nn.silu(gate) * x
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False):
+
+@partial(mx.compile, shapeless=True)
+def gelu_tanh_gate(gate: mx.array, x: mx.array) -> mx.array:
+    return nn.gelu_approx(gate) * x
+
+
+# Each gate is one fused kernel: MLX's CPU elementwise ops run one pass at a time, on one thread.
+GATES: dict[str, Callable[[mx.array, mx.array], mx.array]] = {
+    "silu": silu_gate,
+    "gelu_tanh": gelu_tanh_gate,
+    "gelu_pytorch_tanh": gelu_tanh_gate,
+}
+
+
+def gate_function(activation: str) -> Callable[[mx.array, mx.array], mx.array]:
+    if activation not in GATES:
+        raise ValueError(f"unsupported gate activation {activation!r} (supported: {', '.join(GATES)})")
+    return GATES[activation]
+
+
+class SwiGLU(nn.Module):
+    """``down_proj(act(gate_proj(x)) * up_proj(x))``: SiLU by default (SwiGLU), ``gelu_tanh`` for GeGLU."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, activation: str = "silu"):
         super().__init__()
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self._gate = gate_function(activation)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self._gate(self.gate_proj(x), self.up_proj(x)))

@@ -13,7 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import CheckpointError
-from .mlp import SwiGLU
+from .mlp import SwiGLU, gate_function
 
 # Below this many (token, expert) pairs, sorting tokens by expert costs more than it saves.
 _SORT_THRESHOLD = 64
@@ -67,13 +67,15 @@ class QuantizedSwitchLinear(nn.Module):
 
 
 class SwitchGLU(nn.Module):
-    """SwiGLU experts: ``x [..., D]`` and ``indices [..., k]`` give ``[..., k, D]``."""
+    """Gated experts (SiLU by default, see :class:`SwiGLU`): ``x [..., D]`` and ``indices [..., k]`` give
+    ``[..., k, D]``."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int):
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, activation: str = "silu"):
         super().__init__()
         self.gate_proj = SwitchLinear(hidden_size, intermediate_size, num_experts)
         self.up_proj = SwitchLinear(hidden_size, intermediate_size, num_experts)
         self.down_proj = SwitchLinear(intermediate_size, hidden_size, num_experts)
+        self._gate = gate_function(activation)
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         top_k, shape = indices.shape[-1], indices.shape
@@ -86,7 +88,7 @@ class SwitchGLU(nn.Module):
             inverse = mx.argsort(order)
             x = x.flatten(0, -3)[order // top_k]
             indices = flat[order]
-        hidden = nn.silu(self.gate_proj(x, indices, sort)) * self.up_proj(x, indices, sort)
+        hidden = self._gate(self.gate_proj(x, indices, sort), self.up_proj(x, indices, sort))
         out = self.down_proj(hidden, indices, sort)
         if sort:
             out = out[inverse].reshape(*shape, 1, out.shape[-1])

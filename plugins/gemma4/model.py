@@ -25,12 +25,13 @@ from mlxchat.layers import (
     ProportionalRoPE,
     RMSNorm,
     RoPE,
+    SwiGLU,
     SwitchGLU,
+    gelu_tanh_gate,
     softmax_top_k,
     stack_experts,
     window_mask,
 )
-from mlxchat.layers.moe import _SORT_THRESHOLD
 from pydantic import model_validator
 
 LayerType = Literal["sliding_attention", "full_attention"]
@@ -213,25 +214,6 @@ class Gemma4Attention(nn.Module):
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(batch, length, -1))
 
 
-class GeGLU(nn.Module):
-    """``down_proj(gelu_tanh(gate_proj(x)) * up_proj(x))``."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
-
-    def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(gelu_gate(self.gate_proj(x), self.up_proj(x)))
-
-
-@partial(mx.compile, shapeless=True)
-def gelu_gate(gate: mx.array, x: mx.array) -> mx.array:
-    """One fused kernel for the gate (MLX's CPU elementwise ops run one at a time, single-threaded)."""
-    return nn.gelu_approx(gate) * x
-
-
 class Gemma4Router(nn.Module):
     """Softmax over all experts of the weightless-normed, ``scale``-weighted input; top-k renormalised, then
     scaled per expert."""
@@ -249,26 +231,6 @@ class Gemma4Router(nn.Module):
         return weights * self.per_expert_scale[indices], indices
 
 
-class Gemma4Experts(SwitchGLU):
-    """:class:`SwitchGLU` experts gated by tanh-approximated GELU instead of SiLU."""
-
-    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
-        top_k, shape = indices.shape[-1], indices.shape
-        x = mx.expand_dims(x, (-2, -3))
-        sort = indices.size >= _SORT_THRESHOLD
-        if sort:
-            flat = indices.flatten()
-            order = mx.argsort(flat)
-            inverse = mx.argsort(order)
-            x = x.flatten(0, -3)[order // top_k]
-            indices = flat[order]
-        hidden = gelu_gate(self.gate_proj(x, indices, sort), self.up_proj(x, indices, sort))
-        out = self.down_proj(hidden, indices, sort)
-        if sort:
-            out = out[inverse].reshape(*shape, 1, out.shape[-1])
-        return out.squeeze(-2)
-
-
 class Gemma4Block(nn.Module):
     """Attention and feed-forward, each sandwiched between two norms; then the layer's per-layer-embedding
     residual, and the whole hidden state times ``layer_scalar``."""
@@ -280,13 +242,13 @@ class Gemma4Block(nn.Module):
         self.self_attn = Gemma4Attention(config, layer)
         self.post_attention_layernorm = RMSNorm(h, eps)
         self.pre_feedforward_layernorm = RMSNorm(h, eps)
-        self.mlp = GeGLU(h, config.mlp_width(layer))
+        self.mlp = SwiGLU(h, config.mlp_width(layer), activation="gelu_tanh")
         self.post_feedforward_layernorm = RMSNorm(h, eps)
         self.moe = config.enable_moe_block
         if self.moe:
             assert config.num_experts and config.top_k_experts and config.moe_intermediate_size
             self.router = Gemma4Router(h, config.num_experts, config.top_k_experts, eps)
-            self.switch_mlp = Gemma4Experts(h, config.moe_intermediate_size, config.num_experts)
+            self.switch_mlp = SwitchGLU(h, config.moe_intermediate_size, config.num_experts, activation="gelu_tanh")
             self.pre_feedforward_layernorm_2 = RMSNorm(h, eps)
             self.post_feedforward_layernorm_1 = RMSNorm(h, eps)
             self.post_feedforward_layernorm_2 = RMSNorm(h, eps)
@@ -309,7 +271,7 @@ class Gemma4Block(nn.Module):
             f = self.post_feedforward_layernorm_1(f) + self.post_feedforward_layernorm_2(experts)
         h = h + self.post_feedforward_layernorm(f)
         if per_layer_input is not None:
-            gated = gelu_gate(self.per_layer_input_gate(h), per_layer_input)
+            gated = gelu_tanh_gate(self.per_layer_input_gate(h), per_layer_input)
             h = h + self.post_per_layer_input_norm(self.per_layer_projection(gated))
         return h * self.layer_scalar
 
