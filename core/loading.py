@@ -57,7 +57,9 @@ def load_model(
         _quantize(module, weights, quantization)
     _check_tensors(module, weights, folder)
     target = _target_dtype(dtype, weights)
-    weights = {k: v.astype(target) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
+    cast = getattr(module, "cast_predicate", lambda name: True)
+    weights = {k: v.astype(target) if mx.issubdtype(v.dtype, mx.floating) and cast(k) else v
+               for k, v in weights.items()}
     module.load_weights(list(weights.items()), strict=True)
     module.eval()
     mx.eval(module.parameters())

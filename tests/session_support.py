@@ -32,7 +32,7 @@ def expected_reuse(session: mlxchat.ChatSession, prompt: list[int]) -> int:
     """How many prompt tokens the session's cache can honestly serve, computed from its state."""
     cache = session.cache
     limit = min(common_prefix_length(cache.tokens, prompt), len(prompt) - 1)
-    if not cache.needs_snapshots or limit == len(cache.tokens):
+    if all(layer.can_trim_to(limit) for layer in cache.layers):
         return limit
     return max([p for p in cache.snapshot_positions if p <= limit], default=0)
 

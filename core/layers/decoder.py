@@ -52,6 +52,10 @@ class CausalLM(nn.Module):
     def make_cache(self) -> list[LayerCache]:
         return [KVCache() for _ in self.model.layers]
 
+    def cast_predicate(self, name: str) -> bool:
+        """Whether a floating tensor is cast to the compute dtype on load (override to keep some as stored)."""
+        return True
+
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         weights = {k: v for k, v in weights.items() if not k.endswith("rotary_emb.inv_freq")}
         if self.config.tie_word_embeddings:

@@ -305,7 +305,8 @@ class Gemma4TextModel(Decoder):
     def per_layer_inputs(self, tokens: mx.array, embeddings: mx.array) -> mx.array:
         """``[batch, length, layers, ple_dim]``: token rows plus the normalised embedding projection."""
         shape = (*tokens.shape, len(self.layers), self.ple_dim)
-        rows = self.embed_tokens_per_layer(tokens)
+        # The table stays in the checkpoint's dtype (see cast_predicate); its rows join the compute dtype.
+        rows = self.embed_tokens_per_layer(tokens).astype(embeddings.dtype)
         rows = (rows * mx.array(math.sqrt(self.ple_dim), rows.dtype)).reshape(shape)
         context = self.per_layer_model_projection(embeddings) * (embeddings.shape[-1] ** -0.5)
         context = self.per_layer_projection_norm(context.reshape(shape))
@@ -331,6 +332,11 @@ class Gemma4ForCausalLM(CausalLM):
     def __init__(self, config: Gemma4Config):
         super().__init__(config, Gemma4TextModel(config))
         self.softcap = config.final_logit_softcapping
+
+    def cast_predicate(self, name: str) -> bool:
+        """The per-layer embedding table (262144 x 8960 in E2B: 9.4 GB as float32) is only ever looked up,
+        a few rows a token: keep it in the checkpoint's dtype."""
+        return "embed_tokens_per_layer" not in name
 
     def __call__(self, tokens: mx.array, cache: list[LayerCache] | None = None) -> mx.array:  # type: ignore[override]
         logits = self.project(self.model(tokens, cache))

@@ -164,6 +164,10 @@ class Lfm2ForCausalLM(CausalLM):
     def make_cache(self) -> list[LayerCache]:
         return [KVCache() if layer.is_attention else StateCache(1) for layer in self.model.layers]
 
+    def cast_predicate(self, name: str) -> bool:
+        """``expert_bias`` only ranks experts: keep it as stored (a bfloat16 cast can reorder close scores)."""
+        return not name.endswith("expert_bias")
+
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         out = {}
         for key, value in super().sanitize(weights).items():
