@@ -1,0 +1,88 @@
+"""From raw worker results to table rows: medians over repetitions, fractions of the hardware bound, and
+mlxchat's ratio to each other engine."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from .limits import bounds
+
+
+def _median(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+def speed_row(jobs: list[dict[str, Any]], work: dict[str, Any], limits: dict[str, Any]) -> dict[str, Any]:
+    """One engine on one model: medians over its repetitions."""
+    ok = [j for j in jobs if "error" not in j]
+    if not ok:
+        return {"failed": jobs[-1]["error"], "raw": jobs}
+    lengths = sorted({r["prompt"] for j in ok for r in j["runs"]})
+    prefill = {}
+    for n in lengths:
+        runs = [r for j in ok for r in j["runs"] if r["prompt"] == n]
+        prefill[str(n)] = {
+            "tps": statistics.median(r["prefill_tps"] for r in runs),
+            "ttft_s": statistics.median(r["ttft_s"] for r in runs),
+        }
+    decode_runs = [r for j in ok for r in j["runs"] if "decode_tps" in r]
+    decode = _median([r["decode_tps"] for r in decode_runs])
+    limit = bounds(work, limits, ok[0]["dtype"])
+    peaks = [max(r["peak_bytes"] or 0 for r in j["runs"]) for j in ok]
+    return {
+        "dtype": ok[0]["dtype"],
+        "blas": ok[0]["blas"],
+        "reps": len(ok),
+        "prefill": prefill,
+        "decode_tps": decode,
+        "decode_tokens": decode_runs[0]["generated"] if decode_runs else None,
+        "peak_gb": statistics.median(peaks) / 1e9 if any(peaks) else None,
+        "rss_gb": statistics.median(j["peak_rss_bytes"] for j in ok) / 1e9,
+        "load_s": statistics.median(j["load_s"] for j in ok),
+        "bounds": limit,
+        "decode_fraction": decode / limit["decode_bound_tps"] if decode else None,
+        "prefill_fraction": {n: p["tps"] / limit["prefill_bound_tps"] for n, p in prefill.items()},
+        "errors": [j["error"] for j in jobs if "error" in j],
+        "raw": jobs,
+    }
+
+
+def ratios(rows: dict[str, Any], other: str) -> dict[str, float | None]:
+    """mlxchat's throughput over another engine's, per metric (above 1: mlxchat is faster)."""
+    mine, theirs = rows.get("mlxchat", {}), rows.get(other, {})
+    if "prefill" not in mine or "prefill" not in theirs:
+        return {}
+
+    def over(a: float | None, b: float | None) -> float | None:
+        return a / b if a and b else None
+
+    out = {
+        f"prefill_{n}": over(p["tps"], theirs["prefill"].get(n, {}).get("tps"))
+        for n, p in mine["prefill"].items()
+    }
+    first = next(iter(mine["prefill"]))
+    if first in theirs["prefill"]:
+        out["ttft_speedup"] = over(theirs["prefill"][first]["ttft_s"], mine["prefill"][first]["ttft_s"])
+    out["decode"] = over(mine.get("decode_tps"), theirs.get("decode_tps"))
+    return out
+
+
+def session_rows(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The mlxchat job's columns (session, stateless) beside the mlx-lm job's, turn by turn."""
+    notes, columns = [], []
+    for engine, result in results.items():
+        if "unavailable" in result:
+            notes.append(result["unavailable"])
+        elif "error" in result:
+            notes.append(f"{engine}: {result['error']}")
+        else:
+            columns.append(result["rows"])
+    rows = []
+    for parts in zip(*columns, strict=True) if columns else ():
+        merged: dict[str, Any] = {}
+        for part in parts:
+            merged.update(part)
+        rows.append(merged)
+    return {"notes": notes, "rows": rows, "raw": results}
