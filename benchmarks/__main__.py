@@ -167,16 +167,8 @@ class Run:
         self.limits = self.job({"job": "limits", "device": device})
         self.models = self.select_models()
         self.engines = self.select_engines()
-        self.folders = {key: self.ensure_checkpoint(key) for key in self.models}
-        self.works = {key: token_work(self.folders[key]) for key in self.models}
-        for key in self.models:
-            for engine in (e for e in self.engines if e.startswith("llama.cpp")):
-                self.log(f"converting {key} to GGUF {engine.split('-')[-1]}")
-                subprocess.run(
-                    [sys.executable, "-m", "benchmarks.gguf", str(self.folders[key]), engine.split("-")[-1]],
-                    cwd=HERE.parent,
-                    check=False,
-                )
+        self.folders: dict[str, Path] = {}
+        self.works: dict[str, dict[str, Any]] = {}
 
     def select_models(self) -> list[str]:
         """The requested models that an mlxchat plugin serves and that fit in memory at mlxchat's dtype."""
@@ -190,7 +182,7 @@ class Run:
             if spec.model_type not in self.info["model_types"]:
                 reason = f"plugin not available (no mlxchat plugin serves model_type {spec.model_type!r} yet)"
             else:
-                short = host.memory_shortfall(spec.params, self.compute_dtype)
+                short = host.memory_shortfall("mlxchat", spec.params, spec.lookup_params, self.compute_dtype)
                 reason = f"does not fit for mlxchat on this machine ({short})" if short else None
             if reason:
                 self.not_measured.append(f"{spec.title}: {reason}")
@@ -211,15 +203,29 @@ class Run:
             wanted = [name for name in wanted if not name.startswith("llama.cpp")]
         return wanted
 
-    def ensure_checkpoint(self, key: str) -> Path:
+    def checkpoint(self, key: str) -> Path:
+        """The model's checkpoint folder, built (and converted to GGUF) the first time a task needs it."""
+        if key in self.folders:
+            return self.folders[key]
+        folder = folder_of(key, self.args.checkpoints)
         if not is_built(key, self.args.checkpoints):
             self.log(f"building checkpoint {key} (once; transformers, bf16)")
+            command = [
+                sys.executable,
+                "-m",
+                "benchmarks.checkpoints",
+                key,
+                "--root",
+                str(self.args.checkpoints),
+            ]
+            subprocess.run(command, cwd=HERE.parent, check=True)
+        for kind in (e.split("-")[-1] for e in self.engines if e.startswith("llama.cpp")):
+            self.log(f"converting {key} to GGUF {kind}")
             subprocess.run(
-                [sys.executable, "-m", "benchmarks.checkpoints", key, "--root", str(self.args.checkpoints)],
-                cwd=HERE.parent,
-                check=True,
+                [sys.executable, "-m", "benchmarks.gguf", str(folder), kind], cwd=HERE.parent, check=False
             )
-        return folder_of(key, self.args.checkpoints)
+        self.folders[key], self.works[key] = folder, token_work(folder)
+        return folder
 
     def engines_for(self, key: str) -> list[str]:
         """mlx-lm (defaults) is slow on a CPU (bfloat16 on the reference BLAS): one model unless asked."""
@@ -267,9 +273,11 @@ class Run:
                 )
                 continue
             dtype = ROW_DTYPES.get(task.engine, self.compute_dtype)
-            short = host.memory_shortfall(self.works[task.key]["total_params"], dtype)
+            spec = MODELS[task.key]
+            short = host.memory_shortfall(task.engine, spec.params, spec.lookup_params, dtype)
             if short:
-                self.not_measured.append(f"{label}: {short}")
+                note = f"{spec.title} {task.engine}: does not fit in memory now, {short}"
+                self.not_measured += [note] if note not in self.not_measured else []
                 continue
             self.log(label)
             job = self.speed_job(task) if task.kind == "speed" else self.sessions_job(task)
@@ -287,7 +295,7 @@ class Run:
         return 0.0
 
     def speed_job(self, task: Task) -> dict[str, Any]:
-        folder, short = self.folders[task.key], task.engine in SHORT
+        folder, short = self.checkpoint(task.key), task.engine in SHORT
         return {
             "job": "speed",
             "engine": task.engine,
@@ -301,7 +309,7 @@ class Run:
         }
 
     def sessions_job(self, task: Task) -> dict[str, Any]:
-        folder, args = self.folders[task.key], self.args
+        folder, args = self.checkpoint(task.key), self.args
         history = args.history_tokens
         return {
             "job": "sessions",
@@ -320,7 +328,7 @@ class Run:
 
     def collect(self) -> dict[str, Any]:
         models = {}
-        for key in self.models:
+        for key in self.folders:
             rows = {
                 e: summary.speed_row(self.raw[("speed", key, e)], self.works[key], self.limits)
                 for e in self.engines_for(key)

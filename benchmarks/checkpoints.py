@@ -74,6 +74,8 @@ class BenchModel:
     real_tokenizer: str | None
     params: float
     """Parameter count (checks memory before a checkpoint is built)."""
+    lookup_params: float
+    """Of which in per-layer embedding tables (read a row at a time; a plugin may keep them stored)."""
     make: Callable[[], tuple[Any, Any]] = field(repr=False)
     """Returns (transformers model class, config)."""
     patch: Callable[[dict[str, Any]], None] = field(repr=False)
@@ -345,6 +347,7 @@ MODELS: dict[str, BenchModel] = {
             pad="<|endoftext|>",
             real_tokenizer="qwen3",
             params=0.596e9,
+            lookup_params=0,
             make=_qwen3_dense,
             patch=_qwen3_release,
         ),
@@ -360,6 +363,7 @@ MODELS: dict[str, BenchModel] = {
             pad="<|pad|>",
             real_tokenizer=None,
             params=0.354e9,
+            lookup_params=0,
             make=_lfm2,
             patch=_lfm2_release,
         ),
@@ -375,6 +379,7 @@ MODELS: dict[str, BenchModel] = {
             pad="<|endoftext|>",
             real_tokenizer="qwen3.5",
             params=0.752e9,
+            lookup_params=0,
             make=_qwen35,
             patch=_qwen35_release,
             rename=_qwen35_name,
@@ -391,6 +396,7 @@ MODELS: dict[str, BenchModel] = {
             pad="<|endoftext|>",
             real_tokenizer="qwen3",
             params=1.558e9,
+            lookup_params=0,
             make=_qwen3_moe,
             patch=_qwen3_release,
         ),
@@ -406,6 +412,7 @@ MODELS: dict[str, BenchModel] = {
             pad="<pad>",
             real_tokenizer=None,
             params=4.629e9,
+            lookup_params=262144 * 35 * 256,
             make=_gemma4,
             patch=_gemma4_release,
         ),

@@ -51,13 +51,24 @@ def available_memory() -> float | None:
     return None
 
 
-def memory_shortfall(params: float, dtype: str) -> str | None:
-    """Why a row would not fit in memory now, or None: weights in the compute dtype, plus the stored
-    bfloat16 copy while it is converted, plus 1 GB."""
+def weight_bytes(engine: str, params: float, lookup: float, dtype: str) -> float:
+    """Peak bytes of an engine's weights while it loads a bfloat16 checkpoint into ``dtype``.
+
+    mlxchat reads the stored weights, then converts all but lookup tables (per-layer embeddings stay
+    stored); mlx-lm converts lazily, tensor by tensor; llama.cpp maps its GGUF file.
+    """
+    size = BYTES_PER_PARAM.get(dtype, 4.0)
+    if engine == "mlxchat" and dtype != "bfloat16":
+        return 2 * params + size * (params - lookup)
+    return size * params
+
+
+def memory_shortfall(engine: str, params: float, lookup: float, dtype: str) -> str | None:
+    """Why a row would not fit in memory now (its weights plus 1 GB), or None."""
     free = available_memory()
     if free is None:
         return None
-    need = params * (BYTES_PER_PARAM.get(dtype, 4.0) + (0 if dtype == "bfloat16" else 2)) + 1e9
+    need = weight_bytes(engine, params, lookup, dtype) + 1e9
     if need <= free:
         return None
-    return f"needs about {need / 1e9:.0f} GB in {dtype}, {free / 1e9:.0f} GB available"
+    return f"needs about {need / 1e9:.0f} GB ({dtype}), {free / 1e9:.0f} GB available"
