@@ -21,7 +21,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 from pydantic import BaseModel, Field
 
-from .errors import SessionClosedError, SessionStateError, StreamConsumedError
+from .errors import SessionClosedError, SessionStateError, StreamConsumedError, TemplateError
 from .generation import FinishReason, GenerationChunk, GenerationConfig, GenerationReport
 from .messages import ChatMessage, ToolCall
 from .prompt_cache import PromptCache, common_prefix_length
@@ -423,7 +423,9 @@ class ChatSession:
         markers = self._model.reasoning_markers
         inside = markers is not None and generation_prompt.rfind(markers[0]) > generation_prompt.rfind(markers[1])
         parser = ReplyParser(markers, inside, self._model.tool_parser(tools), self._new_call_id)
-        checkpoints = (common_prefix_length(head, prompt), len(prompt) - 1)
+        checkpoints = {common_prefix_length(head, prompt), len(prompt) - 1}
+        if self._cache is not None and self._cache.needs_snapshots:
+            checkpoints |= self._reply_starts(history, tools, kwargs, prompt)
 
         tokens: list[int] = []
         report: GenerationReport | None = None
@@ -437,6 +439,27 @@ class ChatSession:
         self._cache.checkpoint()
         assert report is not None
         yield _TurnEnd(parser, report, tokens)
+
+    def _reply_starts(self, history: list[dict[str, Any]], tools: list[ToolSpec], kwargs: dict[str, Any],
+                      prompt: list[int]) -> set[int]:
+        """Where the turns before earlier replies end in ``prompt``, beyond what the cache holds (a primed
+        transcript, an edit): templates re-render a reply differently once a later user turn exists (they
+        drop its reasoning), so a cache that cannot be cut back wants a snapshot just before each reply."""
+        assert self._cache is not None
+        held = common_prefix_length(self._cache.tokens, prompt)
+        starts: set[int] = set()
+        for index in range(len(history) - 1, 0, -1):
+            if history[index]["role"] != "assistant":
+                continue
+            try:
+                _, ids = self._model.render_prompt(history[:index], tools=tools or None,
+                                                   add_generation_prompt=False, **kwargs)
+            except TemplateError:  # a prefix this template refuses to render: no snapshot there
+                continue
+            starts.add(common_prefix_length(ids, prompt))
+            if min(starts) <= held:
+                break
+        return starts
 
     def _commit(self, events: list[ReplyEvent], end: _TurnEnd, abandoned: bool) -> ChatResult:
         """Append the reply as the reader received it, and record its report and calls."""

