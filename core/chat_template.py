@@ -143,7 +143,8 @@ class ChatTemplate:
             raise CheckpointError(f"chat template does not parse: {exc}") from exc
         controls = sorted(tokenizer.added_tokens, key=len, reverse=True)
         self._controls_re = re.compile("|".join(map(re.escape, controls)) or "(?!)")
-        self._markers_re = re.compile(f"{_MARK_START}({self._controls_re.pattern}){_MARK_END}|[{_MARK_START}{_MARK_END}]")
+        marked = f"{_MARK_START}({self._controls_re.pattern}){_MARK_END}"
+        self._markers_re = re.compile(f"{marked}|[{_MARK_START}{_MARK_END}]")
 
     @property
     def takes_tools(self) -> bool:

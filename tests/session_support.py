@@ -37,8 +37,8 @@ def expected_reuse(session: mlxchat.ChatSession, prompt: list[int]) -> int:
     return max([p for p in cache.snapshot_positions if p <= limit], default=0)
 
 
-def assert_matches_stateless(model: mlxchat.GenerativeModel, session: mlxchat.ChatSession,
-                             result: mlxchat.ChatResult, config: dict[str, Any], tools: list[Any] | None = None) -> None:
+def assert_matches_stateless(model: mlxchat.GenerativeModel, session: mlxchat.ChatSession, result: mlxchat.ChatResult,
+                             config: dict[str, Any], tools: list[Any] | None = None) -> None:
     """The reply equals a stateless run over the visible history before it, token for token."""
     history = session.messages[:-1]
     assert result.tokens == stateless_tokens(model, history, config, tools)

@@ -7,11 +7,12 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import FIXTURES, fixture_path
 
 from mlxchat.chat_template import ChatTemplate, normalize_messages
 from mlxchat.errors import TemplateError
 from mlxchat.tokenizer import Tokenizer
+
+from conftest import FIXTURES, fixture_path
 
 TEMPLATES = Path(__file__).resolve().parent / "data" / "templates"
 RENDERS = json.loads((FIXTURES / "qwen3_templates" / "renders.json").read_text())

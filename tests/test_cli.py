@@ -8,10 +8,11 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import fixture_path
 
 from mlxchat.cli import main
 from mlxchat.tokenizer import Tokenizer
+
+from conftest import fixture_path
 
 MODEL = str(fixture_path("qwen3"))
 

@@ -6,11 +6,12 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from conftest import loaded
 
 import mlxchat
 from mlxchat.detokenizer import StreamingDetokenizer
 from mlxchat.generation import GenerationConfig, StopStrings
+
+from conftest import loaded
 
 PROMPT = [5, 77, 300, 12, 9, 41]
 

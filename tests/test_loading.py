@@ -12,12 +12,13 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import fixture_path, loaded, reference
-from parity import assert_close, full_logits
 
 import mlxchat
 from mlxchat import CheckpointError, UnknownModelTypeError, UnsupportedQuantizationError
 from mlxchat.config import RopeConfig, normalize_rope
+
+from conftest import fixture_path, loaded, reference
+from parity import assert_close, full_logits
 
 registry_module = importlib.import_module("mlxchat.registry")  # the module, not the function
 
@@ -209,8 +210,8 @@ class ToyBlock(nn.Module):
 class ToyLM(CausalLM):
     def __init__(self, c):
         rope = RoPE(c.hidden_size // c.num_attention_heads, c.rope)
-        super().__init__(c, Decoder(c.vocab_size, c.hidden_size, [ToyBlock(c, rope) for _ in range(c.num_hidden_layers)],
-                                    RMSNorm(c.hidden_size)))
+        blocks = [ToyBlock(c, rope) for _ in range(c.num_hidden_layers)]
+        super().__init__(c, Decoder(c.vocab_size, c.hidden_size, blocks, RMSNorm(c.hidden_size)))
 
 
 @hookimpl
@@ -224,7 +225,8 @@ def test_a_third_party_plugin_registers_through_the_entry_point_group(tmp_path: 
     site = tmp_path / "site"
     (site / "toy_plugin-0.1.dist-info").mkdir(parents=True)
     (site / "toy_plugin.py").write_text(textwrap.dedent(TOY_PLUGIN))
-    (site / "toy_plugin-0.1.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: toy-plugin\nVersion: 0.1\n")
+    metadata = "Metadata-Version: 2.1\nName: toy-plugin\nVersion: 0.1\n"
+    (site / "toy_plugin-0.1.dist-info" / "METADATA").write_text(metadata)
     (site / "toy_plugin-0.1.dist-info" / "entry_points.txt").write_text("[mlxchat.plugins]\ntoy = toy_plugin\n")
     monkeypatch.syspath_prepend(str(site))
     fresh = registry_module.Registry()

@@ -9,11 +9,12 @@ import threading
 from pathlib import Path
 
 import pytest
-from conftest import fixture_path, loaded
-from session_support import GREEDY
 
 import mlxchat
 from mlxchat import SessionClosedError, SessionStateError, StreamConsumedError, tool
+
+from conftest import fixture_path, loaded
+from session_support import GREEDY
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]

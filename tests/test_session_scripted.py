@@ -8,10 +8,11 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import loaded
-from session_support import assert_matches_stateless, expected_reuse, prompt_ids
 
 import mlxchat
+
+from conftest import loaded
+from session_support import assert_matches_stateless, expected_reuse, prompt_ids
 
 SCRIPTS = json.loads((Path(__file__).resolve().parent / "data" / "chat_scripts.json").read_text())
 SCRIPT = {s["name"]: s for s in SCRIPTS["scripts"]}

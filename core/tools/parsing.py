@@ -75,8 +75,8 @@ class ToolCallParser:
             if not self._in_call:
                 index = self._buffer.find(self.start)
                 if index < 0:
-                    keep = held_prefix(self._buffer, self.start)
-                    ready, self._buffer = self._buffer[: len(self._buffer) - keep], self._buffer[len(self._buffer) - keep :]
+                    cut = len(self._buffer) - held_prefix(self._buffer, self.start)
+                    ready, self._buffer = self._buffer[:cut], self._buffer[cut:]
                     if ready:
                         out.append(ready)
                     return out
