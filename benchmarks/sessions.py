@@ -13,7 +13,9 @@ template every turn:
 Scenarios: a 10-turn chat; a long first message (a ~4k-token report) and follow-up questions; for models
 with layer state that cannot be cut back (hybrids) also regenerating the last reply and rewinding two
 turns. Time to first token is counted from just after the render (cache lookup included) to the first
-generated token. Replies are greedy and short: only prefill differs between the three ways.
+generated token, after a warm-up generation. Replies are greedy and short: only prefill differs between
+the three ways. mlx-lm renders through its own tokenizer wrapper, as its server does (which, for instance,
+turns thinking on where the vocabulary has think tokens), so its prompts may differ by a few tokens.
 """
 
 from __future__ import annotations
@@ -76,6 +78,7 @@ def run_mlxchat(folder: str, steps: list[dict[str, Any]], reply_tokens: int) -> 
 
     model = mlxchat.load_model(folder)
     config = GenerationConfig(max_tokens=reply_tokens, temperature=0.0)
+    model.generate(model.encode(SYSTEM), config.merged({"max_tokens": 2}))  # warm-up, fresh cache
     session = model.chat_session(system=SYSTEM, default_config=config)
     rows = []
     for step in steps:
@@ -144,6 +147,7 @@ def run_mlx_lm(engine: Any, steps: list[dict[str, Any]], reply_tokens: int) -> l
     from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
 
     model, tokenizer = engine.model, engine.tokenizer
+    list(stream_generate(model, tokenizer, tokenizer.encode(SYSTEM), max_tokens=2))  # warm-up, fresh cache
     eos = set(tokenizer.eos_token_ids)
     store = LRUPromptCache(max_size=10)
     conversation = Conversation()
