@@ -100,10 +100,8 @@ def plain_data(value: Any) -> Any:
     """Messages and tools as plain JSON types (pydantic models dumped), the only things a template sees."""
     if value is None or type(value) in (str, int, float, bool):
         return value
-    if isinstance(value, str):
+    if isinstance(value, str):  # subclasses (enums, ...) lose their extra methods
         return str.__str__(value)
-    if isinstance(value, bool):
-        return bool(value)
     if isinstance(value, int):
         return int.__int__(value)
     if isinstance(value, float):

@@ -210,7 +210,6 @@ class ChatSession:
         self._busy = False
         self._lock = threading.Lock()
         self._calls_made = 0
-        self._turns = 0
 
     # -- state ----------------------------------------------------------------------------------------
 
@@ -347,7 +346,6 @@ class ChatSession:
         self._messages = keep
         self._report = None
         self._tool_calls = []
-        self._turns = 0
 
     def close(self) -> None:
         """End the session and free its cache; the model stays open. Later calls raise."""
@@ -363,7 +361,7 @@ class ChatSession:
         """
         self._check_open()
         self._check_idle()
-        if self._turns or any(m.role != "system" for m in self._messages):
+        if any(m.role != "system" for m in self._messages):
             raise SessionStateError("prime_history() is for a session that has not spoken yet; reset() it first")
         primed = [ChatMessage.coerce(m) for m in messages]
         if self._system and not (primed and primed[0].role == "system"):
@@ -479,7 +477,6 @@ class ChatSession:
                                           tool_calls=ok_calls or None))
         self._report = report
         self._tool_calls = calls
-        self._turns += 1
         return ChatResult(text=text, thinking=thinking, tool_calls=calls, finish_reason=finish, report=report,
                           tokens=end.tokens)
 
