@@ -39,16 +39,15 @@ def parse(argv: list[str]) -> argparse.Namespace:
     add = parser.add_argument
     add(
         "--models",
-        help=f"comma-separated checkpoints (default: every one an mlxchat plugin serves, of "
-        f"{', '.join(MODELS)})",
+        help=f"comma-separated checkpoints (default: every one an mlxchat plugin serves, of {', '.join(MODELS)})",
     )
     add("--engines", help=f"comma-separated engines (default: those available of {', '.join(ENGINES)})")
     add("--reps", type=int, default=3, help="repetitions per row, at most (default 3)")
     add(
         "--budget",
         type=float,
-        default=14.0,
-        help="minutes; after the first model, work starts only if it fits (default 14; 0: no limit)",
+        default=13.0,
+        help="minutes; after the first model, work starts only if it fits (default 13; 0: no limit)",
     )
     add("--prefill", default="128,512,2048", help="prompt lengths (default 128,512,2048)")
     add("--decode", type=int, default=64, help="tokens decoded after the first prompt (default 64)")
@@ -221,9 +220,7 @@ class Run:
             subprocess.run(command, cwd=HERE.parent, check=True)
         for kind in (e.split("-")[-1] for e in self.engines if e.startswith("llama.cpp")):
             self.log(f"converting {key} to GGUF {kind}")
-            subprocess.run(
-                [sys.executable, "-m", "benchmarks.gguf", str(folder), kind], cwd=HERE.parent, check=False
-            )
+            subprocess.run([sys.executable, "-m", "benchmarks.gguf", str(folder), kind], cwd=HERE.parent, check=False)
         self.folders[key], self.works[key] = folder, token_work(folder)
         return folder
 
@@ -255,9 +252,7 @@ class Run:
         for rep in range(1, self.args.reps):
             for index, key in enumerate(self.models):
                 engines = [e for e in self.engines_for(key) if e not in SHORT]
-                tasks += [
-                    Task("speed", key, e, rep) for e in (engines if (index + rep) % 2 == 0 else engines[::-1])
-                ]
+                tasks += [Task("speed", key, e, rep) for e in (engines if (index + rep) % 2 == 0 else engines[::-1])]
         return tasks
 
     # -- measuring --------------------------------------------------------------------------------
@@ -268,8 +263,7 @@ class Run:
             label = f"{MODELS[task.key].title} {task.engine} {task.kind} run {task.rep + 1}"
             if budget and not task.always and self.elapsed() + self.estimate(task) > budget:
                 self.not_measured.append(
-                    f"{label}: left out, the {self.args.budget:g}-minute budget was spent "
-                    f"(--budget 0 runs everything)"
+                    f"{label}: left out, the {self.args.budget:g}-minute budget was spent (--budget 0 runs everything)"
                 )
                 continue
             dtype = ROW_DTYPES.get(task.engine, self.compute_dtype)
@@ -335,18 +329,14 @@ class Run:
                 if ("speed", key, e) in self.raw
             }
             sessions = {
-                e: self.raw[("sessions", key, e)][0]
-                for e in ("mlxchat", "mlx-lm")
-                if ("sessions", key, e) in self.raw
+                e: self.raw[("sessions", key, e)][0] for e in ("mlxchat", "mlx-lm") if ("sessions", key, e) in self.raw
             }
             models[key] = {
                 "title": MODELS[key].title,
                 "checkpoint": json.loads((self.folders[key] / MARKER).read_text()),
                 "work": self.works[key],
                 "engines": rows,
-                "ratios": {
-                    e: summary.ratios(rows, e) for e in rows if e != "mlxchat" and summary.ratios(rows, e)
-                },
+                "ratios": {e: summary.ratios(rows, e) for e in rows if e != "mlxchat" and summary.ratios(rows, e)},
                 "sessions": summary.session_rows(sessions) if sessions else None,
             }
         notes: dict[str, str] = {}

@@ -574,9 +574,7 @@ def build(spec: BenchModel, root: Path = DEFAULT_DIR) -> Path:
 
 
 def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.checkpoints", description=__doc__.split("\n")[0]
-    )
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.checkpoints", description=__doc__.split("\n")[0])
     parser.add_argument("keys", nargs="*", help=f"checkpoints to build (default: all of {', '.join(MODELS)})")
     parser.add_argument("--force", action="store_true", help="rebuild even if present")
     parser.add_argument("--root", type=Path, default=DEFAULT_DIR, help="where checkpoints live")

@@ -111,7 +111,8 @@ class Mlxchat(MlxEngine):
         info = mlxchat.runtime_info()
         self.info = info
         self.dtype = _mlx_dtype_name(self.model.dtype)
-        self.blas = info["blas"] + (" + gemv route" if info["gemv_route"] else "")
+        where = f" ({info['blas_path']})" if info["blas_path"] else ""
+        self.blas = info["blas"] + where + (" + single-row gemv route" if info["gemv_route"] else "")
 
     def stream(self, ids: list[int], max_tokens: int) -> Iterator[int]:
         from mlxchat import GenerationConfig
@@ -177,9 +178,7 @@ class LlamaCpp(Engine):
         self.name = name
         self.dtype = name.split("-")[-1].upper()
         self.blas = "llama.cpp (ggml CPU kernels)"
-        self.llm = Llama(
-            model_path=str(gguf), n_ctx=context, n_batch=512, n_threads=os.cpu_count(), verbose=False
-        )
+        self.llm = Llama(model_path=str(gguf), n_ctx=context, n_batch=512, n_threads=os.cpu_count(), verbose=False)
 
     def stream(self, ids: list[int], max_tokens: int) -> Iterator[int]:
         eos = self.llm.token_eos()

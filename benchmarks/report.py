@@ -39,11 +39,7 @@ def header(results: dict[str, Any]) -> list[str]:
         f"mlx-lm {machine['mlx_lm']}.",
         f"- Limits (measured in this run): memory read {limits['bandwidth_gbs']:.1f} GB/s, float32 GEMM "
         f"{limits['gemm_gflops']:.0f} GFLOP/s"
-        + (
-            f", bfloat16 GEMM {limits['gemm_gflops_bfloat16']:.0f} GFLOP/s"
-            if "gemm_gflops_bfloat16" in limits
-            else ""
-        )
+        + (f", bfloat16 GEMM {limits['gemm_gflops_bfloat16']:.0f} GFLOP/s" if "gemm_gflops_bfloat16" in limits else "")
         + f" ({limits['method']}). Decode is compared with bandwidth / "
         f"weight bytes a token reads, prefill with GEMM FLOP/s / (2 × parameters a prompt token multiplies).",
     ]

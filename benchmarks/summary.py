@@ -58,10 +58,7 @@ def ratios(rows: dict[str, Any], other: str) -> dict[str, float | None]:
     def over(a: float | None, b: float | None) -> float | None:
         return a / b if a and b else None
 
-    out = {
-        f"prefill_{n}": over(p["tps"], theirs["prefill"].get(n, {}).get("tps"))
-        for n, p in mine["prefill"].items()
-    }
+    out = {f"prefill_{n}": over(p["tps"], theirs["prefill"].get(n, {}).get("tps")) for n, p in mine["prefill"].items()}
     first = next(iter(mine["prefill"]))
     if first in theirs["prefill"]:
         out["ttft_speedup"] = over(theirs["prefill"][first]["ttft_s"], mine["prefill"][first]["ttft_s"])
