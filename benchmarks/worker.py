@@ -35,7 +35,7 @@ def info(_: dict[str, Any]) -> dict[str, Any]:
     from .gguf import available
 
     stored = "stored"
-    policy = default_dtype(stored)
+    policy = default_dtype(stored)  # the checkpoint's dtype (returned as given) on a GPU, float32 on a CPU
     return {
         **mlxchat.runtime_info(),
         "model_types": mlxchat.registry().known_model_types(),
