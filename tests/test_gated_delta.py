@@ -6,6 +6,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
+
 from mlxchat.cache import StateCache
 from mlxchat.layers import GatedDeltaNet, RMSNormGated, gated_delta_chunked, gated_delta_step
 

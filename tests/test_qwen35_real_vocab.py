@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from mlxchat.chat_template import ChatTemplate
 from mlxchat.detokenizer import StreamingDetokenizer
 from mlxchat.reply import ReplyParser, ThinkingDelta, ToolCallEvent

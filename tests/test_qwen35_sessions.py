@@ -11,9 +11,11 @@ import json
 from collections.abc import Iterator
 
 import mlx.core as mx
+import pytest
+
 import mlxchat
 import mlxchat.generation
-import pytest
+
 from conftest import loaded
 from session_support import GREEDY, assert_matches_stateless, prompt_ids
 

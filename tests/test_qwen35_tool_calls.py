@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import re
 
-import mlxchat
-from conftest import loaded
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+import mlxchat
 from mlxchat.tools.parsing import CallBlock, ParsedCall
 from mlxchat_qwen35.tool_parser import XmlToolCallParser, coerce
+
+from conftest import loaded
 
 
 def function(name: str, **properties: dict) -> dict:

@@ -13,6 +13,8 @@ from typing import Any, Literal
 
 import mlx.core as mx
 import mlx.nn as nn
+from pydantic import model_validator
+
 from mlxchat.cache import KVCache, LayerCache, StateCache
 from mlxchat.config import ModelConfig, RopeConfig
 from mlxchat.errors import CheckpointError
@@ -27,7 +29,6 @@ from mlxchat.layers import (
     attend,
     stack_experts,
 )
-from pydantic import model_validator
 
 LayerType = Literal["linear_attention", "full_attention"]
 
