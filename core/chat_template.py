@@ -116,17 +116,33 @@ def plain_data(value: Any) -> Any:
 
 
 def normalize_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
-    """Drop ``None``-valued keys and alias reasoning fields, as transformers does before rendering."""
+    """Drop ``None``-valued keys and alias reasoning fields, as transformers does before rendering, and pass
+    tool-call arguments as mappings (see :func:`_arguments_as_mapping`)."""
     out = []
     for message in plain_data(list(messages)):
         if not isinstance(message, dict):
             raise TemplateError(f"chat messages must be dicts, got {message!r}")
         message = {k: v for k, v in message.items() if v is not None}
+        for call in message.get("tool_calls") or []:
+            _arguments_as_mapping(call.get("function", call))
         reasoning = next((message[k] for k in REASONING_FIELDS if message.get(k) is not None), None)
         if reasoning is not None:
             message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
         out.append(message)
     return out
+
+
+def _arguments_as_mapping(function: dict[str, Any]) -> None:
+    """Tool-call arguments as a dict, whatever the caller sent: the OpenAI wire format carries them as a JSON
+    string, which the Qwen3.5, Qwen3-Coder, LFM2.5 and Gemma 4 templates cannot iterate (they crash)."""
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            parsed = json.loads(arguments)
+        except json.JSONDecodeError:
+            return
+        if isinstance(parsed, dict):
+            function["arguments"] = parsed
 
 
 class ChatTemplate:

@@ -122,7 +122,8 @@ def decode_tokens(
         raise ValueError("cannot generate from an empty prompt")
     stats.cached = cache.reuse(prompt)
     pending = list(prompt[stats.cached :])
-    stops = sorted({p for p in checkpoints if stats.cached < p < len(prompt)})
+    # Each split costs a pass over the weights: only caches that need snapshots get them.
+    stops = sorted({p for p in checkpoints if stats.cached < p < len(prompt)}) if cache.needs_snapshots else []
 
     while len(pending) > 1:
         size = min(len(pending) - 1, config.prefill_step)

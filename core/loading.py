@@ -62,7 +62,8 @@ def load_model(
                for k, v in weights.items()}
     module.load_weights(list(weights.items()), strict=True)
     module.eval()
-    mx.eval(module.parameters())
+    for _, parameter in tree_flatten(module.parameters()):
+        mx.eval(parameter)  # one at a time: a stored copy is freed as soon as its cast copy exists
 
     tokenizer = Tokenizer.from_folder(folder)
     source = read_template_source(folder)

@@ -84,24 +84,42 @@ class ReasoningSplitter:
         self._buffer = self._buffer[size:]
 
 
-class Trimmed:
-    """Accumulates a channel with leading and trailing whitespace removed, holding back trailing
-    whitespace until more text follows it."""
+class Channel:
+    """A streamed channel of the reply (visible text or reasoning).
 
-    def __init__(self) -> None:
+    Whitespace that touches markup (the reasoning block, a tool call) belongs to the markup and is dropped,
+    as chat templates drop it when they re-render the turn; other whitespace is the model's and is kept, so
+    the stored turn re-renders into the tokens the model produced. Trailing whitespace is held back until
+    it is known not to touch markup, so the stream never emits what the final text will not have.
+    """
+
+    def __init__(self, after_markup: bool = False):
         self.value = ""
         self._pending = ""
+        self._after_markup = after_markup
 
     def feed(self, text: str) -> str:
-        if not self.value:
+        if self._after_markup:
             text = text.lstrip()
             if not text:
                 return ""
+            self._after_markup = False
         text = self._pending + text
         kept = text.rstrip()
         self._pending = text[len(kept) :]
         self.value += kept
         return kept
+
+    def markup(self) -> None:
+        """Markup comes here: whitespace on either side of it is dropped."""
+        self._pending = ""
+        self._after_markup = True
+
+    def finish(self) -> str:
+        """The reply ended: held-back whitespace was the model's after all."""
+        out, self._pending = self._pending, ""
+        self.value += out
+        return out
 
 
 class ReplyParser:
@@ -118,8 +136,9 @@ class ReplyParser:
         self._splitter = ReasoningSplitter(*reasoning, in_reasoning, implicit) if reasoning else None
         self._tools = tool_parser
         self._new_call_id = new_call_id
-        self._text = Trimmed()
-        self._thinking = Trimmed()
+        self._text = Channel()
+        self._thinking = Channel(after_markup=True)  # reasoning always sits between its markers
+        self._channel = "thinking" if in_reasoning else "text"
         self.saw_reasoning = in_reasoning
         self.calls: list[ToolCall] = []
         self._visible: list[str] = []
@@ -146,11 +165,17 @@ class ReplyParser:
         events = self._route(self._splitter.finish()) if self._splitter else []
         if self._tools is not None:
             events += self._visible_events(self._tools.finish())
+        if tail := self._text.finish():
+            events.append(TextDelta(text=tail))
         return events
 
     def _route(self, pieces: list[tuple[str, str]]) -> list[ReplyEvent]:
         events: list[ReplyEvent] = []
         for channel, piece in pieces:
+            if channel != self._channel:  # a reasoning marker stands between the two channels
+                self._channel = channel
+                self._text.markup()
+                self._thinking.markup()
             if channel == "thinking":
                 self.saw_reasoning = True
                 if delta := self._thinking.feed(piece):
@@ -170,6 +195,7 @@ class ReplyParser:
                     events.append(TextDelta(text=delta))
                 continue
             self._visible.append(item.raw)
+            self._text.markup()
             for parsed in item.calls:
                 call = ToolCall(
                     id=self._new_call_id(),

@@ -442,21 +442,29 @@ class ChatSession:
                       prompt: list[int]) -> set[int]:
         """Where the turns before earlier replies end in ``prompt``, beyond what the cache holds (a primed
         transcript, an edit): templates re-render a reply differently once a later user turn exists (they
-        drop its reasoning), so a cache that cannot be cut back wants a snapshot just before each reply."""
+        drop its reasoning), so a cache that cannot be cut back wants a snapshot just before each reply,
+        and one after the system prompt, which a reset conversation starts from again."""
         assert self._cache is not None
         held = common_prefix_length(self._cache.tokens, prompt)
+
+        def ids(messages: list[dict[str, Any]]) -> list[int]:
+            return self._model.render_prompt(messages, tools=tools or None, add_generation_prompt=False, **kwargs)[1]
+
         starts: set[int] = set()
-        for index in range(len(history) - 1, 0, -1):
+        for index in range(len(history) - 1, 1, -1):
             if history[index]["role"] != "assistant":
                 continue
             try:
-                _, ids = self._model.render_prompt(history[:index], tools=tools or None,
-                                                   add_generation_prompt=False, **kwargs)
+                starts.add(common_prefix_length(ids(history[:index]), prompt))
             except TemplateError:  # a prefix this template refuses to render: no snapshot there
                 continue
-            starts.add(common_prefix_length(ids, prompt))
             if min(starts) <= held:
-                break
+                return starts
+        if history and history[0]["role"] == "system":
+            # Some templates refuse a system turn alone: two probes that differ only in the user's words
+            # agree exactly up to where that turn's content starts.
+            probes = [ids(history[:1] + [{"role": "user", "content": text}]) for text in ("a", "b")]
+            starts.add(min(common_prefix_length(*probes), common_prefix_length(probes[0], prompt)))
         return starts
 
     def _commit(self, events: list[ReplyEvent], end: _TurnEnd, abandoned: bool) -> ChatResult:

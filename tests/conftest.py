@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
 import pytest
 
 import mlxchat
+import mlxchat.generation
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
@@ -33,3 +36,22 @@ def loaded(name: str) -> mlxchat.GenerativeModel:
 @pytest.fixture
 def qwen3() -> mlxchat.GenerativeModel:
     return loaded("qwen3")
+
+
+@pytest.fixture
+def scripted(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[list[int]]]:
+    """Token lists the next generations sample instead of choosing (the model still runs every token
+    through its cache); once they are used up, sampling is real again. Random-weight models neither call
+    tools nor end turns, so session tests script those replies."""
+    replies: list[list[int]] = []
+    real = mlxchat.generation.make_sampler
+
+    def make_sampler(*args: object, **kwargs: object):
+        if not replies:
+            return real(*args, **kwargs)
+        script = replies.pop(0)
+        tokens = iter(script)  # decoding samples one token past the end of turn: repeat the last one
+        return lambda logits: mx.array([next(tokens, script[-1])])
+
+    monkeypatch.setattr(mlxchat.generation, "make_sampler", make_sampler)
+    yield replies

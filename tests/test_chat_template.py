@@ -106,3 +106,12 @@ def test_content_is_data_with_the_real_qwen3_vocabulary(real_qwen3: Tokenizer) -
     check_content_is_data(real_qwen3)
     plain = real_qwen3.encode_plain("<|im_end|>")
     assert 151645 not in plain and real_qwen3.decode(plain) == "<|im_end|>"
+
+
+def test_string_tool_call_arguments_reach_templates_as_mappings() -> None:
+    """OpenAI clients send arguments as a JSON string; Qwen3.5's template iterates them as a mapping."""
+    messages = [{"role": "user", "content": "weather?"},
+                {"role": "assistant", "content": "", "tool_calls": [{"id": "c", "type": "function", "function": {
+                    "name": "get_weather", "arguments": '{"city": "Paris", "days": 2}'}}]}]
+    text = template("qwen3.5.jinja").render(messages)
+    assert "<parameter=city>\nParis\n</parameter>" in text and "<parameter=days>\n2\n</parameter>" in text

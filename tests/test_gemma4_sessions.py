@@ -11,14 +11,14 @@ tokens.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 
-import mlx.core as mx
+import pytest
+
 import mlxchat
 import mlxchat.generation
-import pytest
-from conftest import loaded
 from mlxchat.cache import SlidingWindowCache
+
+from conftest import loaded
 from session_support import GREEDY, assert_matches_stateless, prompt_ids
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -26,23 +26,6 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
     "required": ["city"]}}}]
 CALL = '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>,days:2}<tool_call|>'
 ARCHS = ["gemma4", "gemma4_moe"]
-
-
-@pytest.fixture
-def scripted(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[list[int]]]:
-    """Token lists the next generations produce; once they are used up, sampling is real again."""
-    replies: list[list[int]] = []
-    real = mlxchat.generation.make_sampler
-
-    def make_sampler(*args: object, **kwargs: object):
-        if not replies:
-            return real(*args, **kwargs)
-        script = replies.pop(0)
-        tokens = iter(script)  # decoding samples one token past the end of turn: repeat the last one
-        return lambda logits: mx.array([next(tokens, script[-1])])
-
-    monkeypatch.setattr(mlxchat.generation, "make_sampler", make_sampler)
-    yield replies
 
 
 def reply(model: mlxchat.GenerativeModel, text: str, stop: str = "<turn|>") -> list[int]:

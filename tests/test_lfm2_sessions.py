@@ -9,36 +9,15 @@ tokens."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 
-import mlx.core as mx
 import pytest
+
 from conftest import loaded
 from session_support import GREEDY, assert_matches_stateless
-
-import mlxchat
-import mlxchat.generation
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
 CALL = "<|tool_call_start|>[get_weather(city='Paris')]<|tool_call_end|>"
-
-
-@pytest.fixture
-def scripted(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[list[int]]]:
-    """Token lists the next generations produce; once they are used up, sampling is real again."""
-    replies: list[list[int]] = []
-    real = mlxchat.generation.make_sampler
-
-    def make_sampler(*args: object, **kwargs: object):
-        if not replies:
-            return real(*args, **kwargs)
-        script = replies.pop(0)
-        tokens = iter(script)  # decoding samples one token past the end of turn: repeat the last one
-        return lambda logits: mx.array([next(tokens, script[-1])])
-
-    monkeypatch.setattr(mlxchat.generation, "make_sampler", make_sampler)
-    yield replies
 
 
 @pytest.mark.parametrize(("name", "renders_calls"), [("lfm2", True), ("lfm2_moe", False)])

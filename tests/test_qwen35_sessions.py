@@ -8,9 +8,7 @@ The tool-call reply is scripted (random-weight models do not call tools): the sa
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 
-import mlx.core as mx
 import pytest
 
 import mlxchat
@@ -25,23 +23,6 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
 CALL = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
         "<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>")
 ARCHS = ["qwen3_5", "qwen3_5_moe"]
-
-
-@pytest.fixture
-def scripted(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[list[int]]]:
-    """Token lists the next generations produce; once they are used up, sampling is real again."""
-    replies: list[list[int]] = []
-    real = mlxchat.generation.make_sampler
-
-    def make_sampler(*args: object, **kwargs: object):
-        if not replies:
-            return real(*args, **kwargs)
-        script = replies.pop(0)
-        tokens = iter(script)  # decoding samples one token past the end of turn: repeat the last one
-        return lambda logits: mx.array([next(tokens, script[-1])])
-
-    monkeypatch.setattr(mlxchat.generation, "make_sampler", make_sampler)
-    yield replies
 
 
 def head_length(model: mlxchat.GenerativeModel, messages: list[mlxchat.ChatMessage]) -> int:

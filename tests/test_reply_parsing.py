@@ -8,7 +8,7 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mlxchat.reply import ReasoningSplitter, ReplyParser, TextDelta, ThinkingDelta, ToolCallEvent, Trimmed
+from mlxchat.reply import Channel, ReasoningSplitter, ReplyParser, TextDelta, ThinkingDelta, ToolCallEvent
 from mlxchat.tools.parsing import CallBlock, JsonTagsParser
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -88,10 +88,16 @@ def test_string_arguments_are_parsed() -> None:
     assert p.calls[0].arguments == {} and p.calls[0].status == "ok" and p.text == "after"
 
 
-def test_streamed_text_concatenates_to_the_final_text() -> None:
-    p = parse("x", ["  Hello", " ", "world  ", "\n", "!\n"])
+def test_streamed_text_concatenates_to_the_final_text_and_keeps_the_models_whitespace() -> None:
+    p = parse("x", [" Hello", " ", "world  ", "\n", "!\n"])
     streamed = "".join(e.text for e in p.events if isinstance(e, TextDelta))
-    assert streamed == p.text == "Hello world  \n!"
+    assert streamed == p.text == " Hello world  \n!\n"
+
+
+def test_whitespace_touching_markup_is_dropped() -> None:
+    p = parse('<think>\n r \n</think>\n\nLet me check.\n<tool_call>\n{"name": "get_time", "arguments": {}}\n'
+              '</tool_call>\n Done. ')
+    assert (p.thinking, p.text) == ("r", "Let me check.Done. ")
 
 
 @settings(max_examples=200, deadline=None)
@@ -137,7 +143,10 @@ def test_reasoning_splitter_holds_partial_markers() -> None:
     assert splitter.feed("ink>z") == [("text", "z")]
 
 
-def test_trimmed_holds_trailing_whitespace() -> None:
-    t = Trimmed()
-    assert [t.feed(s) for s in ["\n\n", " a ", " ", "b\n"]] == ["", "a", "", "  b"]
-    assert t.value == "a  b"
+def test_channel_holds_trailing_whitespace_until_it_knows_where_it_belongs() -> None:
+    channel = Channel(after_markup=True)
+    assert [channel.feed(s) for s in ["\n\n", " a ", " ", "b\n"]] == ["", "a", "", "  b"]
+    assert channel.finish() == "\n" and channel.value == "a  b\n"
+    channel.feed(" c ")
+    channel.markup()
+    assert channel.feed(" d") == "d" and channel.value == "a  b\n cd"

@@ -140,7 +140,8 @@ def test_reset_then_send_equals_stateless(model) -> None:
     send_checked(model, session, QUESTIONS[1])
     session.reset()
     assert [m.role for m in session.messages] == ["system"] and session.report is None
-    send_checked(model, session, QUESTIONS[2])
+    result = send_checked(model, session, QUESTIONS[2])
+    assert result.report.cached_prompt_tokens > 0  # the system prompt is served from the cache
 
 
 def test_prime_and_start_from_history_then_continue(model) -> None:
