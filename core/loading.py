@@ -62,7 +62,7 @@ def load_model(
                for k, v in weights.items()}
     module.load_weights(list(weights.items()), strict=True)
     module.eval()
-    for _, parameter in tree_flatten(module.parameters()):
+    for parameter in dict(tree_flatten(module.parameters())).values():
         mx.eval(parameter)  # one at a time: a stored copy is freed as soon as its cast copy exists
 
     tokenizer = Tokenizer.from_folder(folder)
@@ -97,8 +97,8 @@ def load_session(
 
 
 def _quantization(raw: dict[str, Any]) -> dict[str, Any] | None:
-    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else {}
-    for source in (raw, text):
+    text = raw.get("text_config")
+    for source in [raw, *([text] if isinstance(text, dict) else [])]:
         for key in ("quantization", "quantization_config"):
             value = source.get(key)
             if value is None:

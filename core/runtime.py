@@ -139,7 +139,7 @@ def runtime_info() -> dict[str, Any]:
     state = configure_blas()
     return {
         "mlxchat": _version(),
-        "mlx": mx.__version__,
+        "mlx": mx.__version__,  # type: ignore[attr-defined]
         "python": platform.python_version(),
         "platform": f"{platform.system()} {platform.machine()}",
         "device": str(mx.default_device()),

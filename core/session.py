@@ -428,7 +428,7 @@ class ChatSession:
         tokens: list[int] = []
         report: GenerationReport | None = None
         assert self._cache is not None
-        for chunk in self._model.run_generation(prompt, self._cache, config, cancel, checkpoints):
+        for chunk in self._model.run_generation(prompt, self._cache, config, cancel, sorted(checkpoints)):
             if chunk.token is not None:
                 tokens.append(chunk.token)
             yield from parser.feed(chunk.text)

@@ -12,7 +12,7 @@ import atexit
 import queue
 import threading
 import weakref
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncGenerator, Callable, Generator, Iterator
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
@@ -103,7 +103,8 @@ class Worker:
     async def arun(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.wrap_future(self.submit(fn, *args))
 
-    def stream(self, produce: Callable[[Cancelled], Iterator[T]], cancel: Cancelled | None = None) -> Iterator[T]:
+    def stream(self, produce: Callable[[Cancelled], Iterator[T]],
+               cancel: Cancelled | None = None) -> Generator[T, None, None]:
         """Run the generator ``produce(cancel)`` on the worker; yield its items here as they come.
 
         The job runs at most one item ahead of the reader, so what the reader has seen is what was
@@ -134,7 +135,7 @@ class Worker:
 
     async def astream(
         self, produce: Callable[[Cancelled], Iterator[T]], cancel: Cancelled | None = None
-    ) -> AsyncIterator[T]:
+    ) -> AsyncGenerator[T, None]:
         """:meth:`stream` for asyncio: items arrive through the event loop, which never blocks."""
         loop = asyncio.get_running_loop()
         items: asyncio.Queue[Any] = asyncio.Queue()
