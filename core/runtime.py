@@ -19,6 +19,7 @@ import importlib.util
 import os
 import platform
 import sys
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,6 +95,8 @@ def configure_blas() -> BlasState:
         return _state
     if "mlx.core" in sys.modules:
         _state.note = "mlx.core was imported before mlxchat; import mlxchat first to use OpenBLAS"
+        warnings.warn(f"mlxchat: {_state.note} (float32 matmuls now run on MLX's slow reference BLAS)",
+                      RuntimeWarning, stacklevel=3)
         return _state
     path = _find_openblas()
     if path is None:

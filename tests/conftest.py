@@ -1,6 +1,8 @@
 """Shared test fixtures: the committed tiny checkpoints (built by tests/fixtures/make_fixtures.py)."""
 
-from __future__ import annotations
+# mlxchat must be imported before mlx.core anywhere in the process: it puts OpenBLAS under MLX then, and
+# pytest imports this file before any test module.
+import mlxchat  # noqa: I001
 
 from collections.abc import Iterator
 from pathlib import Path
@@ -9,7 +11,6 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import mlxchat
 import mlxchat.generation
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"

@@ -1,4 +1,4 @@
-"""Parity checks against transformers' stored outputs, shared by every architecture's tests."""
+"""Parity checks against stored reference outputs, shared by every architecture's tests."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import mlx.core as mx
 import numpy as np
 
 import mlxchat
-from mlxchat.generation import GenerationConfig
+from mlxchat.generation import GenerationConfig, decode_tokens
 
 TOLERANCE = 1e-4
 
@@ -17,6 +17,7 @@ def full_logits(model: mlxchat.GenerativeModel, ids: np.ndarray) -> np.ndarray:
 
 def chunked_logits(model: mlxchat.GenerativeModel, ids: np.ndarray, chunks: list[int]) -> np.ndarray:
     """Logits of ``ids`` fed through a cache in chunks of the given sizes, then one token at a time."""
+
     def run() -> np.ndarray:
         cache = model.module.make_cache()
         out, pos = [], 0
@@ -31,9 +32,15 @@ def chunked_logits(model: mlxchat.GenerativeModel, ids: np.ndarray, chunks: list
     return model.worker.run(run)
 
 
-def greedy(model: mlxchat.GenerativeModel, prompt: list[int], n: int) -> list[int]:
-    result = model.generate(prompt, GenerationConfig(max_tokens=n, temperature=0.0))
-    return result.tokens
+def greedy(model: mlxchat.GenerativeModel, prompt: list[int], n: int, prefill_step: int = 5) -> list[int]:
+    """``n`` greedy tokens from the generation loop itself (prefilled in small chunks), not stopping at the
+    checkpoint's stop tokens (the reference run did not stop either)."""
+    config = GenerationConfig(max_tokens=n, temperature=0.0, prefill_step=prefill_step)
+
+    def run() -> list[int]:
+        return list(decode_tokens(model.module, prompt, model.make_prompt_cache(), config, model.config.vocab_size))
+
+    return model.worker.run(run)
 
 
 def assert_close(ours: np.ndarray, theirs: np.ndarray, tol: float = TOLERANCE) -> None:
