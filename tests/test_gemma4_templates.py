@@ -9,13 +9,15 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import FIXTURES, fixture_path
+
 from mlxchat import registry
 from mlxchat.chat_template import ChatTemplate
 from mlxchat.errors import TemplateError
 from mlxchat.tokenizer import Tokenizer
 from mlxchat.tools.parsing import CallBlock
 from mlxchat_gemma4 import Gemma4ToolParser
+
+from conftest import FIXTURES, fixture_path
 
 TEMPLATES = Path(__file__).resolve().parent / "data" / "templates"
 RENDERS = json.loads((FIXTURES / "gemma4_templates" / "renders.json").read_text())

@@ -7,14 +7,16 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from conftest import fixture_path
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from mlxchat import registry
 from mlxchat.chat_template import ChatTemplate
 from mlxchat.tokenizer import Tokenizer
 from mlxchat.tools.parsing import CallBlock
 from mlxchat_gemma4 import Gemma4ToolParser
+
+from conftest import fixture_path
 
 Q = '<|"|>'
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {

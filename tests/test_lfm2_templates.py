@@ -9,13 +9,14 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import FIXTURES, fixture_path
 
 from mlxchat.chat_template import ChatTemplate
 from mlxchat.errors import TemplateError
 from mlxchat.tokenizer import Tokenizer
 from mlxchat.tools.parsing import CallBlock
 from mlxchat_lfm2.tool_calls import PythonicCallsParser
+
+from conftest import FIXTURES, fixture_path
 
 TEMPLATES = Path(__file__).resolve().parent / "data" / "templates"
 RENDERS = json.loads((FIXTURES / "lfm2_templates" / "renders.json").read_text())

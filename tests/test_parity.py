@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from conftest import loaded, reference
 from parity import assert_close, chunked_logits, full_logits, greedy
 

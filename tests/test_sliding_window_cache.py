@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from mlxchat.cache import SlidingWindowCache
 from mlxchat.config import RopeConfig
 from mlxchat.layers import ProportionalRoPE, window_mask

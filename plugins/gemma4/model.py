@@ -16,6 +16,8 @@ from typing import Any, Literal
 
 import mlx.core as mx
 import mlx.nn as nn
+from pydantic import model_validator
+
 from mlxchat.cache import KVCache, LayerCache, SlidingWindowCache
 from mlxchat.config import ModelConfig, RopeConfig
 from mlxchat.errors import CheckpointError
@@ -32,7 +34,6 @@ from mlxchat.layers import (
     stack_experts,
     window_mask,
 )
-from pydantic import model_validator
 
 LayerType = Literal["sliding_attention", "full_attention"]
 

@@ -14,8 +14,18 @@ from pydantic import model_validator
 
 from mlxchat.cache import KVCache, LayerCache, StateCache
 from mlxchat.config import ModelConfig, RopeConfig
-from mlxchat.layers import (Attention, CausalLM, Decoder, RMSNorm, RoPE, ShortConv, SparseMoE, SwiGLU,
-                            depthwise_weight, stack_experts)
+from mlxchat.layers import (
+    Attention,
+    CausalLM,
+    Decoder,
+    RMSNorm,
+    RoPE,
+    ShortConv,
+    SparseMoE,
+    SwiGLU,
+    depthwise_weight,
+    stack_experts,
+)
 
 LayerType = Literal["conv", "full_attention"]
 
