@@ -38,11 +38,27 @@ class LayerCache:
         raise NotImplementedError
 
     @property
+    def state(self) -> list[mx.array | None]:
+        """The arrays the cache holds (evaluated after each prefill chunk)."""
+        return []
+
+    @property
     def nbytes(self) -> int:
-        return 0
+        return sum(a.nbytes for a in self.state if a is not None)
 
 
-class KVCache(LayerCache):
+class KeysValues(LayerCache):
+    """A cache of attention keys and values (``None`` until the first chunk)."""
+
+    keys: mx.array | None
+    values: mx.array | None
+
+    @property
+    def state(self) -> list[mx.array | None]:
+        return [] if self.keys is None or self.values is None else [self.keys, self.values]
+
+
+class KVCache(KeysValues):
     """Keys and values of a full-attention layer, ``[batch, kv_heads, tokens, head_dim]``.
 
     The buffer grows in steps so that decode writes in place instead of concatenating every token.
@@ -73,60 +89,46 @@ class KVCache(LayerCache):
         self.values[..., start : self.offset, :] = values
         return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
 
-    @property
-    def state(self) -> list[mx.array]:
-        if self.keys is None or self.values is None:
-            return []
-        return [self.keys, self.values]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.state)
-
 
 class StateCache(LayerCache):
     """Fixed-size recurrent state of a layer (conv window, linear-attention matrix, ...).
 
-    ``state`` is a list of arrays the layer reads and replaces through :meth:`update`. It only moves
+    ``cache[i]`` are the arrays the layer reads; it replaces them through :meth:`update`. It only moves
     forward: returning to an earlier position needs a snapshot.
     """
 
     trimmable = False
 
     def __init__(self, size: int) -> None:
-        self.state: list[mx.array | None] = [None] * size
+        self.arrays: list[mx.array | None] = [None] * size
         self.offset = 0
 
     def __getitem__(self, index: int) -> mx.array | None:
-        return self.state[index]
+        return self.arrays[index]
 
     def update(self, *arrays: mx.array, tokens: int) -> None:
         """Replace the state after the layer consumed ``tokens`` more tokens."""
-        self.state = list(arrays)
+        self.arrays = list(arrays)
         self.offset += tokens
 
     def snapshot(self) -> Any:
-        return (self.offset, tuple(self.state))
+        return (self.offset, tuple(self.arrays))
 
     def restore(self, snapshot: Any) -> None:
-        self.offset, state = snapshot
-        self.state = list(state)
+        self.offset, arrays = snapshot
+        self.arrays = list(arrays)
 
     @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.state if a is not None)
+    def state(self) -> list[mx.array | None]:
+        return self.arrays
 
 
 def cache_arrays(layers: list[LayerCache]) -> list[mx.array]:
     """Every array the layer caches hold, to evaluate after a prefill chunk."""
-    arrays: list[mx.array] = []
-    for layer in layers:
-        state = getattr(layer, "state", [])
-        arrays.extend(a for a in state if isinstance(a, mx.array))
-    return arrays
+    return [a for layer in layers for a in layer.state if a is not None]
 
 
-class SlidingWindowCache(LayerCache):
+class SlidingWindowCache(KeysValues):
     """Keys and values of a sliding-window attention layer, which attends to the last ``window`` tokens
     only; just those are kept, so memory stays at the window however long the conversation grows.
 
@@ -197,13 +199,3 @@ class SlidingWindowCache(LayerCache):
 
     def restore(self, snapshot: Any) -> None:
         self.offset, self.start, self.keys, self.values = snapshot
-
-    @property
-    def state(self) -> list[mx.array]:
-        if self.keys is None or self.values is None:
-            return []
-        return [self.keys, self.values]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.state)
