@@ -17,6 +17,7 @@ from mlxchat.tools.parsing import CallBlock
 from mlxchat_gemma4 import Gemma4ToolParser
 
 from conftest import fixture_path
+from tool_call_support import feed_in_pieces, merge
 
 Q = '<|"|>'
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -26,19 +27,7 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters":
 
 
 def parse(text: str, tools: list[dict[str, Any]] | None = None) -> list[str | CallBlock]:
-    parser = Gemma4ToolParser(tools or [])
-    return merge(parser.feed(text) + parser.finish())
-
-
-def merge(items: list[str | CallBlock]) -> list[str | CallBlock]:
-    """Adjacent text pieces joined (how the text is cut into pieces is not part of the result)."""
-    out: list[str | CallBlock] = []
-    for item in items:
-        if isinstance(item, str) and out and isinstance(out[-1], str):
-            out[-1] += item
-        elif item != "":
-            out.append(item)
-    return out
+    return feed_in_pieces(Gemma4ToolParser(tools or []), text)
 
 
 def calls(text: str, tools: list[dict[str, Any]] | None = None) -> list[tuple[str, Any, str | None]]:

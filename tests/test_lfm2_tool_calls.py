@@ -14,6 +14,8 @@ import mlxchat
 from mlxchat.tools.parsing import CallBlock, ParsedCall
 from mlxchat_lfm2.tool_calls import PythonicCallsParser
 
+from tool_call_support import feed_in_pieces
+
 START, END = "<|tool_call_start|>", "<|tool_call_end|>"
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}
@@ -31,19 +33,7 @@ def valid(body: str) -> list[tuple[str, dict]]:
 
 def stream(text: str, pieces: list[int] | None = None, tools: list | None = None) -> list[str | CallBlock]:
     """Feed ``text`` in pieces cut at the given offsets; adjacent text pieces merged."""
-    parser = PythonicCallsParser(tools or [])
-    cuts = [0, *sorted(pieces or []), len(text)]
-    out: list[str | CallBlock] = []
-    for a, b in zip(cuts, cuts[1:], strict=False):
-        out += parser.feed(text[a:b])
-    out += parser.finish()
-    merged: list[str | CallBlock] = []
-    for item in out:
-        if isinstance(item, str) and merged and isinstance(merged[-1], str):
-            merged[-1] += item
-        elif item != "":
-            merged.append(item)
-    return merged
+    return feed_in_pieces(PythonicCallsParser(tools or []), text, pieces)
 
 
 def test_registered_for_the_lfm2_architecture() -> None:

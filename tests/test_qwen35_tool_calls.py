@@ -15,6 +15,7 @@ from mlxchat.tools.parsing import CallBlock, ParsedCall
 from mlxchat_qwen35.tool_parser import XmlToolCallParser, coerce
 
 from conftest import loaded
+from tool_call_support import feed_in_pieces
 
 
 def function(name: str, **properties: dict) -> dict:
@@ -43,19 +44,7 @@ def parse(body: str, tools: list | None = TOOLS) -> list[ParsedCall]:
 
 def stream(text: str, pieces: list[int] | None = None, tools: list | None = TOOLS) -> list[str | CallBlock]:
     """Feed ``text`` in pieces cut at the given offsets; adjacent text pieces merged."""
-    parser = XmlToolCallParser(tools or [])
-    cuts = [0, *sorted(pieces or []), len(text)]
-    out: list[str | CallBlock] = []
-    for a, b in zip(cuts, cuts[1:], strict=False):
-        out += parser.feed(text[a:b])
-    out += parser.finish()
-    merged: list[str | CallBlock] = []
-    for item in out:
-        if isinstance(item, str) and merged and isinstance(merged[-1], str):
-            merged[-1] += item
-        elif item != "":
-            merged.append(item)
-    return merged
+    return feed_in_pieces(XmlToolCallParser(tools or []), text, pieces)
 
 
 def test_registered_for_the_qwen35_architecture() -> None:
