@@ -80,19 +80,6 @@ def test_tool_result_prefills_only_the_result(name: str, thinking: bool, scripte
     assert_matches_stateless(model, session, result, config, TOOLS)
 
 
-@pytest.mark.parametrize("name", ARCHS)
-def test_regenerate_prefills_one_token(name: str) -> None:
-    model = loaded(name)
-    session = model.chat_session(system="You are terse.")
-    session.send("Hello there", config=GREEDY)
-    first = session.send("What is the capital of France?", config=GREEDY)
-    again = session.regenerate(config=GREEDY)
-    assert again.report.cached_prompt_tokens == first.report.prompt_tokens - 1
-    assert again.report.prefilled_tokens == 1
-    assert again.tokens == first.tokens
-    assert_matches_stateless(model, session, again, GREEDY)
-
-
 def new_turn(model: mlxchat.GenerativeModel, question: str) -> int:
     """Tokens a turn adds after a reply that ended with <turn|> (E2B-style template, thinking off)."""
     return len(model.tokenizer.encode(f"\n<|turn>user\n{question}<turn|>\n<|turn>model\n"))

@@ -31,19 +31,6 @@ def head_length(model: mlxchat.GenerativeModel, messages: list[mlxchat.ChatMessa
 
 
 @pytest.mark.parametrize("name", ARCHS)
-def test_regenerate_prefills_one_token(name: str) -> None:
-    model = loaded(name)
-    session = model.chat_session(system="You are terse.")
-    session.send("Hello there", config=GREEDY)
-    first = session.send("What is the capital of France?", config=GREEDY)
-    again = session.regenerate(config=GREEDY)
-    assert again.report.cached_prompt_tokens == first.report.prompt_tokens - 1
-    assert again.report.prefilled_tokens == 1
-    assert again.tokens == first.tokens
-    assert_matches_stateless(model, session, again, GREEDY)
-
-
-@pytest.mark.parametrize("name", ARCHS)
 def test_rewind_restarts_from_the_snapshot_of_that_turn(name: str) -> None:
     model = loaded(name)
     session = model.chat_session(system="You are terse.")

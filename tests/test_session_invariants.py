@@ -50,9 +50,11 @@ def test_multi_turn_equals_stateless_and_reuses_the_previous_turns(model, thinki
 def test_regenerate_prefills_only_the_last_prompt_token(model) -> None:
     session = model.chat_session(system="You are terse.")
     send_checked(model, session, QUESTIONS[0])
-    send_checked(model, session, QUESTIONS[1])
+    first = send_checked(model, session, QUESTIONS[1])
     result = session.regenerate(config=GREEDY)
+    assert result.report.cached_prompt_tokens == first.report.prompt_tokens - 1
     assert result.report.prefilled_tokens == 1
+    assert result.tokens == first.tokens  # greedy: the same reply again
     assert_matches_stateless(model, session, result, GREEDY)
 
 
