@@ -21,6 +21,7 @@ EPILOG = """examples:
   mlxchat generate "What is the capital of France?"
   mlxchat generate --model Qwen/Qwen3-0.6B --max-tokens 200 "Write a haiku about rain."
   mlxchat chat --model ./my-checkpoint --system "Be concise."
+  mlxchat serve --model Qwen/Qwen3-0.6B --port 8000     # OpenAI-compatible API
   mlxchat info
 
 Without --model, the small demo model shipped inside the package is used (it knows a tiny world:
@@ -61,6 +62,16 @@ def build_parser() -> argparse.ArgumentParser:
                                            "/help, /quit. Ctrl-C stops a reply (and keeps it), Ctrl-D quits.")
     _sampling_args(chat)
 
+    serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP API (needs mlxchat[server])",
+                                description="Serve POST /v1/chat/completions (streaming, tools, reasoning) and "
+                                            "GET /v1/models for one model; requests reuse cached prompts.")
+    serve.add_argument("--model", "-m", help="checkpoint folder or Hugging Face repo id (default: the demo model)")
+    serve.add_argument("--dtype", choices=["float32", "float16", "bfloat16"])
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--name", help="the model id clients use (default: the checkpoint folder's name)")
+    serve.add_argument("--caches", type=int, default=4, help="prompt caches kept between requests")
+
     info = commands.add_parser("info", help="MLX version, device, BLAS and registered plugins")
     info.add_argument("--json", action="store_true", help="print machine-readable JSON")
     return parser
@@ -73,6 +84,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _info(args)
         if args.command == "generate":
             return _generate(args)
+        if args.command == "serve":
+            from .server import serve
+
+            serve(_load(args), host=args.host, port=args.port, model_name=args.name, caches=args.caches)
+            return 0
         return _chat(args)
     except MlxchatError as exc:
         print(f"mlxchat: {exc}", file=sys.stderr)

@@ -200,11 +200,12 @@ class GenerativeModel:
         system: str | None = None,
         default_config: GenerationConfig | dict[str, Any] | None = None,
         tools: Sequence[Any] | None = None,
+        cache: PromptCache | None = None,
     ) -> ChatSession:
         """A new conversation over this model (it owns its cache; the model stays shared)."""
         from .session import ChatSession
 
-        return ChatSession(self, system=system, default_config=default_config, tools=tools)
+        return ChatSession(self, system=system, default_config=default_config, tools=tools, cache=cache)
 
     def close(self) -> None:
         """Stop the worker thread (sessions over this model stop working)."""

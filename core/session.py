@@ -197,13 +197,16 @@ class ChatSession:
         system: str | None = None,
         default_config: GenerationConfig | dict[str, Any] | None = None,
         tools: Sequence[Any] | None = None,
+        cache: PromptCache | None = None,
     ):
+        """``cache``: a prompt cache of this model to start from (say, one a server keeps between requests
+        that carry the whole conversation); the session takes it over."""
         self._model = model
         self._defaults = model.defaults.merged(default_config)
         self._system = system
         self._tools = self._offer(tools) or []
         self._messages: list[ChatMessage] = [ChatMessage(role="system", content=system)] if system else []
-        self._cache: PromptCache | None = model.make_prompt_cache()
+        self._cache: PromptCache | None = cache if cache is not None else model.make_prompt_cache()
         self._report: GenerationReport | None = None
         self._tool_calls: list[ToolCall] = []
         self._closed = False
