@@ -466,7 +466,10 @@ class ChatSession:
         if history and history[0]["role"] == "system":
             # Some templates refuse a system turn alone: two probes that differ only in the user's words
             # agree exactly up to where that turn's content starts.
-            probes = [ids(history[:1] + [{"role": "user", "content": text}]) for text in ("a", "b")]
+            try:
+                probes = [ids(history[:1] + [{"role": "user", "content": text}]) for text in ("a", "b")]
+            except TemplateError:
+                return starts
             starts.add(min(common_prefix_length(*probes), common_prefix_length(probes[0], prompt)))
         return starts
 
