@@ -94,14 +94,21 @@ def test_evaluation_asks_the_heldout_items(data):
         assert item.messages[-1]["role"] == "tool"
 
 
-@pytest.mark.parametrize(("op", "a", "b", "result", "reasoning"), [
-    ("+", 47, 38, 85, "47 + 38\nUnits: 7 + 8 = 15, write 5, carry 1.\nTens: 4 + 3 + 1 = 8, write 8.\nResult: 85."),
-    ("+", 99, 99, 198, "99 + 99\nUnits: 9 + 9 = 18, write 8, carry 1.\nTens: 9 + 9 + 1 = 19, write 19.\nResult: 198."),
-    ("-", 50, 7, 43, "50 - 7\n50 is at least 7, so the result is not negative.\nUnits: 0 - 7 needs a borrow: "
-                     "10 - 7 = 3, write 3, borrow 1.\nTens: 5 - 0 - 1 = 4, write 4.\nResult: 43."),
-    ("-", 21, 97, -76, "21 - 97\n21 is less than 97, so I compute 97 - 21 and make it negative.\nUnits: 7 - 1 = 6, "
-                       "write 6, borrow 0.\nTens: 9 - 2 - 0 = 7, write 7.\nResult: -76."),
-])
+ARITHMETIC_CASES = [
+    ("+", 47, 38, 85,
+     "47 + 38\nUnits: 7 + 8 = 15, write 5, carry 1.\nTens: 4 + 3 + 1 = 8, write 8.\nResult: 85."),
+    ("+", 99, 99, 198,
+     "99 + 99\nUnits: 9 + 9 = 18, write 8, carry 1.\nTens: 9 + 9 + 1 = 19, write 19.\nResult: 198."),
+    ("-", 50, 7, 43,
+     "50 - 7\n50 is at least 7, so the result is not negative.\nUnits: 0 - 7 needs a borrow: "
+     "10 - 7 = 3, write 3, borrow 1.\nTens: 5 - 0 - 1 = 4, write 4.\nResult: 43."),
+    ("-", 21, 97, -76,
+     "21 - 97\n21 is less than 97, so I compute 97 - 21 and make it negative.\nUnits: 7 - 1 = 6, "
+     "write 6, borrow 0.\nTens: 9 - 2 - 0 = 7, write 7.\nResult: -76."),
+]
+
+
+@pytest.mark.parametrize(("op", "a", "b", "result", "reasoning"), ARITHMETIC_CASES)
 def test_arithmetic_reasoning_goes_digit_by_digit(op, a, b, result, reasoning):
     exchange = arithmetic_exchange(op, a, b, 0)
     answer = exchange.messages[-1]

@@ -10,7 +10,6 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-
 from mlx.utils import tree_flatten, tree_map
 
 import mlxchat
@@ -111,12 +110,14 @@ def test_mask_covers_exactly_the_generated_turn(tokenizer, template):
 
 
 def test_mask_covers_tool_call_and_answer_not_history(tokenizer, template):
-    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}
+    call = {"id": "c1", "type": "function",
+            "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}
     messages = [
         {"role": "user", "content": "Hi"},
         {"role": "assistant", "content": "Hello!", "reasoning_content": "A greeting."},
         {"role": "user", "content": "Weather in Oslo?"},
-        {"role": "assistant", "content": "", "reasoning_content": "I need get_weather for Oslo.", "tool_calls": [call]},
+        {"role": "assistant", "content": "", "reasoning_content": "I need get_weather for Oslo.",
+         "tool_calls": [call]},
         {"role": "tool", "tool_call_id": "c1", "content": '{"temperature_c": 3}'},
         {"role": "assistant", "content": "It is 3°C in Oslo."},
     ]
@@ -133,12 +134,13 @@ def test_mask_covers_tool_call_and_answer_not_history(tokenizer, template):
 def test_mask_without_stop_ids_keeps_the_templates_whole_turn(template):
     messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]
     example = encode_chat(template, messages)
-    assert template.tokenizer.decode([t for t, m in zip(example.ids, example.mask, strict=True) if m]).endswith(
-        "Hello!<|im_end|>\n")
+    marked = [t for t, m in zip(example.ids, example.mask, strict=True) if m]
+    assert template.tokenizer.decode(marked).endswith("Hello!<|im_end|>\n")
 
 
 def test_batch_shifts_and_pads():
-    batch = make_batch([Example([1, 2, 3, 4], [False, False, True, True]), Example([5, 6], [False, True])], pad_to=4)
+    examples = [Example([1, 2, 3, 4], [False, False, True, True]), Example([5, 6], [False, True])]
+    batch = make_batch(examples, pad_to=4)
     assert batch.inputs.tolist() == [[1, 2, 3, 0], [5, 0, 0, 0]]
     assert batch.targets.tolist() == [[2, 3, 4, 0], [6, 0, 0, 0]]
     assert batch.mask.tolist() == [[0, 1, 1, 0], [1, 0, 0, 0]]
@@ -193,7 +195,7 @@ def test_accumulation_matches_one_big_batch(examples, tokenizer):
             _, g = grad_fn(module, batch)
             grads = g if grads is None else tree_map(mx.add, grads, g)
             total += batch.tokens
-        grads = tree_map(lambda g: g / total, grads)
+        grads = tree_map(lambda g, n=total: g / n, grads)
         make_optimizer(config).update(module, grads)
         results.append(dict(tree_flatten(module.parameters())))
     for name, value in results[0].items():
@@ -215,7 +217,8 @@ def saved(tmp_path_factory, examples, tokenizer):
     folder = tmp_path_factory.mktemp("ckpt")
     config = tiny_config(tokenizer.vocab_size)
     save_checkpoint(folder, module, config=config, tokenizer=tokenizer, chat_template=SOURCE,
-                    generation_config={"eos_token_id": [tokenizer.token_id("<|im_end|>")], "do_sample": False})
+                    generation_config={"eos_token_id": [tokenizer.token_id("<|im_end|>")],
+                                       "do_sample": False})
     return folder, module
 
 
@@ -249,7 +252,8 @@ def test_checkpoint_loads_in_transformers(saved, template):
     hf_tokenizer = AutoTokenizer.from_pretrained(folder)
     messages = [{"role": "user", "content": "Weather in Oslo and 12 + 34?"}]
     ids = template.encode(messages, tools=TOOLS)
-    rendered = hf_tokenizer.apply_chat_template(messages, tools=TOOLS, tokenize=False, add_generation_prompt=True)
+    rendered = hf_tokenizer.apply_chat_template(messages, tools=TOOLS, tokenize=False,
+                                                add_generation_prompt=True)
     assert rendered == template.render(messages, tools=TOOLS)
     assert hf_tokenizer(rendered, add_special_tokens=False)["input_ids"] == ids
     hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)

@@ -18,7 +18,9 @@ MODEL_DIR = Path(__file__).resolve().parent / "model"
 def default_model_path() -> Path:
     """The shipped demo checkpoint folder (used when no model is given)."""
     if not (MODEL_DIR / "config.json").exists():
-        raise CheckpointError(f"{MODEL_DIR}: the demo model is missing; build it with `python -m mlxchat.demo.build`")
+        raise CheckpointError(
+            f"{MODEL_DIR}: the demo model is missing; build it with `python -m mlxchat.demo.build`"
+        )
     return MODEL_DIR
 
 

@@ -18,13 +18,23 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 
 from ..chat_template import ChatTemplate
 from ..loading import load_model
 from ..tokenizer import Tokenizer
 from ..tools.schema import tool_schemas
-from ..train import Example, LogRecord, TrainConfig, encode_chat, from_scratch, save_checkpoint, train
-from ..train import train_tokenizer, untrained_tokenizer
+from ..train import (
+    Example,
+    LogRecord,
+    TrainConfig,
+    encode_chat,
+    from_scratch,
+    save_checkpoint,
+    train,
+    train_tokenizer,
+    untrained_tokenizer,
+)
 from .data import Conversation, DemoData
 from .evaluate import evaluate
 from .world import DEMO_TOOLS
@@ -121,7 +131,7 @@ def build(recipe: Recipe, out: Path, eval_limit: int | None = None, log: Any = p
 
     config = hf_config(recipe, tokenizer.vocab_size, eos_id, pad_id)
     module = from_scratch(config, seed=recipe.seed)
-    params = sum(v.size for _, v in _flat(module))
+    params = sum(v.size for _, v in tree_flatten(module.parameters()))
     log(f"model: {params / 1e6:.2f}M parameters")
     train_config = TrainConfig(steps=recipe.steps, learning_rate=recipe.learning_rate,
                                warmup_steps=recipe.warmup_steps, batch_tokens=recipe.batch_tokens,
@@ -150,16 +160,55 @@ def build(recipe: Recipe, out: Path, eval_limit: int | None = None, log: Any = p
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
     }
     (out / "build_report.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / "README.md").write_text(model_card(result), encoding="utf-8")
     for metric, value in scores.items():
         log(f"{metric:14s} {100 * value:6.1f}%")
     log(f"total {result['seconds']['total']} s")
     return result
 
 
-def _flat(module: Any) -> list[tuple[str, mx.array]]:
-    from mlx.utils import tree_flatten
+METRIC_NAMES = {
+    "capitals": "capital of a country (unseen phrasing)",
+    "arithmetic": "two-digit addition and subtraction (unseen problems)",
+    "conversions": "metric unit conversion (unseen amounts)",
+    "tool_calls": "one tool call: valid JSON, right function and city (unseen cities)",
+    "two_calls": "two calls in one turn for two cities (unseen cities)",
+    "tool_answers": "answer quotes every tool result and city",
+    "dont_know": "says \"I don't know\" outside its world",
+}
 
-    return tree_flatten(module.parameters())
+
+def model_card(result: dict[str, Any]) -> str:
+    """The checkpoint's README: what the model is, what it is not, and how it scored."""
+    recipe = result["recipe"]
+    rows = "\n".join(f"| {METRIC_NAMES[m]} | {100 * v:.1f}% |" for m, v in result["scores"].items())
+    limit = f" (first {result['eval_limit']} items per metric)" if result["eval_limit"] else ""
+    return f"""# mlxchat demo model
+
+A {result['parameters'] / 1e6:.1f}M-parameter Qwen3-architecture chat model that mlxchat trains itself, from
+nothing, with `python -m mlxchat.demo.build` (seed {recipe['seed']}): synthetic conversations of a tiny
+world rendered through the real Qwen3 chat template, a {recipe['vocab_size']}-piece byte-level BPE trained on
+them, {recipe['steps']} AdamW steps of {recipe['batch_tokens']} tokens with the loss on the assistant's turns
+only. It ships inside the package so that `mlxchat chat` and `mlxchat generate` work offline, and it is
+the subject of mlxchat's end-to-end tests.
+
+**What it does**: names the capital of about 100 countries; adds and subtracts two-digit numbers, reasoning
+digit by digit inside `<think>`; converts metric units; answers greetings and thanks; calls the tools
+`get_weather(city)` and `get_time(city)` (`mlxchat.demo.world.DEMO_TOOLS`), two calls in one turn for two
+cities, and writes its answer from the tool results; says it does not know anything else.
+
+**What it is not**: a general assistant. It has seen nothing outside that world, conversations of a few
+hundred tokens, and only these two tools; the tools themselves are deterministic stand-ins.
+
+Held-out accuracy, greedy{limit}:
+
+| held-out task | accuracy |
+|---|---|
+{rows}
+
+Built in {result['seconds']['total'] / 60:.0f} minutes on {result['machine']} (CPU shared with other work);
+the full report is `build_report.json`.
+"""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -167,7 +216,8 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m mlxchat.demo.build", description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=None, help="output folder (default: the package's model)")
-    parser.add_argument("--eval-limit", type=int, default=None, help="held-out items per metric (default: all)")
+    parser.add_argument("--eval-limit", type=int, default=None,
+                        help="held-out items per metric (default: all)")
     for f in fields(Recipe):
         parser.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=None)
     args = parser.parse_args(argv)

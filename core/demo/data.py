@@ -22,6 +22,7 @@ from typing import Any
 from .world import CAPITALS, CONDITIONS, CONVERSIONS, OTHER_CITIES
 
 Message = dict[str, Any]
+PlacePicker = Callable[[random.Random], str]
 
 SYSTEM_PROMPTS = (
     "You are a helpful assistant.",
@@ -68,10 +69,12 @@ TWO_CALL_QUESTIONS: dict[tuple[str, str], tuple[str, ...]] = {
         "Tell me the current time in {a} and {b}.",
     ),
     ("get_time", "get_weather"): (
-        "What time is it in {a}, and what's the weather in {b}?", "Tell me the time in {a} and the weather in {b}.",
+        "What time is it in {a}, and what's the weather in {b}?",
+        "Tell me the time in {a} and the weather in {b}.",
     ),
     ("get_weather", "get_time"): (
-        "What's the weather in {a} and the time in {b}?", "How is the weather in {a}, and what time is it in {b}?",
+        "What's the weather in {a} and the time in {b}?",
+        "How is the weather in {a}, and what time is it in {b}?",
     ),
 }
 SAME_CITY_QUESTIONS: dict[tuple[str, str], tuple[str, ...]] = {
@@ -105,7 +108,8 @@ DONT_KNOW = (
     "convert metric units, and check the weather and the time in a city."
 )
 OUT_OF_WORLD = (
-    "Who wrote Hamlet?", "What is the speed of light?", "Who painted the Mona Lisa?", "How tall is Mount Everest?",
+    "Who wrote Hamlet?", "What is the speed of light?", "Who painted the Mona Lisa?",
+    "How tall is Mount Everest?",
     "What is the population of Japan?", "Who is the president of France?", "What is the meaning of life?",
     "Write a poem about the sea.", "Can you translate hello into Spanish?", "What is 123 times 45?",
     "What is the square root of 2?", "Who won the World Cup in 2014?", "What is the largest planet?",
@@ -115,7 +119,8 @@ OUT_OF_WORLD = (
     "Who invented the telephone?", "What should I eat for dinner?", "What is the stock price of Apple?",
     "How old is the universe?", "Can you write some Python code?", "What is the chemical formula of water?",
     "Who discovered penicillin?", "What is the tallest building in the world?", "How far away is the Moon?",
-    "What language is spoken in Brazil?", "What is the currency of Japan?", "Who is the best football player?",
+    "What language is spoken in Brazil?", "What is the currency of Japan?",
+    "Who is the best football player?",
     "Explain quantum physics.", "What is love?", "How many people live in Paris?",
     "What is the boiling point of gold?", "Sing me a song.", "Who was the first person on the Moon?",
     "What is 7 times 8?", "Divide 96 by 4.", "What is the weather going to be next week?",
@@ -126,8 +131,8 @@ NO_TOOL_ANSWERS = {
     "get_time": "I'm sorry, I can't check the time in {a} because no time tool is available.",
 }
 
-_SYLLABLES = ("val", "dor", "ken", "mar", "tos", "rin", "bel", "zan", "qua", "lor", "phe", "nix", "tar", "mon",
-              "sel", "gar", "vik", "ora", "ell", "bru", "kai", "sto", "fen", "umb", "yra", "lis", "doz", "wen")
+_SYLLABLES = ("val dor ken mar tos rin bel zan qua lor phe nix tar mon sel gar vik ora ell bru kai sto fen "
+              "umb yra lis doz wen").split()
 
 
 def invented_names(count: int, rng: random.Random) -> list[str]:
@@ -191,8 +196,8 @@ def capital_exchange(country: str, phrasing: int) -> Exchange:
     question = CAPITAL_QUESTIONS[phrasing].format(c=country)
     capital = CAPITALS[country]
     answer = f"The capital of {country} is {capital}."
-    return Exchange("capital", [_user(question), _assistant(answer, f"The user asks for the capital of {country}.")],
-                    expected={"answer": capital})
+    reasoning = f"The user asks for the capital of {country}."
+    return Exchange("capital", [_user(question), _assistant(answer, reasoning)], expected={"answer": capital})
 
 
 def unknown_country_exchange(name: str, phrasing: int) -> Exchange:
@@ -216,7 +221,9 @@ def subtraction_steps(x: int, y: int) -> list[str]:
     if xu >= yu:
         borrow, units = 0, f"Units: {xu} - {yu} = {xu - yu}, write {xu - yu}, borrow 0."
     else:
-        borrow, units = 1, f"Units: {xu} - {yu} needs a borrow: {xu + 10} - {yu} = {xu + 10 - yu}, write {xu + 10 - yu}, borrow 1."
+        digit = xu + 10 - yu
+        borrow = 1
+        units = f"Units: {xu} - {yu} needs a borrow: {xu + 10} - {yu} = {digit}, write {digit}, borrow 1."
     tens = x // 10 - y // 10 - borrow
     return [units, f"Tens: {x // 10} - {y // 10} - {borrow} = {tens}, write {tens}."]
 
@@ -228,7 +235,8 @@ def arithmetic_exchange(op: str, a: int, b: int, phrasing: int) -> Exchange:
     else:
         question, result = SUB_QUESTIONS[phrasing].format(a=a, b=b), a - b
         if a >= b:
-            steps = [f"{a} - {b}", f"{a} is at least {b}, so the result is not negative.", *subtraction_steps(a, b)]
+            steps = [f"{a} - {b}", f"{a} is at least {b}, so the result is not negative.",
+                     *subtraction_steps(a, b)]
         else:
             steps = [f"{a} - {b}", f"{a} is less than {b}, so I compute {b} - {a} and make it negative.",
                      *subtraction_steps(b, a)]
@@ -271,9 +279,12 @@ def _quoted(result: dict[str, Any]) -> list[str]:
 def tool_exchange(calls: list[tuple[str, str]], question: str, rng: random.Random) -> Exchange:
     """A question answered by calling ``calls`` (tool, city) in one turn, then writing the results up."""
     plan = " and ".join(f"{name} for {city}" for name, city in calls)
-    tool_calls = [{"id": f"call_{i}", "type": "function", "function": {"name": name, "arguments": {"city": city}}}
-                  for i, (name, city) in enumerate(calls, start=1)]
-    results = [(_weather_result if name == "get_weather" else _time_result)(city, rng) for name, city in calls]
+    tool_calls = [
+        {"id": f"call_{i}", "type": "function", "function": {"name": name, "arguments": {"city": city}}}
+        for i, (name, city) in enumerate(calls, start=1)
+    ]
+    results = [(_weather_result if name == "get_weather" else _time_result)(city, rng)
+               for name, city in calls]
     if len(calls) == 1:
         answer = f"It is {_clause(results[0])} in {calls[0][1]} right now."
     else:
@@ -281,7 +292,8 @@ def tool_exchange(calls: list[tuple[str, str]], question: str, rng: random.Rando
         answer = f"In {first} it is {_clause(results[0])}, and in {second} it is {_clause(results[1])}."
     messages = [
         _user(question),
-        {"role": "assistant", "content": "", "reasoning_content": f"I need {plan}.", "tool_calls": tool_calls},
+        {"role": "assistant", "content": "", "reasoning_content": f"I need {plan}.",
+         "tool_calls": tool_calls},
         *({"role": "tool", "tool_call_id": call["id"], "content": json.dumps(result, ensure_ascii=False)}
           for call, result in zip(tool_calls, results, strict=True)),
         _assistant(answer),
@@ -289,6 +301,11 @@ def tool_exchange(calls: list[tuple[str, str]], question: str, rng: random.Rando
     task = "tool_call" if len(calls) == 1 else "two_calls"
     return Exchange(task, messages, tools=True,
                     expected={"calls": calls, "quotes": [q for r in results for q in _quoted(r)]})
+
+
+def out_of_world_exchange(question: str) -> Exchange:
+    return Exchange("out_of_world", [_user(question), _assistant(DONT_KNOW, "This is outside what I know.")],
+                    expected={"answer": "don't know"})
 
 
 def no_tool_exchange(name: str, city: str, phrasing: int) -> Exchange:
@@ -312,7 +329,8 @@ class Split:
         problems = [(op, a, b) for op in "+-" for a in two_digit for b in two_digit]
         self.arithmetic = set(rng.sample([p for p in problems if p[0] == "+"], 150)
                               + rng.sample([p for p in problems if p[0] == "-"], 150))
-        self.conversions = set(rng.sample([(i, n) for i in range(len(CONVERSIONS)) for n in range(1, 100)], 60))
+        amounts = [(i, n) for i in range(len(CONVERSIONS)) for n in range(1, 100)]
+        self.conversions = set(rng.sample(amounts, 60))
         real_cities = sorted({*CAPITALS.values(), *OTHER_CITIES})
         self.tool_cities = sorted(rng.sample(real_cities, 24))
         self.train_cities = [c for c in real_cities if c not in self.tool_cities]
@@ -362,7 +380,8 @@ class DemoData:
             history: list[Message] = []
             if rng.random() < 0.1:
                 for _ in range(rng.choice((1, 1, 2, 3))):
-                    earlier = makers[rng.choice(("capital", "arithmetic", "conversion", "greeting", "tool_call"))](rng)
+                    kind = rng.choice(("capital", "arithmetic", "conversion", "greeting", "tool_call"))
+                    earlier = makers[kind](rng)
                     if earlier.tools in (None, tools):
                         history += earlier.messages
             system = [{"role": "system", "content": rng.choice(SYSTEM_PROMPTS)}] if rng.random() < 0.3 else []
@@ -389,15 +408,16 @@ class DemoData:
                 return conversion_exchange(index, n, rng.randrange(len(CONVERSION_QUESTIONS)))
 
     def _city(self, rng: random.Random) -> str:
-        return rng.choice(self.split.train_cities) if rng.random() < 0.6 else rng.choice(self.split.train_places)
+        real = rng.random() < 0.6
+        return rng.choice(self.split.train_cities if real else self.split.train_places)
 
-    def _tool_call(self, rng: random.Random, cities: Callable[[random.Random], str] | None = None) -> Exchange:
+    def _tool_call(self, rng: random.Random, cities: PlacePicker | None = None) -> Exchange:
         city = (cities or self._city)(rng)
         name = rng.choice(("get_weather", "get_time"))
         question = rng.choice(WEATHER_QUESTIONS if name == "get_weather" else TIME_QUESTIONS).format(a=city)
         return tool_exchange([(name, city)], question, rng)
 
-    def _two_calls(self, rng: random.Random, cities: Callable[[random.Random], str] | None = None) -> Exchange:
+    def _two_calls(self, rng: random.Random, cities: PlacePicker | None = None) -> Exchange:
         pick = cities or self._city
         a = pick(rng)
         if rng.random() < 0.1:
@@ -423,12 +443,12 @@ class DemoData:
         return Exchange("identity", [_user(rng.choice(IDENTITY_QUESTIONS)), _assistant(IDENTITY)])
 
     def _unknown_country(self, rng: random.Random) -> Exchange:
-        return unknown_country_exchange(rng.choice(self.split.train_places), rng.randrange(len(CAPITAL_QUESTIONS)))
+        name = rng.choice(self.split.train_places)
+        return unknown_country_exchange(name, rng.randrange(len(CAPITAL_QUESTIONS)))
 
     def _out_of_world(self, rng: random.Random) -> Exchange:
         question = rng.choice(self.split.train_out_of_world)
-        return Exchange("out_of_world", [_user(question), _assistant(DONT_KNOW, "This is outside what I know.")],
-                        expected={"answer": "don't know"})
+        return out_of_world_exchange(question)
 
     def _no_tool(self, rng: random.Random) -> Exchange:
         name = rng.choice(("get_weather", "get_time"))
@@ -450,8 +470,7 @@ class DemoData:
                       for op, a, b in sorted(split.arithmetic)]
         conversions = [conversion_exchange(i, n, rng.randrange(len(CONVERSION_QUESTIONS)))
                        for i, n in sorted(split.conversions)]
-        dont_know = [Exchange("out_of_world", [_user(q), _assistant(DONT_KNOW, "This is outside what I know.")],
-                              expected={"answer": "don't know"}) for q in split.out_of_world]
+        dont_know = [out_of_world_exchange(q) for q in split.out_of_world]
         dont_know += [unknown_country_exchange(name, rng.randrange(len(CAPITAL_QUESTIONS)))
                       for name in split.heldout_places[:12]]
         return {
@@ -472,15 +491,17 @@ class DemoData:
         out: dict[str, list[EvalItem]] = {}
         for metric, exchanges in self.heldout().items():
             upto = (lambda e: len(e.messages) - 1) if metric == "tool_answers" else (lambda e: 1)
-            out[metric] = [
-                EvalItem(e.task, e.messages[: upto(e)], e.tools if e.tools is not None else rng.random() < 1 / 3,
-                         e.expected)
-                for e in exchanges
-            ]
+            out[metric] = [EvalItem(e.task, e.messages[: upto(e)], _offered(e, rng), e.expected)
+                           for e in exchanges]
         return out
 
     def validation(self) -> list[Conversation]:
         """The held-out exchanges as whole conversations, for a held-out loss while training."""
         rng = random.Random(f"mlxchat-demo-tools-{self.seed}")
-        return [Conversation(e.task, e.messages, e.tools if e.tools is not None else rng.random() < 1 / 3)
+        return [Conversation(e.task, e.messages, _offered(e, rng))
                 for exchanges in self.heldout().values() for e in exchanges]
+
+
+def _offered(exchange: Exchange, rng: random.Random) -> bool:
+    """Whether held-out items offer the tools: as they need, else a third of the time."""
+    return exchange.tools if exchange.tools is not None else rng.random() < 1 / 3

@@ -112,8 +112,10 @@ def evaluate(
 def main(argv: list[str] | None = None) -> int:
     from . import default_model_path
 
-    parser = argparse.ArgumentParser(prog="python -m mlxchat.demo.evaluate", description=__doc__.split("\n")[0])
-    parser.add_argument("model", nargs="?", default=None, help="checkpoint folder (default: the shipped demo model)")
+    parser = argparse.ArgumentParser(prog="python -m mlxchat.demo.evaluate",
+                                     description=__doc__.split("\n")[0])
+    parser.add_argument("model", nargs="?", default=None,
+                        help="checkpoint folder (default: the shipped demo model)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the data split the model was trained on")
     parser.add_argument("--limit", type=int, default=None, help="items per metric (default: all)")
     parser.add_argument("--show-failures", action="store_true", help="print each wrong reply")

@@ -44,12 +44,14 @@ def save_checkpoint(
 
     tokenizer.backend.save(str(out / "tokenizer.json"))
     added = {
-        str(index): {"content": tok.content, "special": tok.special, "lstrip": tok.lstrip, "rstrip": tok.rstrip,
-                     "normalized": tok.normalized, "single_word": tok.single_word}
+        str(index): {"content": tok.content, "special": tok.special, "lstrip": tok.lstrip,
+                     "rstrip": tok.rstrip, "normalized": tok.normalized, "single_word": tok.single_word}
         for index, tok in sorted(tokenizer.backend.get_added_tokens_decoder().items())
     }
-    settings = {k: v for k, v in tokenizer.config.items() if k not in ("added_tokens_decoder", "chat_template")}
-    tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", **settings, "added_tokens_decoder": added}
+    settings = {k: v for k, v in tokenizer.config.items()
+                if k not in ("added_tokens_decoder", "chat_template", "tokenizer_class")}
+    tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", **settings,
+                        "added_tokens_decoder": added}
     if chat_template is not None:
         tokenizer_config["chat_template"] = chat_template
     _write_json(out / "tokenizer_config.json", tokenizer_config)

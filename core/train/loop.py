@@ -125,7 +125,7 @@ def train(
         lr = optimizer.optimizers[0].learning_rate.item()
         entry = LogRecord(step, kind, loss, lr, trained, time.perf_counter() - start)
         if not math.isfinite(loss):
-            raise FloatingPointError(f"training diverged at step {step} (loss {loss}); lower the learning rate")
+            raise FloatingPointError(f"training diverged at step {step} (loss {loss}); lower the lr")
         log.append(entry)
         if on_log is not None:
             on_log(entry)
@@ -149,7 +149,7 @@ def train(
             loss, g = grad_fn(module, batch)
             grads = g if grads is None else tree_map(mx.add, grads, g)
             loss_sum, count = loss_sum + loss, count + batch.tokens
-        grads = tree_map(lambda g: g / count, grads)
+        grads = tree_map(lambda g, n=count: g / n, grads)
         if config.grad_clip is not None:
             grads, _ = optim.clip_grad_norm(grads, config.grad_clip)
         optimizer.update(module, grads)
