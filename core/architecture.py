@@ -23,6 +23,9 @@ class ModelModule(Protocol):
         """One fresh cache per layer."""
         ...
 
+    # Optional: ``last_logits(tokens, cache) -> [batch, vocab]``, the last position's logits without the
+    # output projection of the others (mlxchat.layers.CausalLM has it); generation uses it when present.
+
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         """Map checkpoint tensor names (and layouts) to this module's parameter names."""
         ...

@@ -122,11 +122,14 @@ def decode_tokens(
         raise ValueError("cannot generate from an empty prompt")
     stats.cached = cache.reuse(prompt)
     pending = list(prompt[stats.cached :])
-    # Each split costs a pass over the weights: only caches that need snapshots get them.
+    # Each split costs a pass over the weights: only caches that need snapshots get them. The last chunk
+    # runs together with the first sampled token, unless the cache snapshots the last prompt token (where
+    # a regenerate returns to).
     stops = sorted({p for p in checkpoints if stats.cached < p < len(prompt)}) if cache.needs_snapshots else []
+    keep = 1 if cache.needs_snapshots else min(len(pending), config.prefill_step)
 
-    while len(pending) > 1:
-        size = min(len(pending) - 1, config.prefill_step)
+    while len(pending) > keep:
+        size = min(len(pending) - keep, config.prefill_step)
         if stops:
             size = min(size, stops[0] - len(cache))
         chunk, pending = pending[:size], pending[size:]
@@ -142,8 +145,10 @@ def decode_tokens(
     adjust.start(prompt)
     sample = make_sampler(config.temperature, config.top_p, config.top_k, config.min_p, config.seed)
 
+    last_logits = getattr(module, "last_logits", None) or (lambda t, c: module(t, c)[:, -1, :])
+
     def step(tokens: mx.array) -> mx.array:
-        logits = module(tokens[None], cache.layers)[:, -1, :]
+        logits = last_logits(tokens[None], cache.layers)
         if adjust.active:
             logits = adjust(logits)
         token = sample(logits)

@@ -117,9 +117,9 @@ def test_cancel_mid_stream_keeps_what_streamed_and_stays_consistent(model) -> No
 def test_failure_keeps_the_user_turn_and_retry_equals_stateless(model, monkeypatch) -> None:
     session = model.chat_session(system="You are terse.")
     send_checked(model, session, QUESTIONS[0])
-    module = model.module
+    decoder = model.module.model
     calls = {"n": 0}
-    original = type(module).__call__
+    original = type(decoder).__call__
 
     def failing(self, *args, **kwargs):
         calls["n"] += 1
@@ -127,7 +127,7 @@ def test_failure_keeps_the_user_turn_and_retry_equals_stateless(model, monkeypat
             raise RuntimeError("injected failure")
         return original(self, *args, **kwargs)
 
-    monkeypatch.setattr(type(module), "__call__", failing)
+    monkeypatch.setattr(type(decoder), "__call__", failing)
     with pytest.raises(mlxchat.MlxchatError, match="injected failure"):
         session.send(QUESTIONS[1], config=GREEDY)
     monkeypatch.undo()

@@ -49,6 +49,11 @@ class CausalLM(nn.Module):
     def __call__(self, tokens: mx.array, cache: Sequence[LayerCache | None] | None = None) -> mx.array:
         return self.project(self.model(tokens, cache))
 
+    def last_logits(self, tokens: mx.array, cache: Sequence[LayerCache | None] | None = None) -> mx.array:
+        """Logits ``[batch, vocab]`` of the last position only: the vocabulary-wide projection runs for one
+        row, so a prompt chunk and the first sampled token can share one pass over the weights."""
+        return self.project(self.model(tokens, cache)[:, -1:, :])[:, -1, :]
+
     def make_cache(self) -> list[LayerCache]:
         return [KVCache() for _ in self.model.layers]
 

@@ -339,8 +339,8 @@ class Gemma4ForCausalLM(CausalLM):
         a few rows a token: keep it in the checkpoint's dtype."""
         return "embed_tokens_per_layer" not in name
 
-    def __call__(self, tokens: mx.array, cache: list[LayerCache] | None = None) -> mx.array:  # type: ignore[override]
-        logits = self.project(self.model(tokens, cache))
+    def project(self, h: mx.array) -> mx.array:
+        logits = super().project(h)
         if self.softcap:
             logits = softcap(logits, mx.array(self.softcap, logits.dtype))
         return logits
