@@ -49,7 +49,7 @@ def test_deterministic_for_a_seed():
 def test_mixture_covers_every_task(training):
     tasks = {c.task for c in training}
     assert tasks == {"capital", "arithmetic", "conversion", "tool_call", "two_calls", "greeting", "thanks",
-                     "identity", "unknown_country", "out_of_world", "no_tool"}
+                     "identity", "unknown_country", "out_of_world", "no_tool", "repeat"}
     assert all(c.tools for c in training if c.task in ("tool_call", "two_calls"))
     assert not any(c.tools for c in training if c.task == "no_tool")
 
@@ -129,6 +129,14 @@ def test_conversion_answer():
     exchange = conversion_exchange(0, 25, 0)
     assert exchange.messages[0]["content"] == "How many meters are in 25 kilometers?"
     assert exchange.messages[-1]["content"] == "25 kilometers is 25000 meters."
+
+
+def test_repeat_answers_are_the_phrase_verbatim(training):
+    repeats = [c for c in training if c.task == "repeat"]
+    assert repeats
+    for c in repeats:
+        question, answer = c.messages[-2]["content"], c.messages[-1]["content"]
+        assert answer and answer in question and not c.messages[-1]["reasoning_content"]
 
 
 def test_tool_exchanges_answer_from_their_results(training):

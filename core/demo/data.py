@@ -126,6 +126,8 @@ OUT_OF_WORLD = (
     "What is 7 times 8?", "Divide 96 by 4.", "What is the weather going to be next week?",
     "Summarize the news for today.", "What is your favourite colour?", "How do airplanes fly?",
 )
+REPEAT_QUESTIONS = ("Repeat after me: {p}", "Say \"{p}\".", "Please repeat: {p}", "Echo this: {p}",
+                    "Can you say {p}?")
 NO_TOOL_ANSWERS = {
     "get_weather": "I'm sorry, I can't check the weather in {a} because no weather tool is available.",
     "get_time": "I'm sorry, I can't check the time in {a} because no time tool is available.",
@@ -135,15 +137,25 @@ _SYLLABLES = ("val dor ken mar tos rin bel zan qua lor phe nix tar mon sel gar v
               "umb yra lis doz wen").split()
 
 
-def invented_names(count: int, rng: random.Random) -> list[str]:
-    """Made-up place names (never a real country or city here)."""
-    real = {n.lower() for n in (*CAPITALS, *CAPITALS.values(), *OTHER_CITIES)}
-    names: list[str] = []
-    while len(names) < count:
+_REAL_PLACES = {n.lower() for n in (*CAPITALS, *CAPITALS.values(), *OTHER_CITIES)}
+
+
+def invented_name(rng: random.Random) -> str:
+    """A made-up place name (never a real country or city here)."""
+    while True:
         name = "".join(rng.choice(_SYLLABLES) for _ in range(rng.choice((2, 2, 3)))).capitalize()
         if rng.random() < 0.15:
             name += rng.choice((" Falls", " Bay", " City", " Springs"))
-        if name.lower() not in real and name not in names:
+        if name.lower() not in _REAL_PLACES:
+            return name
+
+
+def invented_names(count: int, rng: random.Random) -> list[str]:
+    """``count`` distinct made-up place names."""
+    names: list[str] = []
+    while len(names) < count:
+        name = invented_name(rng)
+        if name not in names:
             names.append(name)
     return names
 
@@ -303,6 +315,12 @@ def tool_exchange(calls: list[tuple[str, str]], question: str, rng: random.Rando
                     expected={"calls": calls, "quotes": [q for r in results for q in _quoted(r)]})
 
 
+def repeat_exchange(phrase: str, phrasing: int) -> Exchange:
+    """Saying a phrase back: copying from the context is what tool calls and answers need most, and a tiny
+    model learns it far sooner from these than from the few copied words of the other tasks."""
+    return Exchange("repeat", [_user(REPEAT_QUESTIONS[phrasing].format(p=phrase)), _assistant(phrase)])
+
+
 def out_of_world_exchange(question: str) -> Exchange:
     return Exchange("out_of_world", [_user(question), _assistant(DONT_KNOW, "This is outside what I know.")],
                     expected={"answer": "don't know"})
@@ -336,16 +354,20 @@ class Split:
         self.train_cities = [c for c in real_cities if c not in self.tool_cities]
         names = invented_names(440, rng)
         self.heldout_places = names[:40]
-        # No trained name contains a held-out one (or the reverse): held-out places are wholly new.
-        self.train_places = [n for n in names[40:] if not any(h in n or n in h for h in self.heldout_places)]
+        self.train_places = [n for n in names[40:] if self.trainable(n)]
         self.out_of_world = sorted(rng.sample(OUT_OF_WORLD, 8))
         self.train_out_of_world = [q for q in OUT_OF_WORLD if q not in self.out_of_world]
+
+    def trainable(self, place: str) -> bool:
+        """No trained name contains a held-out one (or the reverse): held-out places are wholly new."""
+        return not any(h in place or place in h for h in self.heldout_places)
 
 
 # Training mixture: task -> weight.
 MIXTURE = {
     "capital": 20, "arithmetic": 30, "conversion": 7, "tool_call": 14, "two_calls": 11,
     "greeting": 3, "thanks": 3, "identity": 1, "unknown_country": 3, "out_of_world": 4, "no_tool": 4,
+    "repeat": 10,
 }
 
 
@@ -356,9 +378,13 @@ OPTIONAL_TOOLS = 0.1
 class DemoData:
     """Training conversations and held-out evaluation items for one seed."""
 
-    def __init__(self, seed: int = 0):
+    def __init__(self, seed: int = 0, fresh_places: bool = True):
         self.seed = seed
         self.split = Split(seed)
+        self.fresh_places = fresh_places
+        """Invent a new place name for every use in training instead of drawing from the split's list of a
+        few hundred: a small model memorises a short list (and then calls the tools with a remembered
+        name for any unseen one) where endless new names leave it no way but to copy from the question."""
 
     # -- training -----------------------------------------------------------------------------------
 
@@ -371,7 +397,7 @@ class DemoData:
             "capital": self._capital, "arithmetic": self._arithmetic, "conversion": self._conversion,
             "tool_call": self._tool_call, "two_calls": self._two_calls, "greeting": self._greeting,
             "thanks": self._thanks, "identity": self._identity, "unknown_country": self._unknown_country,
-            "out_of_world": self._out_of_world, "no_tool": self._no_tool,
+            "out_of_world": self._out_of_world, "no_tool": self._no_tool, "repeat": self._repeat,
         }
         out = []
         for _ in range(count):
@@ -409,7 +435,15 @@ class DemoData:
 
     def _city(self, rng: random.Random) -> str:
         real = rng.random() < 0.6
-        return rng.choice(self.split.train_cities if real else self.split.train_places)
+        return rng.choice(self.split.train_cities) if real else self._place(rng)
+
+    def _place(self, rng: random.Random) -> str:
+        if not self.fresh_places:
+            return rng.choice(self.split.train_places)
+        while True:
+            name = invented_name(rng)
+            if self.split.trainable(name):
+                return name
 
     def _tool_call(self, rng: random.Random, cities: PlacePicker | None = None) -> Exchange:
         city = (cities or self._city)(rng)
@@ -443,8 +477,22 @@ class DemoData:
         return Exchange("identity", [_user(rng.choice(IDENTITY_QUESTIONS)), _assistant(IDENTITY)])
 
     def _unknown_country(self, rng: random.Random) -> Exchange:
-        name = rng.choice(self.split.train_places)
+        name = self._place(rng)
         return unknown_country_exchange(name, rng.randrange(len(CAPITAL_QUESTIONS)))
+
+    def _repeat(self, rng: random.Random) -> Exchange:
+        words: list[str] = []
+        for _ in range(rng.randint(2, 8)):
+            kind = rng.random()
+            if kind < 0.5:
+                words.append(self._city(rng))
+            elif kind < 0.7:
+                words.append(rng.choice(list(CAPITALS)))
+            elif kind < 0.85:
+                words.append(str(rng.randint(0, 999)))
+            else:
+                words.append(rng.choice(CONDITIONS))
+        return repeat_exchange(" ".join(words), rng.randrange(len(REPEAT_QUESTIONS)))
 
     def _out_of_world(self, rng: random.Random) -> Exchange:
         question = rng.choice(self.split.train_out_of_world)

@@ -38,7 +38,7 @@ def save_checkpoint(
         raise ValueError(f"dtype must be one of {', '.join(_DTYPE_NAMES.values())}, got {dtype}")
     out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)
-    weights = {name: value.astype(dtype) for name, value in tree_flatten(module.parameters())}
+    weights = {name: value.astype(dtype) for name, value in dict(tree_flatten(module.parameters())).items()}
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "pt"})
     _write_json(out / "config.json", {**config, "dtype": _DTYPE_NAMES[dtype]})
 

@@ -13,6 +13,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -79,7 +80,7 @@ def evaluate(module: nn.Module, examples: Sequence[Example], batch_tokens: int =
     for group in bucketed_batches(examples, batch_tokens, rng):
         batch = make_batch(group)
         if batch.tokens:
-            total += masked_loss(module, batch).item()
+            total += cast(float, masked_loss(module, batch).item())
             count += batch.tokens
     return total / max(count, 1)
 
@@ -93,7 +94,7 @@ def schedule(config: TrainConfig) -> Callable[[mx.array], mx.array]:
                                 [config.warmup_steps])
 
 
-def make_optimizer(config: TrainConfig) -> optim.Optimizer:
+def make_optimizer(config: TrainConfig) -> optim.MultiOptimizer:
     lr = schedule(config)
     decayed = optim.AdamW(lr, betas=list(config.betas), weight_decay=config.weight_decay)
     plain = optim.AdamW(lr, betas=list(config.betas), weight_decay=0.0)
@@ -111,7 +112,7 @@ def train(
     """Train ``model`` (a plugin's module, or a loaded model's) on ``examples`` for ``config.steps`` updates,
     cycling through the data in reshuffled epochs. Returns the log (also passed to ``on_log`` as it goes).
     """
-    module = model.module if isinstance(model, GenerativeModel) else model
+    module = cast(nn.Module, model.module) if isinstance(model, GenerativeModel) else model
     if not examples or not any(any(e.mask[1:]) for e in examples):
         raise ValueError("no training targets: every example's loss mask is empty")
     rng = np.random.default_rng(config.seed)
@@ -155,7 +156,7 @@ def train(
         optimizer.update(module, grads)
         mx.eval(module.parameters(), optimizer.state, loss_sum)
         trained += count
-        window_loss, window_tokens = window_loss + loss_sum.item(), window_tokens + count
+        window_loss, window_tokens = window_loss + cast(float, loss_sum.item()), window_tokens + count
         if step % config.log_every == 0 or step == config.steps:
             record(step, "train", window_loss / window_tokens)
             window_loss, window_tokens = 0.0, 0
