@@ -121,13 +121,8 @@ def _info(args: argparse.Namespace) -> int:
 def _load(args: argparse.Namespace) -> Any:
     from .loading import load_model
 
-    path = args.model
-    if path is None:
-        from .demo import default_model_path
-
-        path = default_model_path()
-    print(dim(f"loading {path} ...", sys.stderr), file=sys.stderr)
-    return load_model(path, dtype=args.dtype)
+    print(dim(f"loading {args.model or 'the demo model'} ...", sys.stderr), file=sys.stderr)
+    return load_model(args.model, dtype=args.dtype)
 
 
 def _config(args: argparse.Namespace) -> GenerationConfig:

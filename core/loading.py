@@ -31,16 +31,21 @@ _SHOWN = 6
 
 
 def load_model(
-    path_or_repo: str | os.PathLike[str],
+    path_or_repo: str | os.PathLike[str] | None = None,
     *,
     dtype: str | mx.Dtype | None = None,
     revision: str | None = None,
 ) -> GenerativeModel:
-    """Load a checkpoint (local folder or Hugging Face repo id) with the plugin its config.json names.
+    """Load a checkpoint (local folder or Hugging Face repo id; by default the demo model shipped in the
+    package, :mod:`mlxchat.demo`) with the plugin its config.json names.
 
     ``dtype`` is what floating-point weights are computed in; by default the checkpoint's own on a GPU
     and float32 on the CPU (see :func:`mlxchat.runtime.default_dtype`). Quantized weights stay quantized.
     """
+    if path_or_repo is None:
+        from .demo import default_model_path
+
+        path_or_repo = default_model_path()
     folder = resolve_checkpoint(path_or_repo, revision)
     raw = read_json(folder / "config.json")
     arch = registry().architecture_for_config(raw)
@@ -84,7 +89,7 @@ def load_model(
 
 
 def load_session(
-    path_or_repo: str | os.PathLike[str],
+    path_or_repo: str | os.PathLike[str] | None = None,
     *,
     system: str | None = None,
     default_config: GenerationConfig | dict[str, Any] | None = None,
