@@ -316,8 +316,8 @@ def tool_exchange(calls: list[tuple[str, str]], question: str, rng: random.Rando
 
 
 def repeat_exchange(phrase: str, phrasing: int) -> Exchange:
-    """Saying a phrase back: copying from the context is what tool calls and answers need most, and a tiny
-    model learns it far sooner from these than from the few copied words of the other tasks."""
+    """Saying a phrase back: extra practice at copying from the context, which tool calls and their answers
+    need and which a tiny model learns last."""
     return Exchange("repeat", [_user(REPEAT_QUESTIONS[phrasing].format(p=phrase)), _assistant(phrase)])
 
 
