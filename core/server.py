@@ -132,6 +132,10 @@ def create_app(model: GenerativeModel, *, model_name: str | None = None, caches:
         except (SessionStateError, ValueError) as exc:
             pool.give_back([], cache)
             return error(400, str(exc))
+        def release() -> None:
+            """Return the cache to the pool, remembering the conversation it now holds."""
+            pool.give_back(messages + [m.model_dump() for m in session.messages[len(messages):]], cache)
+
         completion = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
 
@@ -145,7 +149,7 @@ def create_app(model: GenerativeModel, *, model_name: str | None = None, caches:
             except (TemplateError, MlxchatError) as exc:
                 return error(400 if isinstance(exc, TemplateError) else 500, str(exc), "server_error")
             finally:
-                pool.give_back(messages + [m.model_dump() for m in session.messages[len(messages):]], cache)
+                release()
             choice = {"index": 0, "message": _message(result), "finish_reason": _finish(result.finish_reason)}
             return JSONResponse(envelope("chat.completion", choice, usage=_usage(result.report)))
 
@@ -177,7 +181,7 @@ def create_app(model: GenerativeModel, *, model_name: str | None = None, caches:
             except MlxchatError as exc:
                 yield f"data: {json.dumps({'error': {'message': str(exc), 'type': 'server_error'}})}\n\n"
             finally:
-                pool.give_back(messages + [m.model_dump() for m in session.messages[len(messages):]], cache)
+                release()
 
         return StreamingResponse(events(), media_type="text/event-stream")
 

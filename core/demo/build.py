@@ -21,6 +21,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from ..chat_template import ChatTemplate
+from ..checkpoint import read_json
 from ..loading import load_model
 from ..tokenizer import Tokenizer
 from ..tools.schema import tool_schemas
@@ -138,8 +139,7 @@ def build(recipe: Recipe, out: Path, eval_limit: int | None = None, log: Any = p
         f"({sum(sum(e.mask) for e in examples)} targets); tokenizer {tokenizer.vocab_size}; {prepared:.0f} s")
 
     if start:
-        config = {k: v for k, v in json.loads((Path(recipe.init) / "config.json").read_text()).items()
-                  if k != "dtype"}
+        config = {k: v for k, v in read_json(Path(recipe.init) / "config.json").items() if k != "dtype"}
         module = cast(nn.Module, start.module)
     else:
         config = hf_config(recipe, tokenizer.vocab_size, eos_id, pad_id)
@@ -164,7 +164,7 @@ def build(recipe: Recipe, out: Path, eval_limit: int | None = None, log: Any = p
     history = train(module, examples, train_config, eval_examples=validation, on_log=report)
     trained = time.perf_counter() - started - prepared
     scores = evaluate(load_model(out), recipe.seed, eval_limit)
-    earlier = json.loads((Path(recipe.init) / "build_report.json").read_text()) if recipe.init else {}
+    earlier = read_json(Path(recipe.init) / "build_report.json") if recipe.init else {}
     result: dict[str, Any] = {
         "recipe": asdict(recipe),
         "stages": [*earlier.get("stages", []), {"recipe": asdict(recipe), "scores": scores}],
