@@ -194,3 +194,10 @@ def test_keywords_of_python_are_all_accepted_as_argument_names() -> None:
     words = [w for w in keyword.kwlist if w not in ("True", "False", "None")]
     body = "[f(" + ", ".join(f"{w}={i}" for i, w in enumerate(words)) + ")]"
     assert valid(body) == [("f", {w: i for i, w in enumerate(words)})]
+
+
+def test_json_escaped_surrogate_pairs_are_one_character() -> None:
+    """Found by the property test above: JSON writes U+10000 and up as an escaped pair, which a Python
+    string literal would keep as two lone surrogates."""
+    [call] = calls('[f(a={"\\ud800\\udc00": "\\ud83d\\ude00"}, b="\\ud800")]')
+    assert call.arguments == {"a": {"\U00010000": "\U0001f600"}, "b": "\ud800"}

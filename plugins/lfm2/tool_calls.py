@@ -78,7 +78,10 @@ def split_calls(source: str) -> list[str]:
 
 def literal(node: ast.expr) -> Any:
     """The JSON value a literal expression denotes; ``ValueError`` for anything else."""
-    if isinstance(node, ast.Constant) and (node.value is None or type(node.value) in (str, int, float, bool)):
+    if isinstance(node, ast.Constant) and type(node.value) is str:
+        # A JSON escape pair such as "\ud83d\ude00" is one character in JSON but two surrogates in Python.
+        return node.value.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "surrogatepass")
+    if isinstance(node, ast.Constant) and (node.value is None or type(node.value) in (int, float, bool)):
         return node.value
     if isinstance(node, ast.Name) and node.id in _JSON_NAMES:
         return _JSON_NAMES[node.id]
