@@ -132,6 +132,7 @@ def create_app(model: GenerativeModel, *, model_name: str | None = None, caches:
         except (SessionStateError, ValueError) as exc:
             pool.give_back([], cache)
             return error(400, str(exc))
+
         def release() -> None:
             """Return the cache to the pool, remembering the conversation it now holds."""
             pool.give_back(messages + [m.model_dump() for m in session.messages[len(messages):]], cache)
@@ -146,8 +147,10 @@ def create_app(model: GenerativeModel, *, model_name: str | None = None, caches:
         if not body.get("stream"):
             try:
                 result = await stream.acollect()
-            except (TemplateError, MlxchatError) as exc:
-                return error(400 if isinstance(exc, TemplateError) else 500, str(exc), "server_error")
+            except TemplateError as exc:  # the template rejects these messages: the request is at fault
+                return error(400, str(exc))
+            except MlxchatError as exc:
+                return error(500, str(exc), "server_error")
             finally:
                 release()
             choice = {"index": 0, "message": _message(result), "finish_reason": _finish(result.finish_reason)}

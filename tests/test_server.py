@@ -8,6 +8,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -24,20 +25,29 @@ TOOLS = [SCRIPTS["tools"]["get_weather"]]
 SYSTEM = {"role": "system", "content": "You are a test assistant."}
 
 
-@pytest.fixture(scope="module")
-def client() -> Iterator[openai.OpenAI]:
+@contextmanager
+def serving(fixture: str) -> Iterator[openai.OpenAI]:
+    """A uvicorn server of the fixture model on a free port, and a client of it."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(loaded("qwen3_chat"), model_name="tiny"), host="127.0.0.1",
+    server = uvicorn.Server(uvicorn.Config(create_app(loaded(fixture), model_name="tiny"), host="127.0.0.1",
                                            port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     while not server.started:
         time.sleep(0.05)
-    yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
-    server.should_exit = True
-    thread.join()
+    try:
+        yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+    finally:
+        server.should_exit = True
+        thread.join()
+
+
+@pytest.fixture(scope="module")
+def client() -> Iterator[openai.OpenAI]:
+    with serving("qwen3_chat") as c:
+        yield c
 
 
 def test_lists_the_model(client: openai.OpenAI) -> None:
@@ -98,3 +108,16 @@ def test_streaming_sends_reasoning_text_and_calls_as_deltas(client: openai.OpenA
 def test_bad_requests_get_openai_errors(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError, match="respond"):
         client.chat.completions.create(model="tiny", messages=[{"role": "assistant", "content": "hi"}])
+
+
+def test_messages_the_template_rejects_are_a_bad_request() -> None:
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    messages = [SYSTEM, {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c1", "content": "{}"}]
+    with serving("qwen3_5") as client:  # Qwen3.5's template raises when no user message asked anything
+        with pytest.raises(openai.BadRequestError, match="No user query") as raised:
+            client.chat.completions.create(model="tiny", messages=messages, max_tokens=5)
+        assert raised.value.body["type"] == "invalid_request_error"
+        ok = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
+                                            max_tokens=3)
+        assert ok.choices[0].finish_reason == "length"  # the failed request returned its cache to the pool

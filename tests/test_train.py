@@ -20,6 +20,8 @@ from mlxchat.demo.world import DEMO_TOOLS
 from mlxchat.tokenizer import Tokenizer
 from mlxchat.tools.schema import tool_schemas
 from mlxchat.train import (
+    NAME_SPLIT,
+    QWEN_SPLIT,
     Example,
     TrainConfig,
     encode_chat,
@@ -89,6 +91,24 @@ def test_tokenizer_splits_digits_and_keeps_control_tokens(tokenizer):
         assert index is not None and (index in tokenizer.special_ids) == special
     text = "Grüße aus Köln 🌧️ -7°C\n\ttabs"
     assert tokenizer.decode(tokenizer.encode(text)) == text
+
+
+def test_name_split_gives_a_name_the_same_pieces_after_a_space_and_a_quote(conversations):
+    name = "Rio de Janeiro"
+    texts = [m["content"] for c in conversations for m in c.messages if isinstance(m.get("content"), str)]
+    texts += [f"Trains leave {name} at {hour}." for hour in range(50)]  # a name frequent enough to be merged
+
+    def name_ids(backend, text: str) -> list[int]:
+        at = text.index(name)
+        encoding = backend.encode(text)
+        return [i for i, (a, b) in zip(encoding.ids, encoding.offsets, strict=True) if a < at + len(name) and b > at]
+
+    for split, same in ((NAME_SPLIT, True), (QWEN_SPLIT, False)):
+        backend = train_tokenizer(texts, 400, split=split)
+        asked = name_ids(backend, f"What is the weather in {name}?")
+        called = name_ids(backend, f'{{"city": "{name}"}}')
+        assert (asked == called) == same, (asked, called)
+        assert backend.decode(backend.encode("In Rio it's 21°C.").ids) == "In Rio it's 21°C."
 
 
 def test_tokenizer_spends_no_merges_on_control_markers(tokenizer):

@@ -17,10 +17,12 @@ from .data import Batch, Example, bucketed_batches, encode_chat, make_batch
 from .export import save_checkpoint
 from .loop import LogRecord, TrainConfig, evaluate, masked_loss, train
 from .scratch import from_scratch, init_weights
-from .tokenizer import QWEN_SPECIAL_TOKENS, train_tokenizer, untrained_tokenizer
+from .tokenizer import NAME_SPLIT, QWEN_SPECIAL_TOKENS, QWEN_SPLIT, train_tokenizer, untrained_tokenizer
 
 __all__ = [
+    "NAME_SPLIT",
     "QWEN_SPECIAL_TOKENS",
+    "QWEN_SPLIT",
     "Batch",
     "Example",
     "LogRecord",
