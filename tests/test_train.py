@@ -93,7 +93,7 @@ def test_tokenizer_splits_digits_and_keeps_control_tokens(tokenizer):
     assert tokenizer.decode(tokenizer.encode(text)) == text
 
 
-def test_name_split_gives_a_name_the_same_pieces_after_a_space_and_a_quote(conversations):
+def test_name_split_spells_names_the_same_after_a_space_and_a_quote(conversations):
     name = "Rio de Janeiro"
     texts = [m["content"] for c in conversations for m in c.messages if isinstance(m.get("content"), str)]
     texts += [f"Trains leave {name} at {hour}." for hour in range(50)]  # a name frequent enough to be merged
@@ -108,6 +108,8 @@ def test_name_split_gives_a_name_the_same_pieces_after_a_space_and_a_quote(conve
         asked = name_ids(backend, f"What is the weather in {name}?")
         called = name_ids(backend, f'{{"city": "{name}"}}')
         assert (asked == called) == same, (asked, called)
+        pieces = [backend.id_to_token(i) for i in asked]
+        assert (pieces == [*"Rio", "Ġde", "Ġ", *"Janeiro"]) == same, pieces  # capitalised words letter by letter
         assert backend.decode(backend.encode("In Rio it's 21°C.").ids) == "In Rio it's 21°C."
 
 
@@ -218,8 +220,8 @@ def test_accumulation_matches_one_big_batch(examples, tokenizer):
         grads = tree_map(lambda g, n=total: g / n, grads)
         make_optimizer(config).update(module, grads)
         results.append(dict(tree_flatten(module.parameters())))
-    for name, value in results[0].items():
-        np.testing.assert_allclose(np.array(value), np.array(results[1][name]), atol=1e-6, err_msg=name)
+    for name, value in results[0].items():  # 1% of Adam's first step (lr): float32 summation order differs
+        np.testing.assert_allclose(np.array(value), np.array(results[1][name]), atol=1e-5, err_msg=name)
 
 
 def test_rejects_data_without_targets(tokenizer):

@@ -365,7 +365,7 @@ class Split:
 
 # Training mixture: task -> weight.
 MIXTURE = {
-    "capital": 20, "arithmetic": 30, "conversion": 7, "tool_call": 14, "two_calls": 11,
+    "capital": 14, "arithmetic": 30, "conversion": 7, "tool_call": 18, "two_calls": 15,
     "greeting": 3, "thanks": 3, "identity": 1, "unknown_country": 3, "out_of_world": 4, "no_tool": 4,
     "repeat": 10,
 }
@@ -434,7 +434,7 @@ class DemoData:
                 return conversion_exchange(index, n, rng.randrange(len(CONVERSION_QUESTIONS)))
 
     def _city(self, rng: random.Random) -> str:
-        real = rng.random() < 0.6
+        real = rng.random() < 0.3  # mostly invented names: a short list of real ones invites memorising
         return rng.choice(self.split.train_cities) if real else self._place(rng)
 
     def _place(self, rng: random.Random) -> str:
