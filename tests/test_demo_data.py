@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import random
+from dataclasses import asdict, replace
 
 import pytest
 
+from mlxchat.demo.build import Recipe, parse_mixture, stage_arguments
 from mlxchat.demo.data import (
     ADD_QUESTIONS,
     CAPITAL_QUESTIONS,
@@ -14,6 +17,7 @@ from mlxchat.demo.data import (
     DemoData,
     arithmetic_exchange,
     conversion_exchange,
+    invented_name,
 )
 from mlxchat.demo.evaluate import CHECKS, Reply
 from mlxchat.demo.world import CAPITALS, CONVERSIONS, clock_report, get_time, get_weather, weather_report
@@ -28,7 +32,7 @@ def data() -> DemoData:
 
 @pytest.fixture(scope="module")
 def training(data):
-    return data.training(6000)
+    return data.training(8000)
 
 
 def user_texts(conversations) -> set[str]:
@@ -52,6 +56,34 @@ def test_mixture_covers_every_task(training):
                      "identity", "unknown_country", "out_of_world", "no_tool", "repeat"}
     assert all(c.tools for c in training if c.task in ("tool_call", "two_calls"))
     assert not any(c.tools for c in training if c.task == "no_tool")
+
+
+def test_a_stage_can_reweigh_the_tasks():
+    tasks = [c.task for c in DemoData(SEED, mixture=parse_mixture("capital=100, arithmetic=0")).training(400)]
+    assert "arithmetic" not in tasks and tasks.count("capital") > len(tasks) / 2
+    with pytest.raises(ValueError, match="unknown demo tasks"):
+        DemoData(SEED, mixture={"poetry": 1})
+    with pytest.raises(ValueError, match="'capital' is not task=weight"):
+        parse_mixture("capital")
+
+
+def test_stage_commands_chain_the_stages_through_named_folders():
+    first = asdict(Recipe())
+    second = asdict(replace(Recipe(), steps=10, mixture="capital=30", init="/tmp/somewhere"))
+    assert stage_arguments(first, 0, 2) == "--out stage1"
+    assert stage_arguments(second, 1, 2) == "--steps 10 --mixture capital=30 --init stage1"
+    assert stage_arguments(first, 0, 1) == ""
+
+
+def test_invented_names_have_the_shapes_of_real_ones():
+    rng = random.Random(0)
+    names = [invented_name(rng) for _ in range(2000)]
+    assert not {n.lower() for n in names} & {n.lower() for n in (*CAPITALS, *CAPITALS.values())}
+    words = [n.split() for n in names]
+    assert all(w[0][0].isupper() for w in words)
+    assert {len(w) for w in words} == {1, 2, 3}
+    assert any(w[1].islower() for w in words if len(w) == 3)  # "Rio de Janeiro"
+    assert len({n[:3] for n in names}) > 300  # not a few syllables to complete from the first letters
 
 
 def test_heldout_capital_phrasings_never_trained(data, training):
@@ -96,15 +128,15 @@ def test_evaluation_asks_the_heldout_items(data):
 
 ARITHMETIC_CASES = [
     ("+", 47, 38, 85,
-     "47 + 38\nUnits: 7 + 8 = 15, write 5, carry 1.\nTens: 4 + 3 + 1 = 8, write 8.\nResult: 85."),
+     "47 + 38\nunits: 7 + 8 = 15, write 5, carry 1.\ntens: 4 + 3 + 1 = 8, write 8.\nresult: 85."),
     ("+", 99, 99, 198,
-     "99 + 99\nUnits: 9 + 9 = 18, write 8, carry 1.\nTens: 9 + 9 + 1 = 19, write 19.\nResult: 198."),
+     "99 + 99\nunits: 9 + 9 = 18, write 8, carry 1.\ntens: 9 + 9 + 1 = 19, write 19.\nresult: 198."),
     ("-", 50, 7, 43,
-     "50 - 7\n50 is at least 7, so the result is not negative.\nUnits: 0 - 7 needs a borrow: "
-     "10 - 7 = 3, write 3, borrow 1.\nTens: 5 - 0 - 1 = 4, write 4.\nResult: 43."),
+     "50 - 7\n50 is at least 7, so the result is not negative.\nunits: 0 - 7 needs a borrow: "
+     "10 - 7 = 3, write 3, borrow 1.\ntens: 5 - 0 - 1 = 4, write 4.\nresult: 43."),
     ("-", 21, 97, -76,
-     "21 - 97\n21 is less than 97, so I compute 97 - 21 and make it negative.\nUnits: 7 - 1 = 6, "
-     "write 6, borrow 0.\nTens: 9 - 2 - 0 = 7, write 7.\nResult: -76."),
+     "21 - 97\n21 is less than 97, so I compute 97 - 21 and make it negative.\nunits: 7 - 1 = 6, "
+     "write 6, borrow 0.\ntens: 9 - 2 - 0 = 7, write 7.\nresult: -76."),
 ]
 
 
@@ -122,7 +154,7 @@ def test_every_arithmetic_trace_is_right():
         for a in range(0, 100, 3):
             for b in range(0, 100, 7):
                 reasoning = arithmetic_exchange(op, a, b, 0).messages[-1]["reasoning_content"]
-                assert reasoning.endswith(f"Result: {a + b if op == '+' else a - b}.")
+                assert reasoning.endswith(f"result: {a + b if op == '+' else a - b}.")
 
 
 def test_conversion_answer():

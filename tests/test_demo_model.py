@@ -41,7 +41,7 @@ def test_multi_turn_session_separates_reasoning(demo):
     assert first.text == "Hello! How can I help you today?"
     sum_ = session.send("What is 47 + 38?")
     assert sum_.text == "47 + 38 = 85."
-    assert sum_.thinking is not None and "Units: 7 + 8 = 15" in sum_.thinking and "<think>" not in sum_.text
+    assert sum_.thinking is not None and "units: 7 + 8 = 15" in sum_.thinking and "<think>" not in sum_.text
     capital = session.send("What is the capital of Japan?")
     assert "Tokyo" in capital.text
     thanks = session.send("Thanks!")

@@ -55,13 +55,13 @@ class Recipe:
     conversations: int = 80000
     vocab_size: int = 2048
     """At most this many BPE pieces (the 256 bytes included; the control tokens come on top). The demo data
-    runs out of merges before that: with names spelt letter by letter (``NAME_SPLIT``) it has 950."""
+    runs out of merges before that: with names spelt letter by letter (``NAME_SPLIT``) it has about 960."""
     hidden_size: int = 192
     intermediate_size: int = 512
     num_hidden_layers: int = 4
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
-    steps: int = 5500
+    steps: int = 6800
     learning_rate: float = 1e-3
     """At 3e-3 (hidden size 256) a build had learnt none of the held-out tasks after 1500 steps; 1e-3 had some."""
     warmup_steps: int = 100
@@ -70,8 +70,22 @@ class Recipe:
     eval_every: int = 1000
     fresh_places: bool = True
     """See :class:`~mlxchat.demo.data.DemoData`."""
+    mixture: str = ""
+    """Task weights replacing some of :data:`~mlxchat.demo.data.MIXTURE`'s, as ``task=weight,...``."""
     init: str = ""
     """A checkpoint folder to go on training (its tokenizer and shape are kept); empty: from nothing."""
+
+
+def parse_mixture(text: str) -> dict[str, float]:
+    """``"capital=30,arithmetic=40"`` -> ``{"capital": 30.0, "arithmetic": 40.0}``."""
+    weights = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        task, _, weight = item.partition("=")
+        try:
+            weights[task.strip()] = float(weight)
+        except ValueError:
+            raise ValueError(f"mixture item {item!r} is not task=weight") from None
+    return weights
 
 
 def hf_config(recipe: Recipe, vocab_size: int, eos_id: int, pad_id: int) -> dict[str, Any]:
@@ -127,7 +141,7 @@ def encode_all(conversations: Sequence[Conversation], template: ChatTemplate, st
 def build(recipe: Recipe, out: Path, eval_limit: int | None = None, log: Any = print) -> dict[str, Any]:
     """Run the whole build into ``out``; returns the report (also written to ``out/build_report.json``)."""
     started = time.perf_counter()
-    data = DemoData(recipe.seed, recipe.fresh_places)
+    data = DemoData(recipe.seed, recipe.fresh_places, parse_mixture(recipe.mixture))
     conversations = data.training(recipe.conversations)
     source = TEMPLATE.read_text(encoding="utf-8")
     start = load_model(recipe.init) if recipe.init else None
@@ -206,7 +220,8 @@ def model_card(result: dict[str, Any]) -> str:
     first = stages[0]
     rows = "\n".join(f"| {METRIC_NAMES[m]} | {100 * v:.1f}% |" for m, v in result["scores"].items())
     limit = f" (first {result['eval_limit']} items per metric)" if result["eval_limit"] else ""
-    commands = "\n".join(f"    python -m mlxchat.demo.build {stage_arguments(r)}".rstrip() for r in stages)
+    commands = "\n".join(f"    python -m mlxchat.demo.build {stage_arguments(r, i, len(stages))}".rstrip()
+                          for i, r in enumerate(stages))
     steps = sum(r["steps"] for r in stages)
     return f"""# mlxchat demo model
 
@@ -219,7 +234,7 @@ on them (capitalised words spelt letter by letter, so that the model can copy na
 
 {commands}
 
-Each stage goes on from the checkpoint the one before wrote (`--init`; give the first `--out stage1`).
+Each stage goes on from the checkpoint the one before wrote; the last writes the package's model.
 It ships inside the package so that `mlxchat chat` and `mlxchat generate` work offline, and it is the
 subject of mlxchat's end-to-end tests.
 
@@ -231,7 +246,7 @@ and writes its answer from the tool results; says it does not know anything else
 **What it is not**: a general assistant. It has seen nothing outside that world, conversations of a few
 hundred tokens, and only these two tools; the tools themselves are deterministic stand-ins. And it makes
 mistakes: the held-out accuracy below (questions, numbers and city names it was never trained on) is what
-to expect, and its weakest skills are carrying in two-digit sums and two tool calls in one turn.
+to expect.
 
 Held-out accuracy, greedy{limit}:
 
@@ -244,10 +259,12 @@ Built in {result['seconds']['total'] / 60:.0f} minutes on {result['machine']}; t
 """
 
 
-def stage_arguments(recipe: dict[str, Any]) -> str:
-    """The command-line flags that differ from the default recipe."""
+def stage_arguments(recipe: dict[str, Any], index: int, count: int) -> str:
+    """The command-line flags of stage ``index`` of ``count``: those that differ from the default recipe, and
+    the folders that chain the stages (``stage1``, ... in place of the paths the build was run with)."""
     default = asdict(Recipe())
-    return " ".join(f"--{k.replace('_', '-')} {v}" for k, v in recipe.items() if v != default[k])
+    flags = [f"--{k.replace('_', '-')} {v}" for k, v in recipe.items() if k != "init" and v != default[k]]
+    return " ".join(flags + [f"--init stage{index}"] * (index > 0) + [f"--out stage{index + 1}"] * (index < count - 1))
 
 
 def main(argv: list[str] | None = None) -> int:
