@@ -264,7 +264,11 @@ def stage_arguments(recipe: dict[str, Any], index: int, count: int) -> str:
     the folders that chain the stages (``stage1``, ... in place of the paths the build was run with)."""
     default = asdict(Recipe())
     flags = [f"--{k.replace('_', '-')} {v}" for k, v in recipe.items() if k != "init" and v != default[k]]
-    return " ".join(flags + [f"--init stage{index}"] * (index > 0) + [f"--out stage{index + 1}"] * (index < count - 1))
+    if index > 0:
+        flags.append(f"--init stage{index}")
+    if index < count - 1:
+        flags.append(f"--out stage{index + 1}")
+    return " ".join(flags)
 
 
 def main(argv: list[str] | None = None) -> int:
