@@ -9,7 +9,10 @@ under ``reasoning_content``/``thinking``/``reasoning``.
 Tokenizing: control-token text inside user, system and tool content (and tool schemas) is wrapped in
 private-use markers before rendering; the rendered text is then split on the markers and the marked
 pieces are encoded as plain text. A user typing ``<|im_end|>`` gets the characters, never the token.
-Only the template's own markup produces control tokens.
+Only the template's own markup produces control tokens. The marker characters themselves, wherever they
+occur in messages, are wrapped the same way, so that they reach the model as typed. A marked string
+answers a template's ``startswith``/``endswith``/``in`` tests as the unmarked text would, so the template
+takes the branches transformers takes (Qwen3 tells tool responses in user turns apart that way).
 """
 
 from __future__ import annotations
@@ -36,6 +39,26 @@ REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 DATA_ROLES = ("system", "user", "tool", "developer")
 
 _MARK_START, _MARK_END = "\ue000", "\ue001"
+
+
+class _Marked(str):
+    """A string with markers around its data; the template's tests see the text as it was sent."""
+
+    plain: str
+
+    def __new__(cls, marked: str, plain: str) -> _Marked:
+        value = super().__new__(cls, marked)
+        value.plain = plain
+        return value
+
+    def startswith(self, prefix: Any, *args: Any) -> bool:
+        return self.plain.startswith(prefix, *args)
+
+    def endswith(self, suffix: Any, *args: Any) -> bool:
+        return self.plain.endswith(suffix, *args)
+
+    def __contains__(self, item: Any) -> bool:
+        return item in self.plain
 
 
 class _GenerationTag(jinja2.ext.Extension):
@@ -156,9 +179,10 @@ class ChatTemplate:
         except jinja2.TemplateSyntaxError as exc:
             raise CheckpointError(f"chat template does not parse: {exc}") from exc
         controls = sorted(tokenizer.added_tokens, key=len, reverse=True)
-        self._controls_re = re.compile("|".join(map(re.escape, controls)) or "(?!)")
-        marked = f"{_MARK_START}({self._controls_re.pattern}){_MARK_END}"
-        self._markers_re = re.compile(f"{marked}|[{_MARK_START}{_MARK_END}]")
+        marks = f"[{_MARK_START}{_MARK_END}]"
+        self._data_re = re.compile("|".join([*map(re.escape, controls), marks]))
+        self._marks_re = re.compile(marks)
+        self._markers_re = re.compile(f"{_MARK_START}({self._data_re.pattern}){_MARK_END}|{marks}")
 
     @property
     def takes_tools(self) -> bool:
@@ -203,27 +227,28 @@ class ChatTemplate:
         **kwargs: Any,
     ) -> tuple[str, list[int]]:
         """The prompt as text (what :meth:`render` gives) and as safe token ids, from one rendering."""
-        normalized = [
-            self._mark(m) if m.get("role") in DATA_ROLES else m for m in normalize_messages(messages)
-        ]
-        marked_tools = self._mark(plain_data(tools)) if tools else None
-        marked = self._render(normalized, marked_tools, add_generation_prompt, plain_data(kwargs))
+        normalized = [self._mark(m, self._data_re if m.get("role") in DATA_ROLES else self._marks_re)
+                      for m in normalize_messages(messages)]
+        marked_tools = self._mark(plain_data(tools), self._data_re) if tools else None
+        marked = self._render(normalized, marked_tools, add_generation_prompt,
+                              self._mark(plain_data(kwargs), self._marks_re))
         pieces = self._markers_re.split(marked)
         ids = self.tokenizer.encode(pieces[0])
         for i, piece in enumerate(pieces[1:], start=1):
             if not piece:
                 continue
             ids += self.tokenizer.encode_plain(piece) if i % 2 == 1 else self.tokenizer.encode(piece)
-        return marked.replace(_MARK_START, "").replace(_MARK_END, ""), ids
+        return self._markers_re.sub(lambda m: m.group(1) or "", marked), ids
 
-    def _mark(self, value: Any) -> Any:
+    def _mark(self, value: Any, pattern: re.Pattern[str]) -> Any:
+        """``value`` with every match of ``pattern`` in its strings wrapped in markers (roles left alone)."""
         if isinstance(value, str):
-            value = value.replace(_MARK_START, "").replace(_MARK_END, "")
-            return self._controls_re.sub(f"{_MARK_START}\\g<0>{_MARK_END}", value)
+            marked = pattern.sub(f"{_MARK_START}\\g<0>{_MARK_END}", value)
+            return value if marked == value else _Marked(marked, value)
         if isinstance(value, dict):
-            return {k: (v if k == "role" else self._mark(v)) for k, v in value.items()}
+            return {k: (v if k == "role" else self._mark(v, pattern)) for k, v in value.items()}
         if isinstance(value, list):
-            return [self._mark(v) for v in value]
+            return [self._mark(v, pattern) for v in value]
         return value
 
     def _render(self, messages: list[dict[str, Any]], tools: Any, add_generation_prompt: bool,

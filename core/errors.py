@@ -23,6 +23,14 @@ class TemplateError(MlxchatError):
     """A chat template failed to render (``raise_exception`` in the template, bad message shape)."""
 
 
+class InvalidInputError(MlxchatError, ValueError):
+    """A value from outside (a user, a request, a tool) is malformed or out of range; nothing was run."""
+
+
+class ContextLengthError(InvalidInputError):
+    """A prompt does not fit the model's context (``max_position_embeddings`` or the user's limit)."""
+
+
 class GenerationError(MlxchatError):
     """A generation failed while running; the session that asked keeps its state."""
 

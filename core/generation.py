@@ -13,23 +13,32 @@ from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
 import mlx.core as mx
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from .architecture import ModelModule
 from .detokenizer import StreamingDetokenizer
+from .limits import check_depth, check_strings, check_text
 from .prompt_cache import PromptCache
 from .sampling import LogitsAdjuster, make_sampler
 from .tokenizer import Tokenizer
+from .worker import Cancelled
 
-FinishReason = Literal["stop", "length", "tool_calls", "cancelled", "error"]
+FinishReason = Literal["stop", "length", "tool_calls", "cancelled"]
+# Names a chat template is called with by the chat itself.
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
 
 
 class GenerationConfig(BaseModel):
-    """How to generate. Fields left unset fall back to the model's defaults (its generation_config.json)."""
+    """How to generate. Fields left unset fall back to the model's defaults (its generation_config.json).
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    Every number must be finite; ``seed`` -1 means "no seed" (as in vLLM). Token ids in ``logit_bias`` are
+    checked against the model's vocabulary when the generation starts.
+    """
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
     max_tokens: int = Field(512, ge=1)
+    """Most tokens to generate; lowered to what the model's context leaves after the prompt."""
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)
@@ -38,14 +47,35 @@ class GenerationConfig(BaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] = Field(default_factory=dict)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, lt=2**64)
     stop: list[str] = Field(default_factory=list)
     enable_thinking: bool | None = None
     """Passed to the chat template when set (chat only)."""
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
     """More keyword arguments for the chat template (chat only)."""
-    prefill_step: int = Field(512, ge=1)
+    prefill_step: int = Field(512, ge=1, le=16384)
     """Prompt tokens per prefill chunk."""
+
+    @field_validator("seed", mode="before")
+    @classmethod
+    def _no_seed(cls, value: Any) -> Any:
+        return None if value == -1 and not isinstance(value, bool) else value
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_text(cls, value: list[str]) -> list[str]:
+        return [check_text(s, "a stop string") for s in value]
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, value: dict[str, Any]) -> dict[str, Any]:
+        reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(value))
+        if reserved:
+            raise ValueError(f"{', '.join(reserved)} cannot be set through chat_template_kwargs (the chat "
+                             "itself sets them)")
+        check_depth(value, what="chat_template_kwargs")
+        check_strings(value, "chat_template_kwargs")
+        return value
 
     def merged(self, override: GenerationConfig | dict[str, Any] | None) -> GenerationConfig:
         """This config with the fields ``override`` sets explicitly replaced."""
@@ -111,11 +141,13 @@ def decode_tokens(
     *,
     checkpoints: Sequence[int] = (),
     stats: DecodeStats | None = None,
+    cancel: Cancelled | None = None,
 ) -> Iterator[int]:
     """Yield sampled token ids until ``config.max_tokens`` (the caller stops earlier on EOS or a stop string).
 
     The cache is first cut back to the longest prefix it shares with ``prompt``; at each position in
-    ``checkpoints`` inside the prefilled part it takes a snapshot (for caches that cannot be cut back).
+    ``checkpoints`` inside the prefilled part it takes a snapshot (for caches that cannot be cut back). A
+    set ``cancel`` stops prefill between chunks (the caller checks it between tokens).
     """
     stats = stats or DecodeStats()
     if not prompt:
@@ -129,6 +161,8 @@ def decode_tokens(
     keep = 1 if cache.needs_snapshots else min(len(pending), config.prefill_step)
 
     while len(pending) > keep:
+        if cancel:
+            return
         size = min(len(pending) - keep, config.prefill_step)
         if stops:
             size = min(size, stops[0] - len(cache))
@@ -235,13 +269,13 @@ def stream_generation(
     vocab_size: int,
     *,
     checkpoints: Sequence[int] = (),
-    cancel: object = False,
+    cancel: Cancelled | None = None,
 ) -> Iterator[GenerationChunk]:
     """Text chunks of one generation, one per token (its text may be empty while a character or a possible
     stop string is incomplete); the last chunk carries ``finish_reason`` and the report.
 
-    A truthy ``cancel`` (checked after every token) ends it with ``finish_reason="cancelled"``. The cache
-    stays consistent however it ends.
+    A set ``cancel`` (checked between prefill chunks and after every token) ends it with
+    ``finish_reason="cancelled"``. The cache stays consistent however it ends.
     """
     mx.reset_peak_memory()
     stats = DecodeStats()
@@ -249,7 +283,9 @@ def stream_generation(
     stops = StopStrings(config.stop)
     finish: FinishReason = "length"
     hit = False
-    for token in decode_tokens(module, prompt, cache, config, vocab_size, checkpoints=checkpoints, stats=stats):
+    tokens = decode_tokens(module, prompt, cache, config, vocab_size, checkpoints=checkpoints, stats=stats,
+                           cancel=cancel)
+    for token in tokens:
         if token in eos_ids:
             finish = "stop"
             break
@@ -259,8 +295,9 @@ def stream_generation(
             finish = "stop"
             break
         if cancel:
-            finish = "cancelled"
             break
+    if cancel and not hit and finish == "length":
+        finish = "cancelled"
     if not hit:
         text, hit = stops.feed(detok.flush())
         tail = text if hit else text + stops.flush()

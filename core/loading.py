@@ -35,12 +35,15 @@ def load_model(
     *,
     dtype: str | mx.Dtype | None = None,
     revision: str | None = None,
+    context_length: int | None = None,
 ) -> GenerativeModel:
     """Load a checkpoint (local folder or Hugging Face repo id; by default the demo model shipped in the
     package, :mod:`mlxchat.demo`) with the plugin its config.json names.
 
     ``dtype`` is what floating-point weights are computed in; by default the checkpoint's own on a GPU
     and float32 on the CPU (see :func:`mlxchat.runtime.default_dtype`). Quantized weights stay quantized.
+    ``context_length`` caps the tokens a generation may hold (prompt and reply; at most the checkpoint's
+    ``max_position_embeddings``, which is the default).
     """
     if path_or_repo is None:
         from .demo import default_model_path
@@ -85,6 +88,7 @@ def load_model(
         path=folder,
         dtype=target,
         quantization=quantization,
+        context_length=context_length,
     )
 
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from .limits import check_depth, check_strings
 
 Role = Literal["system", "user", "assistant", "tool"]
 
@@ -18,7 +20,9 @@ class FunctionCall(BaseModel):
     @field_validator("arguments", mode="before")
     @classmethod
     def _serialise(cls, value: Any) -> Any:
-        return json.dumps(value, ensure_ascii=False) if isinstance(value, dict) else value
+        if isinstance(value, dict):
+            return json.dumps(check_depth(value, what="tool-call arguments"), ensure_ascii=False)
+        return value
 
 
 class ToolCall(BaseModel):
@@ -47,7 +51,13 @@ class ToolCall(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    """One turn. ``reasoning_content`` holds an assistant turn's reasoning, apart from its visible text."""
+    """One turn. ``reasoning_content`` holds an assistant turn's reasoning, apart from its visible text.
+
+    Content is checked on the way in: valid Unicode only, nesting within :data:`mlxchat.limits.MAX_NESTING`.
+    A list of text parts becomes one string (parts joined by newlines, as vLLM joins them), since
+    templates render a list as nothing; other parts (images) keep the list. The ``developer`` role of
+    OpenAI's newer models is the system role here.
+    """
 
     model_config = ConfigDict(extra="allow")
 
@@ -58,20 +68,36 @@ class ChatMessage(BaseModel):
     tool_call_id: str | None = None
     name: str | None = None
 
+    @field_validator("role", mode="before")
+    @classmethod
+    def _developer_is_system(cls, value: Any) -> Any:
+        return "system" if value == "developer" else value
+
+    @field_validator("content")
+    @classmethod
+    def _text_parts(cls, value: Any) -> Any:
+        if isinstance(value, list):
+            check_depth(value, what="message content")
+            if all(part.get("type") == "text" and isinstance(part.get("text"), str) for part in value):
+                return "\n".join(part["text"] for part in value)
+        return value
+
+    @model_validator(mode="after")
+    def _valid_text(self) -> ChatMessage:
+        check_strings([self.content, self.reasoning_content, self.tool_call_id, self.name,
+                       [(c.id, c.function.name, c.function.arguments) for c in self.tool_calls or []],
+                       check_depth(self.model_extra, what="a message's extra fields")],
+                      f"a {self.role} message")
+        return self
+
     def model_dump(self, **kwargs: Any) -> dict[str, Any]:
         """The OpenAI message dict (unset fields left out)."""
         kwargs.setdefault("exclude_none", True)
         return super().model_dump(**kwargs)
 
     def template_dict(self) -> dict[str, Any]:
-        """The dict a chat template sees: tool-call arguments as mappings, as every template expects."""
-        data = self.model_dump()
-        if self.tool_calls:
-            data["tool_calls"] = [
-                {**call.model_dump(), "function": {"name": call.name, "arguments": call.arguments}}
-                for call in self.tool_calls
-            ]
-        return data
+        """The dict a chat template is given (the template layer turns JSON arguments into mappings)."""
+        return self.model_dump()
 
     @classmethod
     def coerce(cls, message: ChatMessage | dict[str, Any]) -> ChatMessage:

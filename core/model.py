@@ -11,8 +11,9 @@ import mlx.core as mx
 from .architecture import Architecture, ModelModule
 from .chat_template import ChatTemplate
 from .config import ModelConfig
-from .errors import MlxchatError, TemplateError
+from .errors import ContextLengthError, GenerationError, InvalidInputError, MlxchatError, TemplateError
 from .generation import GenerationChunk, GenerationConfig, GenerationResult, stream_generation
+from .limits import check_text, check_token_ids
 from .prompt_cache import DEFAULT_MAX_SNAPSHOTS, PromptCache
 from .tokenizer import Tokenizer
 from .worker import Cancelled, Worker
@@ -41,7 +42,10 @@ class GenerativeModel:
         path: Path | None = None,
         dtype: mx.Dtype = mx.float32,
         quantization: dict[str, Any] | None = None,
+        context_length: int | None = None,
     ):
+        """``context_length``: the most tokens (prompt and reply) a generation may hold; by default, and at
+        most, the checkpoint's ``max_position_embeddings``."""
         self.module = module
         self.config = config
         self.architecture = architecture
@@ -52,6 +56,10 @@ class GenerativeModel:
         self.path = path
         self.dtype = dtype
         self.quantization = quantization
+        if context_length is not None and context_length < 2:
+            raise ValueError(f"context_length must be at least 2, got {context_length}")
+        limit = config.max_position_embeddings
+        self.context_length = limit if context_length is None else min(context_length, limit)
         self.worker = Worker(f"mlxchat-{architecture.name}")
 
     def __repr__(self) -> str:
@@ -123,12 +131,25 @@ class GenerativeModel:
         return self.chat_template is not None and self.chat_template.renders_tool_calls
 
     def encode(self, prompt: Prompt) -> list[int]:
-        """Token ids of a raw text prompt (with the BOS the tokenizer adds), or the ids given."""
-        ids = self.tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else [
-            int(t) for t in prompt]
+        """Token ids of a raw text prompt (with the BOS the tokenizer adds), or the ids given (checked)."""
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(check_text(prompt, "the prompt"), add_special_tokens=True)
+        else:
+            ids = check_token_ids(prompt, self.config.vocab_size, "prompt token id")
         if not ids:
-            raise ValueError("cannot generate from an empty prompt")
+            raise InvalidInputError("cannot generate from an empty prompt")
         return ids
+
+    def fit(self, prompt_length: int, config: GenerationConfig) -> GenerationConfig:
+        """``config`` with ``max_tokens`` lowered to what the context leaves after the prompt; a prompt that
+        leaves no room for a single token is a :class:`ContextLengthError`."""
+        room = self.context_length - prompt_length
+        if room < 1:
+            raise ContextLengthError(
+                f"the prompt has {prompt_length} tokens, but this model's context holds {self.context_length} "
+                f"(prompt and reply together); shorten the conversation"
+            )
+        return config if config.max_tokens <= room else config.model_copy(update={"max_tokens": room})
 
     # -- running ------------------------------------------------------------------------------------
 
@@ -137,7 +158,7 @@ class GenerativeModel:
 
     def logits(self, token_ids: Sequence[int]) -> mx.array:
         """Float32 logits ``[len, vocab]`` of one cache-free forward pass (research and parity tests)."""
-        ids = [[int(t) for t in token_ids]]
+        ids = [check_token_ids(token_ids, self.config.vocab_size, "token id")]
         # Arrays are built on the worker: MLX ops belong to the stream of the thread that creates them.
         return self.worker.run(lambda: _evaluated(self.module(mx.array(ids))[0].astype(mx.float32)))
 
@@ -182,18 +203,23 @@ class GenerativeModel:
                        cancel: Cancelled, checkpoints: Sequence[int] = ()) -> Iterator[GenerationChunk]:
         """The generation loop, on the worker thread (sessions call it from their own jobs).
 
-        A set ``cancel`` ends it at the next token with ``finish_reason="cancelled"``. An error inside MLX
-        clears the cache (its state is unknown) and is raised as :class:`MlxchatError`.
+        The prompt's ids, ``logit_bias`` and the prompt's length are checked before any work; ``max_tokens``
+        is lowered to what the context leaves. A set ``cancel`` ends it at the next prefill chunk or token
+        with ``finish_reason="cancelled"``. An error inside MLX clears the cache (its state is unknown) and
+        is raised as :class:`GenerationError`.
         """
+        prompt = check_token_ids(tokens, self.config.vocab_size, "prompt token id")
+        check_token_ids(config.logit_bias, self.config.vocab_size, "logit_bias token id")
+        config = self.fit(len(prompt), config)
         try:
-            yield from stream_generation(self.module, self.tokenizer, tokens, cache, config, self.eos_ids,
+            yield from stream_generation(self.module, self.tokenizer, prompt, cache, config, self.eos_ids,
                                          self.config.vocab_size, checkpoints=checkpoints, cancel=cancel)
         except MlxchatError:
             cache.clear()
             raise
         except Exception as exc:
             cache.clear()
-            raise MlxchatError(f"generation failed: {exc}") from exc
+            raise GenerationError(f"generation failed: {exc}") from exc
 
     def chat_session(
         self,

@@ -141,7 +141,7 @@ class ReplyParser:
         self._channel = "thinking" if in_reasoning else "text"
         self.saw_reasoning = in_reasoning
         self.calls: list[ToolCall] = []
-        self._visible: list[str] = []
+        self._visible: list[str | CallBlock] = []
 
     @property
     def text(self) -> str:
@@ -151,11 +151,12 @@ class ReplyParser:
     def thinking(self) -> str | None:
         return self._thinking.value if self.saw_reasoning else None
 
-    @property
-    def text_with_calls(self) -> str:
-        """The visible text with each call's raw markup where the model wrote it (for templates that do
-        not render ``tool_calls``)."""
-        return "".join(self._visible).strip()
+    def content(self, with_calls: bool) -> str:
+        """The visible text with the raw markup of malformed call blocks where the model wrote them (so
+        the next render shows the model what it wrote), and of the well-formed ones too when
+        ``with_calls`` (for templates that do not render ``tool_calls``)."""
+        return "".join(item if isinstance(item, str) else item.raw for item in self._visible
+                       if isinstance(item, str) or with_calls or not _well_formed(item)).strip()
 
     def feed(self, text: str) -> list[ReplyEvent]:
         pieces = self._splitter.feed(text) if self._splitter else [("text", text)]
@@ -194,17 +195,25 @@ class ReplyParser:
                 if delta := self._text.feed(item):
                     events.append(TextDelta(text=delta))
                 continue
-            self._visible.append(item.raw)
+            self._visible.append(item)
             self._text.markup()
+            # A block is answered as a whole: one malformed call makes its well-formed neighbours invalid
+            # too, so that its raw text, kept in the turn, never repeats a call the history also holds.
+            block_error = None if _well_formed(item) else "in a tool-call block with a malformed call"
             for parsed in item.calls:
+                error = parsed.error or block_error
                 call = ToolCall(
                     id=self._new_call_id(),
                     function=FunctionCall(name=parsed.name, arguments=json.dumps(parsed.arguments or {},
                                                                                  ensure_ascii=False)),
-                    status="ok" if parsed.error is None else "invalid",
+                    status="ok" if error is None else "invalid",
                     raw=item.raw,
-                    error=parsed.error,
+                    error=error,
                 )
                 self.calls.append(call)
                 events.append(ToolCallEvent(call=call))
         return events
+
+
+def _well_formed(block: CallBlock) -> bool:
+    return all(call.error is None for call in block.calls)

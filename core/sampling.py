@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+from .limits import check_token_ids
+
 Sampler = Callable[[mx.array], mx.array]
 
 
@@ -24,7 +26,8 @@ class LogitsAdjuster:
     def __post_init__(self) -> None:
         self._bias: mx.array | None = None
         if self.logit_bias:
-            ids = mx.array(list(self.logit_bias.keys()))
+            # The ids index a scatter, which MLX does not bounds-check.
+            ids = mx.array(check_token_ids(self.logit_bias.keys(), self.vocab_size, "logit_bias token id"))
             values = mx.array(list(self.logit_bias.values()), dtype=mx.float32)
             self._bias = mx.zeros((self.vocab_size,), dtype=mx.float32).at[ids].add(values)
         self._seen = mx.zeros((self.vocab_size,), dtype=mx.bool_)

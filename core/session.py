@@ -21,14 +21,24 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 from pydantic import BaseModel, Field
 
-from .errors import SessionClosedError, SessionStateError, StreamConsumedError, TemplateError
+from .errors import (
+    ContextLengthError,
+    InvalidInputError,
+    SessionClosedError,
+    SessionStateError,
+    StreamConsumedError,
+    TemplateError,
+)
 from .generation import FinishReason, GenerationChunk, GenerationConfig, GenerationReport
+from .limits import check_text
 from .messages import ChatMessage, ToolCall
 from .prompt_cache import PromptCache, common_prefix_length
 from .reply import ReplyEvent, ReplyParser, TextDelta, ThinkingDelta, ToolCallEvent
 from .tools.parsing import ToolCallParser
 from .tools.schema import ToolSpec, tool_schemas
 from .worker import Cancelled, Worker
+
+ContextPolicy = Literal["error", "truncate_oldest"]
 
 
 class ChatResult(BaseModel):
@@ -59,6 +69,7 @@ class SessionCapableModel(Protocol):
 
     defaults: GenerationConfig
     worker: Worker
+    context_length: int
 
     @property
     def supports_tools(self) -> bool: ...
@@ -152,6 +163,9 @@ class ChatStream:
         except (GeneratorExit, KeyboardInterrupt):  # the reader stopped (break, close, Ctrl-C)
             abandoned = True
             raise
+        except ContextLengthError:
+            self._session._undo_turn()
+            raise
         finally:
             inner.close()
             self._finish(abandoned)
@@ -168,6 +182,9 @@ class ChatStream:
                 yield self._receive(item)
         except (GeneratorExit, asyncio.CancelledError):  # the reader stopped (aclose, task cancelled)
             abandoned = True
+            raise
+        except ContextLengthError:
+            self._session._undo_turn()
             raise
         finally:
             await inner.aclose()
@@ -198,9 +215,19 @@ class ChatSession:
         default_config: GenerationConfig | dict[str, Any] | None = None,
         tools: Sequence[Any] | None = None,
         cache: PromptCache | None = None,
+        context_policy: ContextPolicy = "error",
     ):
         """``cache``: a prompt cache of this model to start from (say, one a server keeps between requests
-        that carry the whole conversation); the session takes it over."""
+        that carry the whole conversation); the session takes it over.
+
+        ``context_policy`` says what a turn does when the conversation outgrows the model's context:
+        ``"error"`` raises :class:`ContextLengthError` (and the turn is not added); ``"truncate_oldest"``
+        leaves the oldest whole turns out of the prompt (the system prompt stays; :attr:`messages` keeps
+        them all) until the prompt leaves room for ``max_tokens``, or a quarter of the context if that is
+        less. Either way a reply is cut at the end of the context (``finish_reason="length"``).
+        """
+        if context_policy not in ("error", "truncate_oldest"):
+            raise ValueError(f"context_policy must be 'error' or 'truncate_oldest', got {context_policy!r}")
         self._model = model
         self._defaults = model.defaults.merged(default_config)
         self._system = system
@@ -213,6 +240,9 @@ class ChatSession:
         self._busy = False
         self._lock = threading.Lock()
         self._calls_made = 0
+        self._context_policy = context_policy
+        self._hidden = 0
+        self._turn_start = 0
 
     # -- state ----------------------------------------------------------------------------------------
 
@@ -240,6 +270,12 @@ class ChatSession:
         return list(self._tools)
 
     @property
+    def truncated_messages(self) -> int:
+        """How many of the oldest messages (after the system prompt) the context policy leaves out of the
+        prompt; 0 unless ``context_policy="truncate_oldest"`` had to drop turns."""
+        return self._hidden
+
+    @property
     def cache(self) -> PromptCache:
         self._check_open()
         assert self._cache is not None
@@ -254,16 +290,24 @@ class ChatSession:
 
     def send_stream(self, content: str, *, config: GenerationConfig | dict[str, Any] | None = None,
                     images: Sequence[bytes] = (), tools: Sequence[Any] | None = None) -> ChatStream:
-        """:meth:`send`, streamed: the user turn is appended when the stream is first iterated."""
+        """:meth:`send`, streamed: the user turn is appended when the stream is first iterated.
+
+        Empty content, or content that is not valid Unicode, is an :class:`InvalidInputError` (and nothing is
+        added)."""
         self._check_open()
         offered = self._offered(tools)
         if images:
             raise ValueError(f"{self._model!r} takes no images (its plugin serves text only)")
+        if not isinstance(content, str):
+            raise InvalidInputError(f"send() takes the message as a string, got {type(content).__name__}")
+        if not check_text(content, "the message").strip():
+            raise InvalidInputError("nothing to send: the message is empty")
+        message = ChatMessage(role="user", content=content)
         self._check_no_pending_calls()
 
         def prepare() -> None:
             self._check_no_pending_calls()
-            self._messages.append(ChatMessage(role="user", content=content))
+            self._messages.append(message)
 
         return ChatStream(self, prepare, _config(config), offered)
 
@@ -331,6 +375,7 @@ class ChatSession:
         if not 0 <= keep <= len(self._messages):
             raise ValueError(f"keep must be between 0 and {len(self._messages)}, got {keep}")
         del self._messages[keep:]
+        self._hidden = min(self._hidden, len(self._rest()))
         self._tool_calls = []
 
     def set_system(self, system: str | None) -> None:
@@ -347,6 +392,7 @@ class ChatSession:
         self._check_idle()
         keep = [m for m in self._messages[:1] if m.role == "system"] if keep_system else []
         self._messages = keep
+        self._hidden = 0
         self._report = None
         self._tool_calls = []
 
@@ -370,6 +416,7 @@ class ChatSession:
         if self._system and not (primed and primed[0].role == "system"):
             primed.insert(0, ChatMessage(role="system", content=self._system))
         self._messages = primed
+        self._hidden = 0
         ids = [int(m.group(1)) for msg in primed for c in msg.tool_calls or []
                if (m := re.fullmatch(r"call_(\d+)", c.id))]
         self._calls_made = max(ids, default=0)
@@ -416,8 +463,7 @@ class ChatSession:
         kwargs = dict(config.chat_template_kwargs)
         if config.enable_thinking is not None:
             kwargs["enable_thinking"] = config.enable_thinking
-        history = [m.template_dict() for m in self._messages]
-        text, prompt = self._model.render_prompt(history, tools=tools or None, add_generation_prompt=True, **kwargs)
+        history, text, prompt = self._fitted_prompt(config, tools, kwargs)
         head_text, head = self._model.render_prompt(history, tools=tools or None, add_generation_prompt=False,
                                                     **kwargs)
         generation_prompt = text[len(head_text):] if text.startswith(head_text) else text
@@ -440,6 +486,31 @@ class ChatSession:
         self._cache.checkpoint()
         assert report is not None
         yield _TurnEnd(parser, report, tokens)
+
+    def _fitted_prompt(self, config: GenerationConfig, tools: list[ToolSpec],
+                       kwargs: dict[str, Any]) -> tuple[list[dict[str, Any]], str, list[int]]:
+        """The visible history and its prompt (text and ids); under ``truncate_oldest``, the oldest whole
+        turns are hidden until the prompt leaves room for the reply (see :meth:`__init__`)."""
+        while True:
+            head = self._messages[:1] if self._messages and self._messages[0].role == "system" else []
+            history = [m.template_dict() for m in head + self._rest()[self._hidden:]]
+            text, prompt = self._model.render_prompt(history, tools=tools or None, add_generation_prompt=True,
+                                                     **kwargs)
+            room = min(config.max_tokens, self._model.context_length // 4)
+            later_turn = next((i for i, m in enumerate(self._rest()) if i > self._hidden and m.role == "user"),
+                              None)
+            if (self._context_policy == "error" or len(prompt) + room <= self._model.context_length
+                    or later_turn is None):
+                return history, text, prompt
+            self._hidden = later_turn
+
+    def _rest(self) -> list[ChatMessage]:
+        """The conversation after the system prompt."""
+        return self._messages[1:] if self._messages and self._messages[0].role == "system" else self._messages
+
+    def _undo_turn(self) -> None:
+        """Take back what the failed turn's start added (a turn that cannot fit the context)."""
+        del self._messages[self._turn_start:]
 
     def _reply_starts(self, history: list[dict[str, Any]], tools: list[ToolSpec], kwargs: dict[str, Any],
                       prompt: list[int]) -> set[int]:
@@ -484,9 +555,12 @@ class ChatSession:
         if ok_calls and finish == "stop":
             finish = "tool_calls"
         report = report.model_copy(update={"finish_reason": finish})
-        content = text
-        if calls and not self._model.renders_tool_calls:
-            content = parser.text_with_calls if not abandoned else text + "".join(c.raw for c in calls)
+        with_calls = not self._model.renders_tool_calls
+        if abandoned:  # what the reader saw: its text, and the markup of the calls it saw that must stay
+            kept = [c.raw for c in calls if with_calls or c.status == "invalid"]
+            content = text + "".join(dict.fromkeys(kept))
+        else:
+            content = parser.content(with_calls)
         self._messages.append(ChatMessage(role="assistant", content=content, reasoning_content=thinking,
                                           tool_calls=ok_calls or None))
         self._report = report
@@ -501,6 +575,7 @@ class ChatSession:
             self._check_open()
             if self._busy:
                 raise SessionStateError("a turn of this session is in progress; finish or cancel it first")
+            self._turn_start = len(self._messages)
             prepare()
             self._busy = True
 

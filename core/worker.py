@@ -2,7 +2,9 @@
 
 Blocking callers wait on a future; streaming callers read a queue the job fills; asyncio callers await
 without blocking the event loop. A stream's consumer that stops reading sets the job's cancel flag; the
-job (which checks it between items) winds up at its next item.
+job (which checks it between items) winds up at its next item. A consumer that neither reads nor stops
+(a half-read stream left open) holds the worker only until another job is waiting and
+:attr:`Worker.reader_timeout` has passed; then its stream ends with :class:`ReaderStalledError`.
 """
 
 from __future__ import annotations
@@ -11,10 +13,13 @@ import asyncio
 import atexit
 import queue
 import threading
+import time
 import weakref
 from collections.abc import AsyncGenerator, Callable, Generator, Iterator
 from concurrent.futures import Future
 from typing import Any, TypeVar
+
+from .errors import MlxchatError
 
 T = TypeVar("T")
 
@@ -44,6 +49,10 @@ class Cancelled:
         return self._event.is_set()
 
 
+class ReaderStalledError(MlxchatError):
+    """A stream's reader stopped taking items while other work waited for the model's worker."""
+
+
 class _Failure:
     def __init__(self, error: BaseException):
         self.error = error
@@ -56,6 +65,9 @@ class Worker:
     shuts down (``mx.clear_streams``), so the worker does that when it stops, and an exit hook stops
     every live worker and then clears the main thread's streams.
     """
+
+    reader_timeout = 30.0
+    """Seconds a stream's job waits for its reader to take an item while other jobs wait behind it."""
 
     def __init__(self, name: str = "mlxchat-worker"):
         self._jobs: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]] | None] = (
@@ -117,7 +129,7 @@ class Worker:
             yield from produce(cancel)
             return
         items: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        handoff = _Handoff(items.put)
+        handoff = _Handoff(items.put, self._stalled)
         job = self.submit(_pump, produce, cancel, handoff)
         try:
             while True:
@@ -140,7 +152,7 @@ class Worker:
         loop = asyncio.get_running_loop()
         items: asyncio.Queue[Any] = asyncio.Queue()
         cancel = Cancelled() if cancel is None else cancel
-        handoff = _Handoff(lambda item: loop.call_soon_threadsafe(items.put_nowait, item))
+        handoff = _Handoff(lambda item: loop.call_soon_threadsafe(items.put_nowait, item), self._stalled)
         job = self.submit(_pump, produce, cancel, handoff)
         try:
             while True:
@@ -156,6 +168,10 @@ class Worker:
             cancel.set()
             await asyncio.wrap_future(job)
 
+    def _stalled(self, waited: float) -> bool:
+        """Whether a job whose reader has taken nothing for ``waited`` seconds should give up the worker."""
+        return waited > self.reader_timeout and not self._jobs.empty()
+
     def close(self) -> None:
         """Finish the queued jobs, then stop the thread."""
         if not self._closed:
@@ -166,17 +182,27 @@ class Worker:
 
 
 class _Handoff:
-    """Passes items from the job to the reader, one at a time; drops them once the reader has gone."""
+    """Passes items from the job to the reader, one at a time; drops them once the reader has gone, and
+    gives up (raising :class:`ReaderStalledError` in the job) when ``stalled`` says the wait is too long."""
 
-    def __init__(self, put: Callable[[Any], Any]):
+    def __init__(self, put: Callable[[Any], Any], stalled: Callable[[float], bool]):
         self._put = put
+        self._stalled = stalled
         self._slot = threading.Semaphore(1)
         self._abandoned = threading.Event()
+        self._gave_up = False
 
     def put(self, item: Any) -> None:
-        while not self._slot.acquire(timeout=0.05):
+        started = time.monotonic()
+        while not self._gave_up and not self._slot.acquire(timeout=0.05):
             if self._abandoned.is_set():
                 return
+            if self._stalled(time.monotonic() - started):
+                self._gave_up = True
+                raise ReaderStalledError(
+                    "the stream's reader took nothing for a while and other work was waiting for the model, so "
+                    "the stream was ended; read streams to the end, or break out of them (or close them)"
+                )
         self._put(item)
 
     def taken(self) -> None:

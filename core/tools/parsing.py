@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from ..errors import InvalidInputError
+from ..limits import check_depth
 from .schema import ToolSpec, tool_names
 
 
@@ -62,10 +64,24 @@ class ToolCallParser:
         return ((spec.get("function") or {}).get("parameters") or {}).get("properties") or {}
 
     def checked(self, call: ParsedCall) -> ParsedCall:
-        """Mark a call to a tool that was not offered as invalid."""
+        """Mark a call to a tool that was not offered, or with arguments nested too deep, as invalid."""
         if call.error is None and self.tools and call.name not in self.tools:
             call.error = f"unknown function {call.name!r} (offered: {', '.join(self.tools)})"
+        if call.error is None and call.arguments is not None:
+            try:
+                check_depth(call.arguments, what="the arguments")
+            except InvalidInputError as exc:
+                call.arguments, call.error = None, str(exc)
         return call
+
+    def read(self, body: str) -> list[ParsedCall]:
+        """The checked calls of one block. Whatever the model wrote, a failure is an invalid call that keeps
+        its raw text, never an exception (deep nesting exhausts a recursive parser's stack, say)."""
+        try:
+            calls = self.parse(body)
+        except Exception as exc:  # noqa: BLE001 - a parser's failure is the call's, not the turn's
+            calls = [ParsedCall(guess_name(body), None, f"could not read the call ({type(exc).__name__}: {exc})")]
+        return [self.checked(c) for c in calls]
 
     def feed(self, text: str) -> list[str | CallBlock]:
         """Plain text pieces and completed call blocks, in order."""
@@ -91,7 +107,7 @@ class ToolCallParser:
                 body = self._buffer[:index]
                 self._buffer = self._buffer[index + len(self.end) :]
                 self._in_call = False
-                out.append(CallBlock(self.start + body + self.end, [self.checked(c) for c in self.parse(body)]))
+                out.append(CallBlock(self.start + body + self.end, self.read(body)))
 
     def finish(self) -> list[str | CallBlock]:
         """Flush at the end of the reply: an unterminated call becomes invalid, held text is released."""

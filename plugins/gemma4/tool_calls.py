@@ -54,7 +54,7 @@ class Gemma4ToolParser(ToolCallParser):
         ``<|tool_response>`` without closing); otherwise it is an invalid call, as for every format."""
         out = super().finish()
         if out and isinstance(out[0], CallBlock):
-            calls = [self.checked(c) for c in self.parse(out[0].raw[len(self.start) :])]
+            calls = self.read(out[0].raw[len(self.start) :])
             if all(c.error is None for c in calls):
                 out[0] = CallBlock(out[0].raw, calls)
         return out
