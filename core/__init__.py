@@ -4,16 +4,19 @@ Importing mlxchat first puts OpenBLAS (and the single-row gemv route) under MLX'
 :mod:`mlxchat.runtime`.
 """
 
-from .runtime import configure_blas
+from .runtime import configure_blas, package_version
 
 configure_blas()
+__version__ = package_version()
 
 from .architecture import Architecture, ChatQuirks, ModelModule  # noqa: E402
 from .cache import KVCache, LayerCache, StateCache  # noqa: E402
 from .config import ModelConfig, RopeConfig  # noqa: E402
 from .errors import (  # noqa: E402
     CheckpointError,
+    ContextLengthError,
     GenerationError,
+    InvalidInputError,
     MlxchatError,
     SessionClosedError,
     SessionStateError,
@@ -42,6 +45,7 @@ __all__ = [
     "ChatStream",
     "ChatQuirks",
     "CheckpointError",
+    "ContextLengthError",
     "Done",
     "FunctionCall",
     "GenerationChunk",
@@ -50,6 +54,7 @@ __all__ = [
     "GenerationReport",
     "GenerationResult",
     "GenerativeModel",
+    "InvalidInputError",
     "KVCache",
     "LayerCache",
     "MlxchatError",
@@ -71,6 +76,7 @@ __all__ = [
     "ToolCallEvent",
     "UnknownModelTypeError",
     "UnsupportedQuantizationError",
+    "__version__",
     "detect_model_type",
     "hookimpl",
     "load_model",

@@ -1,24 +1,30 @@
-"""The ``mlxchat`` command: ``generate``, ``chat`` and ``info``."""
+"""The ``mlxchat`` command: ``generate``, ``chat``, ``serve`` and ``info``.
+
+Arguments are checked before any model loads (one line on stderr and exit status 2 when one is wrong);
+library errors are one line too (status 1); Ctrl-C ends ``generate`` quietly with status 130.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import json
+import os
 import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
+from pydantic import ValidationError
+
 from .errors import MlxchatError
 from .generation import GenerationConfig, GenerationReport
-
-
-def dim(text: str, stream: TextIO) -> str:
-    """``text`` dimmed when ``stream`` is a terminal."""
-    return f"\033[2m{text}\033[0m" if stream.isatty() else text
+from .runtime import package_version
 
 EPILOG = """examples:
   mlxchat generate "What is the capital of France?"
+  mlxchat generate --tools demo "What's the weather in London?"
   mlxchat generate --model Qwen/Qwen3-0.6B --max-tokens 200 "Write a haiku about rain."
   mlxchat chat --model ./my-checkpoint --system "Be concise."
   mlxchat serve --model Qwen/Qwen3-0.6B --port 8000     # OpenAI-compatible API
@@ -27,18 +33,47 @@ EPILOG = """examples:
 Without --model, the small demo model shipped inside the package is used (it knows a tiny world:
 capitals, two-digit arithmetic, unit conversions, and weather/time tools)."""
 
+DIM, RESET = "\033[2m", "\033[0m"
+MAX_TOOL_ROUNDS = 8
 
-def _sampling_args(parser: argparse.ArgumentParser) -> None:
+
+class UsageError(Exception):
+    """A command-line argument that cannot work (reported before anything loads)."""
+
+
+def dim(text: str, stream: TextIO) -> str:
+    """``text`` dimmed when ``stream`` is a terminal."""
+    return f"{DIM}{text}{RESET}" if stream.isatty() else text
+
+
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults shown in the help, examples kept as written."""
+
+
+def _model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", "-m", help="checkpoint folder or Hugging Face repo id (default: the demo model)")
     parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
-                        help="compute dtype (default: float32 on CPU, the checkpoint's on a GPU)")
-    parser.add_argument("--max-tokens", type=int, help="most tokens to generate per reply")
+                        help="compute dtype (default: float32 on CPU, the checkpoint's own on a GPU)")
+    parser.add_argument("--context-length", type=int, metavar="N",
+                        help="most tokens (prompt and reply) a generation may hold (default: the model's own)")
+
+
+def _sampling_args(parser: argparse.ArgumentParser) -> None:
+    _model_args(parser)
+    parser.add_argument("--max-tokens", type=int, metavar="N",
+                        help="most tokens to generate per reply (default: 512)")
     parser.add_argument("--temperature", type=float, help="0 for greedy (default: the checkpoint's)")
-    parser.add_argument("--top-p", type=float)
-    parser.add_argument("--top-k", type=int)
-    parser.add_argument("--seed", type=int)
+    parser.add_argument("--top-p", type=float, help="nucleus sampling mass (default: the checkpoint's)")
+    parser.add_argument("--top-k", type=int, help="sample among the k likeliest tokens (default: the checkpoint's)")
+    parser.add_argument("--seed", type=int, help="random seed for sampling (default: none)")
     parser.add_argument("--system", help="system prompt")
     parser.add_argument("--no-think", action="store_true", help="ask the chat template to turn reasoning off")
+    parser.add_argument("--thinking", choices=["stream", "show", "hide"],
+                        help="reasoning: stream it inline, show it on stderr, or hide it (default: stream on a "
+                             "terminal, hide when the output is piped)")
+    parser.add_argument("--tools", metavar="SPEC",
+                        help="tools the model may call, run automatically with a trace on stderr: 'demo' (the "
+                             "demo's weather and time tools) or module:function,... (@tool functions)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,31 +83,48 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"mlxchat {package_version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     generate = commands.add_parser("generate", help="stream one reply to a prompt, then print its report",
+                                   formatter_class=_Formatter,
                                    description="Stream one reply to PROMPT (through the chat template unless "
-                                               "--raw) and print the generation report.")
+                                               "--raw) and print the generation report on stderr.")
     generate.add_argument("prompt", help="the prompt ('-' reads standard input)")
     generate.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     _sampling_args(generate)
 
-    chat = commands.add_parser("chat", help="an interactive chat session",
+    chat = commands.add_parser("chat", help="an interactive chat session", formatter_class=_Formatter,
                                description="Chat interactively. Commands: /reset, /system TEXT, /save FILE, "
                                            "/help, /quit. Ctrl-C stops a reply (and keeps it), Ctrl-D quits.")
     _sampling_args(chat)
 
     serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP API (needs mlxchat[server])",
-                                description="Serve POST /v1/chat/completions (streaming, tools, reasoning) and "
-                                            "GET /v1/models for one model; requests reuse cached prompts.")
-    serve.add_argument("--model", "-m", help="checkpoint folder or Hugging Face repo id (default: the demo model)")
-    serve.add_argument("--dtype", choices=["float32", "float16", "bfloat16"])
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+                                formatter_class=_Formatter,
+                                description="Serve POST /v1/chat/completions (streaming, tools, reasoning), "
+                                            "GET /v1/models and GET /health for one model; requests reuse "
+                                            "cached prompts. See the README's 'Running the server safely'.")
+    _model_args(serve)
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address to bind (on a loopback address only loopback Host names are accepted)")
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on")
     serve.add_argument("--name", help="the model id clients use (default: the checkpoint folder's name)")
-    serve.add_argument("--caches", type=int, default=4, help="prompt caches kept between requests")
+    serve.add_argument("--api-key", default=os.environ.get("MLXCHAT_API_KEY"),
+                       help="require 'Authorization: Bearer KEY' on every route but /health (default: "
+                            "$MLXCHAT_API_KEY, else no key)")
+    serve.add_argument("--caches", type=int, default=4, help="idle prompt caches kept between requests")
+    serve.add_argument("--max-cache-gb", type=float, default=4.0, help="memory the idle prompt caches may hold")
+    serve.add_argument("--max-body-mb", type=float, default=16.0, help="largest request body accepted")
+    serve.add_argument("--max-queue", type=int, default=64,
+                       help="generation requests running or waiting at once (429 beyond)")
+    serve.add_argument("--max-connections", type=int, default=128, help="requests in flight at once (503 beyond)")
+    serve.add_argument("--header-timeout", type=float, default=10.0,
+                       help="seconds a connection may take to send a request's headers")
+    serve.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
+                       help="a browser origin allowed to call the API (repeatable; default: none)")
 
-    info = commands.add_parser("info", help="MLX version, device, BLAS and registered plugins")
+    info = commands.add_parser("info", help="MLX version, device, BLAS and registered plugins",
+                               formatter_class=_Formatter)
     info.add_argument("--json", action="store_true", help="print machine-readable JSON")
     return parser
 
@@ -82,14 +134,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "info":
             return _info(args)
-        if args.command == "generate":
-            return _generate(args)
         if args.command == "serve":
-            from .server import serve
-
-            serve(_load(args), host=args.host, port=args.port, model_name=args.name, caches=args.caches)
-            return 0
-        return _chat(args)
+            return _serve(args)
+        config = _config(args)
+        tools = _tools(args.tools)
+        if args.command == "generate":
+            return _generate(args, config, tools)
+        return _chat(args, config, tools)
+    except UsageError as exc:
+        print(f"mlxchat: {exc}", file=sys.stderr)
+        return 2
     except MlxchatError as exc:
         print(f"mlxchat: {exc}", file=sys.stderr)
         return 1
@@ -118,17 +172,78 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    missing = [name for name in ("starlette", "uvicorn") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise UsageError(f"serve needs {' and '.join(missing)}: pip install 'mlxchat[server]'")
+    from .server import ServerSettings, serve
+
+    values = {"model_name": args.name, "api_key": args.api_key or None, "caches": args.caches,
+              "max_cache_gb": args.max_cache_gb, "max_body_mb": args.max_body_mb, "max_queue": args.max_queue,
+              "max_connections": args.max_connections, "header_timeout": args.header_timeout,
+              "cors_origins": args.cors_origin}
+    try:
+        settings = ServerSettings.model_validate(values)
+    except ValidationError as exc:
+        raise UsageError(_first_problem(exc)) from None
+    _check_context_length(args)
+    serve(_load(args), host=args.host, port=args.port, settings=settings)
+    return 0
+
+
+def _check_context_length(args: argparse.Namespace) -> None:
+    if args.context_length is not None and args.context_length < 2:
+        raise UsageError("--context-length: must be at least 2")
+
+
+def _first_problem(exc: ValidationError) -> str:
+    error = exc.errors(include_url=False, include_input=False)[0]
+    option = "--" + str(error["loc"][0]).replace("_", "-") if error["loc"] else "an option"
+    return f"{option}: {error['msg'].removeprefix('Value error, ')}"
+
+
 def _load(args: argparse.Namespace) -> Any:
     from .loading import load_model
 
     print(dim(f"loading {args.model or 'the demo model'} ...", sys.stderr), file=sys.stderr)
-    return load_model(args.model, dtype=args.dtype)
+    return load_model(args.model, dtype=args.dtype, context_length=args.context_length)
 
 
 def _config(args: argparse.Namespace) -> GenerationConfig:
+    """The generation settings of the command line, checked before the model loads."""
+    _check_context_length(args)
     values = {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
               "top_k": args.top_k, "seed": args.seed, "enable_thinking": False if args.no_think else None}
-    return GenerationConfig.model_validate({k: v for k, v in values.items() if v is not None})
+    try:
+        return GenerationConfig.model_validate({k: v for k, v in values.items() if v is not None})
+    except ValidationError as exc:
+        raise UsageError(_first_problem(exc)) from None
+
+
+def _tools(spec: str | None) -> list[Any]:
+    """The tools ``--tools`` names: ``demo``, or ``module:function`` items separated by commas."""
+    if not spec:
+        return []
+    if spec == "demo":
+        from .demo.world import DEMO_TOOLS
+
+        return list(DEMO_TOOLS)
+    from .tools import Tool
+
+    tools = []
+    for item in spec.split(","):
+        module_name, _, name = item.strip().partition(":")
+        if not module_name or not name:
+            raise UsageError(f"--tools: {item!r} is neither 'demo' nor module:function")
+        try:
+            function = getattr(importlib.import_module(module_name), name)
+        except (ImportError, AttributeError) as exc:
+            raise UsageError(f"--tools: cannot load {item} ({exc})") from None
+        try:
+            tools.append(function if isinstance(function, Tool) else Tool(function))
+        except TypeError as exc:
+            raise UsageError(f"--tools: {item} is not a usable tool ({exc})") from None
+    return tools
 
 
 def _report_line(report: GenerationReport) -> str:
@@ -138,68 +253,132 @@ def _report_line(report: GenerationReport) -> str:
             f"peak {report.peak_memory_gb:.2f} GB | {report.finish_reason}]")
 
 
-def _print_events(events: Iterable[Any], out: TextIO) -> Any:
-    """Stream a chat turn to the terminal: reasoning dimmed, calls shown, text as it comes."""
-    from .reply import TextDelta, ThinkingDelta, ToolCallEvent
-    from .session import Done
+class Printer:
+    """Writes a streamed turn: text to ``out``, reasoning as ``--thinking`` says, calls as a trace on ``err``."""
 
-    result, thinking = None, False
-    start, end = ("\033[2m", "\033[0m") if out.isatty() else ("", "")
-    for event in events:
-        if isinstance(event, ThinkingDelta):
-            if not thinking:
-                out.write(start)
-                thinking = True
-            out.write(event.text)
-        else:
-            if thinking:
-                out.write(end + "\n")
-                thinking = False
+    def __init__(self, out: TextIO, err: TextIO, thinking: str | None):
+        self.out, self.err = out, err
+        self.thinking = thinking or ("stream" if out.isatty() else "hide")
+        self._in_thinking = False
+
+    def _reasoning(self, text: str) -> None:
+        if self.thinking == "hide":
+            return
+        target = self.out if self.thinking == "stream" else self.err
+        if not self._in_thinking:
+            target.write(DIM if target.isatty() else "<think>\n")
+            self._in_thinking = True
+        target.write(text)
+        target.flush()
+
+    def end_reasoning(self) -> None:
+        if self._in_thinking:
+            target = self.out if self.thinking == "stream" else self.err
+            target.write(f"{RESET}\n" if target.isatty() else "\n</think>\n")
+            self._in_thinking = False
+
+    def print(self, events: Iterable[Any]) -> Any:
+        """Write a turn's events; return its result."""
+        from .reply import TextDelta, ThinkingDelta, ToolCallEvent
+        from .session import Done
+
+        result, wrote = None, False
+        for event in events:
+            if isinstance(event, ThinkingDelta):
+                self._reasoning(event.text)
+                continue
+            self.end_reasoning()
             if isinstance(event, TextDelta):
-                out.write(event.text)
+                self.out.write(event.text)
+                self.out.flush()
+                wrote = True
             elif isinstance(event, ToolCallEvent):
                 call = event.call
-                out.write(f"\n[tool call {call.id}: {call.name}({call.function.arguments})"
-                          f"{' INVALID: ' + (call.error or '') if call.status == 'invalid' else ''}]")
+                invalid = f" INVALID: {call.error}" if call.status == "invalid" else ""
+                self.err.write(dim(f"[tool call {call.id}: {call.name}({call.function.arguments}){invalid}]",
+                                   self.err) + "\n")
             elif isinstance(event, Done):
                 result = event.result
-        out.flush()
-    if thinking:
-        out.write(end)
-    out.write("\n")
+        self.end_reasoning()
+        if wrote or result is None or not result.tool_calls:
+            self.out.write("\n")
+            self.out.flush()
+        return result
+
+    def reset_style(self) -> None:
+        """After an interruption: no dimmed text left behind on a terminal."""
+        for stream in (self.out, self.err):
+            if stream.isatty():
+                stream.write(RESET)
+        self.out.write("\n")
+        self.out.flush()
+
+
+def _turn(session: Any, printer: Printer, first: Any, tools: list[Any]) -> Any:
+    """Print a turn, and while the model calls offered tools, run them, show the results and continue."""
+    by_name = {t.name: t for t in tools}
+    result = printer.print(first)
+    rounds = 0
+    while result is not None and result.tool_calls and rounds < MAX_TOOL_ROUNDS:
+        valid = [c for c in result.tool_calls if c.status == "ok"]
+        if not valid:
+            break
+        for call in valid:
+            output = _run_tool(by_name.get(call.name), call)
+            printer.err.write(dim(f"[tool result {call.id}: {output}]", printer.err) + "\n")
+            session.add_tool_result(call.id, output)
+        rounds += 1
+        result = printer.print(session.respond_stream())
     return result
 
 
-def _generate(args: argparse.Namespace) -> int:
-    model = _load(args)
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    config = _config(args)
-    if args.raw or model.chat_template is None:
-        report = None
-        for chunk in model.stream(prompt, config):
-            sys.stdout.write(chunk.text)
-            sys.stdout.flush()
-            report = chunk.report or report
-        sys.stdout.write("\n")
-    else:
-        session = model.chat_session(system=args.system)
-        result = _print_events(session.send_stream(prompt, config=config), sys.stdout)
-        report = result.report if result else None
+def _run_tool(tool: Any, call: Any) -> str:
+    if tool is None:
+        return f"error: no tool named {call.name!r}"
+    try:
+        output = tool(**call.arguments)
+    except Exception as exc:  # noqa: BLE001 - the model sees the failure and can recover
+        return f"error: {type(exc).__name__}: {exc}"
+    return output if isinstance(output, str) else json.dumps(output, ensure_ascii=False)
+
+
+def _generate(args: argparse.Namespace, config: GenerationConfig, tools: list[Any]) -> int:
+    printer = Printer(sys.stdout, sys.stderr, args.thinking)
+    try:
+        model = _load(args)
+        prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+        if args.raw or model.chat_template is None:
+            report = None
+            for chunk in model.stream(prompt, config):
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+                report = chunk.report or report
+            sys.stdout.write("\n")
+        else:
+            session = model.chat_session(system=args.system, default_config=config, tools=tools or None)
+            result = _turn(session, printer, session.send_stream(prompt), tools)
+            report = result.report if result else None
+    except KeyboardInterrupt:
+        printer.reset_style()
+        return 130
     if report is not None:
         print(_report_line(report), file=sys.stderr)
     return 0
 
 
-def _chat(args: argparse.Namespace) -> int:
+def _chat(args: argparse.Namespace, config: GenerationConfig, tools: list[Any]) -> int:
     model = _load(args)
-    config = _config(args)
-    session = model.chat_session(system=args.system)
-    print(dim(f"chatting with {model.path}; /help for commands, Ctrl-D to quit", sys.stderr), file=sys.stderr)
+    session = model.chat_session(system=args.system, default_config=config, tools=tools or None)
+    printer = Printer(sys.stdout, sys.stderr, args.thinking)
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print(dim(f"chatting with {model.path}; /help for commands, Ctrl-D to quit", sys.stderr), file=sys.stderr)
     while True:
         try:
-            line = input("> ")
+            line = input("> " if interactive else "")
         except EOFError:
-            print(file=sys.stderr)
+            if interactive:
+                print(file=sys.stderr)
             return 0
         except KeyboardInterrupt:
             print(file=sys.stderr)
@@ -210,14 +389,21 @@ def _chat(args: argparse.Namespace) -> int:
             if _command(session, line.strip()):
                 return 0
             continue
-        stream = session.send_stream(line, config=config)
+        stream = session.send_stream(line)
         try:
-            result = _print_events(stream, sys.stdout)
+            result = _turn(session, printer, stream, tools)
         except KeyboardInterrupt:
-            sys.stdout.write("\033[0m\n" if sys.stdout.isatty() else "\n")
+            printer.reset_style()
             result = stream.result
+        except MlxchatError as exc:
+            print(f"mlxchat: {exc}", file=sys.stderr)
+            continue
         if result is not None:
             print(dim(_report_line(result.report), sys.stderr), file=sys.stderr)
+
+
+COMMANDS = ("/reset  clear the conversation\n/system [TEXT]  set (or remove) the system prompt\n"
+            "/save [FILE]  save the transcript as JSON\n/help  this list\n/quit  leave")
 
 
 def _command(session: Any, line: str) -> bool:
@@ -235,9 +421,10 @@ def _command(session: Any, line: str) -> bool:
         path = Path(rest or "transcript.json")
         path.write_text(json.dumps([m.model_dump() for m in session.messages], indent=2, ensure_ascii=False))
         print(dim(f"saved {len(session.messages)} messages to {path}", sys.stderr), file=sys.stderr)
+    elif name in ("/help", "/?"):
+        print(COMMANDS, file=sys.stderr)
     else:
-        print("/reset  clear the conversation\n/system [TEXT]  set (or remove) the system prompt\n"
-              "/save [FILE]  save the transcript as JSON\n/quit  leave", file=sys.stderr)
+        print(f"mlxchat: unknown command {name}; /help lists the commands", file=sys.stderr)
     return False
 
 

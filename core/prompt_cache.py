@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import mlx.core as mx
+
 from .cache import LayerCache, cache_arrays
 
 DEFAULT_MAX_SNAPSHOTS = 12
@@ -97,4 +99,13 @@ class PromptCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(layer.nbytes for layer in self.layers)
+        """Memory the layer caches and their snapshots hold (an array shared by several counts once)."""
+        seen: dict[int, int] = {}
+        stack: list[Any] = [layer.state for layer in self.layers] + list(self._snapshots.values())
+        while stack:
+            item = stack.pop()
+            if isinstance(item, mx.array):
+                seen[id(item)] = item.nbytes
+            elif isinstance(item, list | tuple):
+                stack.extend(item)
+        return sum(seen.values())

@@ -141,7 +141,7 @@ def runtime_info() -> dict[str, Any]:
 
     state = configure_blas()
     return {
-        "mlxchat": _version(),
+        "mlxchat": package_version(),
         "mlx": mx.__version__,  # type: ignore[attr-defined]
         "python": platform.python_version(),
         "platform": f"{platform.system()} {platform.machine()}",
@@ -155,7 +155,8 @@ def runtime_info() -> dict[str, Any]:
     }
 
 
-def _version() -> str:
+def package_version() -> str:
+    """mlxchat's installed version ("unknown" when it runs from a source tree that is not installed)."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:

@@ -1,0 +1,80 @@
+"""Errors as the OpenAI API shapes them: ``{"error": {"message", "type", "param", "code"}}`` with a 4xx or
+5xx status. Messages are ours and say what to change; internal exception text never reaches a client
+(it goes to the server log)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from pydantic import ValidationError
+
+log = logging.getLogger("mlxchat.server")
+
+
+class ApiError(Exception):
+    """A request the server refuses, with the status and the OpenAI error fields to send."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", *,
+                 code: str | None = None, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.code, self.param = status, message, kind, code, param
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def invalid(exc: ValidationError, prefix: str = "") -> ApiError:
+    """A 400 naming each field pydantic refused (without echoing the values sent)."""
+    problems = []
+    for error in exc.errors(include_url=False, include_input=False):
+        where = ".".join(str(part) for part in (prefix, *error["loc"]) if part != "")
+        message = error["msg"].removeprefix("Value error, ")
+        problems.append(f"{where}: {message}" if where else message)
+    first = exc.errors(include_url=False, include_input=False)[0]["loc"] if exc.errors() else ()
+    param = ".".join(str(p) for p in (prefix, *first) if p != "") or None
+    return ApiError(400, "; ".join(problems[:5]) + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""),
+                    param=param)
+
+
+class RefusalLog:
+    """Logs refused requests one line per burst: the first refusal of a kind is logged, later ones within
+    ``window`` seconds are only counted and summed up in one line when the next burst starts."""
+
+    def __init__(self, window: float = 10.0):
+        self.window = window
+        self._since: dict[str, float] = {}
+        self._muted: dict[str, int] = {}
+
+    def refused(self, reason: str, detail: str = "") -> None:
+        now = time.monotonic()
+        since = self._since.get(reason)
+        if since is not None and now - since < self.window:
+            self._muted[reason] = self._muted.get(reason, 0) + 1
+            return
+        muted = self._muted.pop(reason, 0)
+        if muted:
+            log.warning("refused %d more requests (%s) in the %.0f s before", muted, reason, now - (since or now))
+        self._since[reason] = now
+        log.warning("refused a request (%s)%s", reason, f": {detail}" if detail else "")
+
+
+class RateLimitedFilter(logging.Filter):
+    """A logging filter that lets one record of each message through per ``window`` seconds (uvicorn logs
+    every malformed request it drops; a client must not be able to flood the log)."""
+
+    def __init__(self, window: float = 10.0):
+        super().__init__()
+        self.window = window
+        self._last: dict[str, float] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        key = f"{record.name}:{record.msg}"
+        now = time.monotonic()
+        if now - self._last.get(key, -self.window) < self.window:
+            return False
+        self._last[key] = now
+        if len(self._last) > 1024:
+            self._last.clear()
+        return True

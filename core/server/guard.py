@@ -1,0 +1,203 @@
+"""What stands between the network and the model: settings and their limits, authentication, the Host
+check that stops DNS rebinding, JSON-only bodies (no simple cross-site POST), body size, nesting and text
+checks, a cap on requests in flight, and a header-read timeout for idle connections.
+
+Every refusal is an OpenAI-style JSON error, and refusals are logged one line per burst.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..errors import InvalidInputError
+from ..limits import check_depth, check_strings
+from .errors import ApiError, RefusalLog
+
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+
+
+class ServerSettings(BaseModel):
+    """The server's limits and switches (``mlxchat serve --help`` shows each with its default)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model_name: str | None = None
+    """The model id clients use (default: the checkpoint folder's name)."""
+    api_key: str | None = None
+    """Clients must send it as ``Authorization: Bearer KEY`` (or ``x-api-key: KEY``); every route but
+    ``GET /health`` checks it."""
+    caches: int = Field(4, ge=1)
+    """Idle prompt caches kept between requests (least recently used evicted first)."""
+    max_cache_gb: float = Field(4.0, gt=0)
+    """Most memory the idle prompt caches may hold together."""
+    max_body_mb: float = Field(16.0, gt=0)
+    """Largest request body accepted (413 beyond)."""
+    max_queue: int = Field(64, ge=1)
+    """Most generation requests running or waiting for the model at once (429 beyond)."""
+    max_connections: int = Field(128, ge=1)
+    """Most requests in flight on all routes at once (503 beyond)."""
+    header_timeout: float = Field(10.0, gt=0)
+    """Seconds a connection may take to send a request's headers (idle connections are closed)."""
+    cors_origins: list[str] = Field(default_factory=list)
+    """Browser origins allowed to call the API (none by default: no CORS headers at all)."""
+    allowed_hosts: list[str] | None = None
+    """Host header names accepted (``None``: any). Bound to a loopback address, the server accepts only
+    loopback names, so that a web page cannot reach it through DNS rebinding."""
+
+    @property
+    def max_body_bytes(self) -> int:
+        return int(self.max_body_mb * 1024 * 1024)
+
+    @property
+    def max_cache_bytes(self) -> int:
+        return int(self.max_cache_gb * 1e9)
+
+
+def is_loopback(host: str) -> bool:
+    if host in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def host_name(header: str) -> str:
+    """The name part of a ``Host`` header (``[::1]:8000`` -> ``::1``, ``localhost:80`` -> ``localhost``)."""
+    if header.startswith("["):
+        return header[1 : header.find("]")] if "]" in header else header
+    return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
+
+
+ASGIApp = Callable[[dict[str, Any], Callable[[], Awaitable[dict[str, Any]]],
+                    Callable[[dict[str, Any]], Awaitable[None]]], Awaitable[None]]
+
+
+class Guard:
+    """ASGI middleware checking every HTTP request before it reaches a route."""
+
+    OPEN_PATHS = frozenset({"/health"})
+
+    def __init__(self, app: ASGIApp, settings: ServerSettings, refusals: RefusalLog):
+        self.app, self.settings, self.refusals = app, settings, refusals
+        self.in_flight = 0
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        try:
+            self._check(scope)
+        except ApiError as exc:
+            self.refusals.refused(exc.code or exc.kind, exc.message)
+            await _send_json(send, exc.status, exc.body())
+            return
+        self.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.in_flight -= 1
+
+    def _check(self, scope: dict[str, Any]) -> None:
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        allowed = self.settings.allowed_hosts
+        if allowed is not None and host_name(headers.get("host", "")) not in allowed:
+            raise ApiError(400, "this server answers only to the host names it is bound to "
+                                f"({', '.join(allowed)})", code="invalid_host")
+        if self.settings.api_key is not None and scope["path"] not in self.OPEN_PATHS and scope["method"] != "OPTIONS":
+            sent = headers.get("authorization", "")
+            key = sent[len("bearer "):] if sent.lower().startswith("bearer ") else headers.get("x-api-key", "")
+            if not hmac.compare_digest(key.encode(), self.settings.api_key.encode()):
+                raise ApiError(401, "missing or wrong API key: send it as 'Authorization: Bearer KEY'",
+                               "authentication_error", code="invalid_api_key")
+        if self.in_flight >= self.settings.max_connections:
+            raise ApiError(503, f"the server is handling {self.settings.max_connections} requests, its limit; "
+                                "retry later", "server_busy", code="too_many_connections")
+        if scope["method"] in ("POST", "PUT", "PATCH"):
+            media = headers.get("content-type", "").split(";")[0].strip().lower()
+            if media != "application/json":
+                raise ApiError(415, "request bodies must be JSON (Content-Type: application/json)",
+                               code="unsupported_media_type")
+            length = headers.get("content-length")
+            if length is not None and (not length.isdigit() or int(length) > self.settings.max_body_bytes):
+                raise ApiError(413, f"the request body is larger than {self.settings.max_body_mb:g} MB",
+                               code="body_too_large")
+
+
+async def read_json(request: Any, settings: ServerSettings) -> dict[str, Any]:
+    """The request's JSON object, read within the size limit and checked (nesting, valid Unicode)."""
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > settings.max_body_bytes:
+            raise ApiError(413, f"the request body is larger than {settings.max_body_mb:g} MB", code="body_too_large")
+        chunks.append(chunk)
+    try:
+        body = json.loads(b"".join(chunks))
+    except RecursionError:
+        raise ApiError(400, "the request body nests too deeply") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"the request body is not valid JSON ({exc.msg if hasattr(exc, 'msg') else exc})") \
+            from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    try:
+        check_depth(body, what="the request body")
+        check_strings(body, "the request body")
+    except InvalidInputError as exc:
+        raise ApiError(400, str(exc)) from None
+    return body
+
+
+async def _send_json(send: Any, status: int, body: dict[str, Any]) -> None:
+    data = json.dumps(body).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
+    await send({"type": "http.response.body", "body": data})
+
+
+def guarded_protocol(header_timeout: float) -> type:
+    """uvicorn's h11 protocol, closing connections that take longer than ``header_timeout`` seconds to send
+    a request's headers (uvicorn itself waits forever for the first request)."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class GuardedH11Protocol(H11Protocol):
+        _header_timer: Any = None
+
+        def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._arm()
+
+        def handle_events(self) -> None:
+            super().handle_events()
+            if self.cycle is not None and not self.cycle.response_complete and self._header_timer is not None:
+                self._header_timer.cancel()  # a request's headers arrived
+                self._header_timer = None
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+            self._header_timer = self.loop.call_later(header_timeout, self._expire)
+
+        def _expire(self) -> None:
+            self._header_timer = None
+            if self.cycle is None or self.cycle.response_complete:
+                self.transport.close()
+
+    return GuardedH11Protocol
