@@ -22,7 +22,7 @@ from .runtime import default_dtype
 from .tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from .session import ChatSession
+    from .session import ChatSession, ContextPolicy
 
 _DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 _QUANT_MODES = ("affine", "mxfp4", "nvfp4", "mxfp8")
@@ -98,11 +98,13 @@ def load_session(
     system: str | None = None,
     default_config: GenerationConfig | dict[str, Any] | None = None,
     tools: Sequence[Any] | None = None,
+    context_policy: ContextPolicy = "error",
     **load_kwargs: Any,
 ) -> ChatSession:
     """Load a model and open a chat session over it in one step (``load_kwargs`` go to :func:`load_model`)."""
     model = load_model(path_or_repo, **load_kwargs)
-    return model.chat_session(system=system, default_config=default_config, tools=tools)
+    return model.chat_session(system=system, default_config=default_config, tools=tools,
+                              context_policy=context_policy)
 
 
 def _quantization(raw: dict[str, Any]) -> dict[str, Any] | None:

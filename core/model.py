@@ -221,17 +221,12 @@ class GenerativeModel:
             cache.clear()
             raise GenerationError(f"generation failed: {exc}") from exc
 
-    def chat_session(
-        self,
-        system: str | None = None,
-        default_config: GenerationConfig | dict[str, Any] | None = None,
-        tools: Sequence[Any] | None = None,
-        cache: PromptCache | None = None,
-    ) -> ChatSession:
-        """A new conversation over this model (it owns its cache; the model stays shared)."""
+    def chat_session(self, system: str | None = None, **options: Any) -> ChatSession:
+        """A new conversation over this model (it owns its cache; the model stays shared). ``options`` are
+        :class:`~mlxchat.session.ChatSession`'s (``default_config``, ``tools``, ``context_policy``, ...)."""
         from .session import ChatSession
 
-        return ChatSession(self, system=system, default_config=default_config, tools=tools, cache=cache)
+        return ChatSession(self, system=system, **options)
 
     def close(self) -> None:
         """Stop the worker thread (sessions over this model stop working)."""

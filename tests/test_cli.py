@@ -3,12 +3,14 @@ runtime."""
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import json
 from pathlib import Path
 
 import pytest
 
+import mlxchat
 from mlxchat.cli import main
 from mlxchat.tokenizer import Tokenizer
 
@@ -63,3 +65,77 @@ def test_help_reads_well(capsys: pytest.CaptureFixture[str]) -> None:
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
     assert "generate" in out and "chat" in out and "info" in out and "examples:" in out
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"mlxchat {mlxchat.__version__}"
+
+
+@pytest.mark.parametrize(("args", "option"), [(["--max-tokens", "-5"], "--max-tokens"),
+                                              (["--temperature", "-1"], "--temperature"),
+                                              (["--context-length", "1"], "--context-length"),
+                                              (["--tools", "no_such_module:f"], "--tools"),
+                                              (["--tools", "nonsense"], "--tools")])
+def test_bad_arguments_are_one_line_before_any_model_loads(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                                           args: list[str], option: str) -> None:
+    # The model path does not exist: had it been loaded first, the error would be about the path.
+    assert main(["generate", "--model", str(tmp_path / "nowhere"), *args, "hi"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"mlxchat: {option}") and "\n" not in err and "Traceback" not in err
+
+
+def test_serve_without_the_server_extra_says_what_to_install(monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "uvicorn" else real(name, *a))
+    assert main(["serve", "--model", "/nowhere"]) == 2
+    assert "pip install 'mlxchat[server]'" in capsys.readouterr().err
+
+
+def test_serve_options_are_checked_before_loading(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--model", "/nowhere", "--caches", "0"]) == 2
+    assert capsys.readouterr().err.startswith("mlxchat: --caches:")
+
+
+def test_ctrl_c_in_generate_exits_130_quietly(monkeypatch: pytest.MonkeyPatch,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(mlxchat.ChatSession, "send_stream", interrupted)
+    assert main(["generate", "--model", MODEL, "hi"]) == 130
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_demo_tools_run_automatically_with_a_trace(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["generate", "--tools", "demo", "--temperature", "0", "What's the weather in London?"]) == 0
+    out, err = capsys.readouterr()
+    assert "[tool call call_1: get_weather" in err and "[tool result call_1:" in err
+    assert "London" in out and "<tool_call>" not in out
+
+
+def test_tools_from_a_module(capsys: pytest.CaptureFixture[str]) -> None:
+    spec = "mlxchat.demo.world:get_weather,mlxchat.demo.world:get_time"
+    assert main(["generate", "--tools", spec, "--temperature", "0", "What time is it in Paris?"]) == 0
+    assert "get_time" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("mode", "in_out", "in_err"), [("hide", False, False), ("show", False, True),
+                                                         ("stream", True, False)])
+def test_thinking_modes(capsys: pytest.CaptureFixture[str], mode: str, in_out: bool, in_err: bool) -> None:
+    assert main(["generate", "--thinking", mode, "--temperature", "0", "What is 12 plus 5?"]) == 0
+    out, err = capsys.readouterr()
+    assert ("units:" in out) is in_out and ("units:" in err) is in_err
+    assert ("<think>" in out) is in_out  # marked when not on a terminal
+    assert "17" in out
+
+
+def test_piped_chat_prints_no_prompts_and_names_unknown_commands(monkeypatch: pytest.MonkeyPatch,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr("sys.stdin", io.StringIO("/frobnicate\nHello\n"))
+    assert main(["chat", "--temperature", "0"]) == 0  # the demo model greets back
+    out, err = capsys.readouterr()
+    assert out.startswith("Hi") and ">" not in out and "unknown command /frobnicate" in err

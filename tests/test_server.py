@@ -4,21 +4,16 @@ completions with reasoning and tool calls, streaming, and prompts served from th
 from __future__ import annotations
 
 import json
-import socket
-import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
-from conftest import loaded
-
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
-from mlxchat.server import create_app  # noqa: E402
+from server_support import serving as served  # noqa: E402
 
 SCRIPTS = json.loads((Path(__file__).resolve().parent / "data" / "chat_scripts.json").read_text())
 TOOLS = [SCRIPTS["tools"]["get_weather"]]
@@ -28,20 +23,8 @@ SYSTEM = {"role": "system", "content": "You are a test assistant."}
 @contextmanager
 def serving(fixture: str) -> Iterator[openai.OpenAI]:
     """A uvicorn server of the fixture model on a free port, and a client of it."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(loaded(fixture), model_name="tiny"), host="127.0.0.1",
-                                           port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    try:
-        yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
-    finally:
-        server.should_exit = True
-        thread.join()
+    with served(fixture) as server:
+        yield openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
 
 
 @pytest.fixture(scope="module")
