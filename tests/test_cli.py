@@ -138,4 +138,4 @@ def test_piped_chat_prints_no_prompts_and_names_unknown_commands(monkeypatch: py
     monkeypatch.setattr("sys.stdin", io.StringIO("/frobnicate\nHello\n"))
     assert main(["chat", "--temperature", "0"]) == 0  # the demo model greets back
     out, err = capsys.readouterr()
-    assert out.startswith("Hi") and ">" not in out and "unknown command /frobnicate" in err
+    assert out.startswith("Hello") and ">" not in out and "unknown command /frobnicate" in err
