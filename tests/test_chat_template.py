@@ -109,3 +109,17 @@ def test_string_tool_call_arguments_reach_templates_as_mappings() -> None:
                     "name": "get_weather", "arguments": '{"city": "Paris", "days": 2}'}}]}]
     text = template("qwen3.5.jinja").render(messages)
     assert "<parameter=city>\nParis\n</parameter>" in text and "<parameter=days>\n2\n</parameter>" in text
+
+
+def test_content_as_data_keeps_the_templates_own_logic() -> None:
+    """Qwen3 tells a tool response sent as a user turn apart with ``startswith('<tool_response>')``: marking
+    the control-token text as data must not change that test, so earlier reasoning is kept as transformers
+    keeps it."""
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": "Let me check.", "reasoning_content": "I should call the tool."},
+                {"role": "user", "content": "<tool_response>\nsunny\n</tool_response>"}]
+    chat = template("qwen3.jinja")
+    text, ids = chat.render_encoded(messages)
+    assert text == chat.render(messages)
+    assert "I should call the tool." in text
+    assert _count(ids, TOKENIZER, "<tool_response>") == 0  # still data
