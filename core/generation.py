@@ -1,9 +1,10 @@
 """Generation: prefill what the cache does not hold, then decode one token at a time.
 
-The hot path is :func:`decode_tokens`. Prefill runs in chunks whose logits are never materialised (MLX is
-lazy: only the cache is evaluated). Decode builds step ``n+1`` before it reads token ``n`` and evaluates
-asynchronously, so the device never waits on Python. Every token that enters the model is recorded in
-the :class:`~mlxchat.prompt_cache.PromptCache`, so the cache always knows exactly what it holds.
+Prefill belongs to the :class:`~mlxchat.prompt_cache.PromptCache` (reuse, chunks whose logits are never
+materialised, snapshots). The hot path is :func:`decode_tokens`, which only decodes: it builds step ``n+1``
+before it reads token ``n`` and evaluates asynchronously, so the device never waits on Python; the sampler
+is its argument. Every token that enters the model is recorded in the prompt cache, so the cache always
+knows exactly what it holds.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from .architecture import ModelModule
 from .detokenizer import StreamingDetokenizer
 from .limits import check_depth, check_strings, check_text
 from .prompt_cache import PromptCache
-from .sampling import LogitsAdjuster, make_sampler
+from .sampling import LogitsAdjuster, Sampler, make_sampler
 from .tokenizer import Tokenizer
 from .worker import Cancelled
 
@@ -134,66 +135,39 @@ class DecodeStats:
 
 def decode_tokens(
     module: ModelModule,
-    prompt: Sequence[int],
     cache: PromptCache,
-    config: GenerationConfig,
-    vocab_size: int,
+    pending: Sequence[int],
+    sampler: Sampler,
+    max_tokens: int,
     *,
-    checkpoints: Sequence[int] = (),
+    adjust: LogitsAdjuster | None = None,
     stats: DecodeStats | None = None,
-    cancel: Cancelled | None = None,
 ) -> Iterator[int]:
-    """Yield sampled token ids until ``config.max_tokens`` (the caller stops earlier on EOS or a stop string).
+    """Yield up to ``max_tokens`` sampled ids (the caller stops earlier on EOS, a stop string or a cancel).
 
-    The cache is first cut back to the longest prefix it shares with ``prompt``; at each position in
-    ``checkpoints`` inside the prefilled part it takes a snapshot (for caches that cannot be cut back). A
-    set ``cancel`` stops prefill between chunks (the caller checks it between tokens).
+    The first step runs ``pending`` (the prompt's tail that :meth:`PromptCache.prefill` left); every step
+    builds the next one before it reads its own token, so the device never waits on Python. ``adjust``
+    applies penalties and biases to the logits before ``sampler`` picks a token.
     """
     stats = stats or DecodeStats()
-    if not prompt:
-        raise ValueError("cannot generate from an empty prompt")
-    stats.cached = cache.reuse(prompt)
-    pending = list(prompt[stats.cached :])
-    # Each split costs a pass over the weights: only caches that need snapshots get them. The last chunk
-    # runs together with the first sampled token, unless the cache snapshots the last prompt token (where
-    # a regenerate returns to).
-    stops = sorted({p for p in checkpoints if stats.cached < p < len(prompt)}) if cache.needs_snapshots else []
-    keep = 1 if cache.needs_snapshots else min(len(pending), config.prefill_step)
-
-    while len(pending) > keep:
-        if cancel:
-            return
-        size = min(len(pending) - keep, config.prefill_step)
-        if stops:
-            size = min(size, stops[0] - len(cache))
-        chunk, pending = pending[:size], pending[size:]
-        module(mx.array(chunk)[None], cache.layers)
-        mx.eval(cache.arrays())
-        cache.feed(chunk)
-        if stops and len(cache) == stops[0]:
-            cache.checkpoint()
-            stops.pop(0)
-
-    adjust = LogitsAdjuster(vocab_size, config.repetition_penalty, config.presence_penalty,
-                            config.frequency_penalty, config.logit_bias)
-    adjust.start(prompt)
-    sample = make_sampler(config.temperature, config.top_p, config.top_k, config.min_p, config.seed)
-
+    if not pending:
+        raise ValueError("decoding needs at least one prompt token to start from")
     last_logits = getattr(module, "last_logits", None) or (lambda t, c: module(t, c)[:, -1, :])
 
     def step(tokens: mx.array) -> mx.array:
         logits = last_logits(tokens[None], cache.layers)
-        if adjust.active:
+        if adjust is not None and adjust.active:
             logits = adjust(logits)
-        token = sample(logits)
-        adjust.record(token)
+        token = sampler(logits)
+        if adjust is not None:
+            adjust.record(token)
         return token
 
-    token = step(mx.array(pending))
+    token = step(mx.array(list(pending)))
     cache.feed(pending)
     mx.async_eval(token)
-    for n in range(1, config.max_tokens + 1):
-        last = n == config.max_tokens
+    for n in range(1, max_tokens + 1):
+        last = n == max_tokens
         if not last:
             following = step(token)
             mx.async_eval(following)
@@ -268,7 +242,7 @@ def stream_generation(
     eos_ids: set[int],
     vocab_size: int,
     *,
-    checkpoints: Sequence[int] = (),
+    snapshot_at: Sequence[int] = (),
     cancel: Cancelled | None = None,
 ) -> Iterator[GenerationChunk]:
     """Text chunks of one generation, one per token (its text may be empty while a character or a possible
@@ -283,8 +257,16 @@ def stream_generation(
     stops = StopStrings(config.stop)
     finish: FinishReason = "length"
     hit = False
-    tokens = decode_tokens(module, prompt, cache, config, vocab_size, checkpoints=checkpoints, stats=stats,
-                           cancel=cancel)
+    if not prompt:
+        raise ValueError("cannot generate from an empty prompt")
+    stats.cached, pending = cache.prefill(module, prompt, snapshot_at=snapshot_at, step=config.prefill_step,
+                                          cancel=cancel)
+    adjust = LogitsAdjuster(vocab_size, config.repetition_penalty, config.presence_penalty,
+                            config.frequency_penalty, config.logit_bias)
+    adjust.start(prompt)
+    sampler = make_sampler(config.temperature, config.top_p, config.top_k, config.min_p, config.seed)
+    tokens = iter(()) if cancel else decode_tokens(module, cache, pending, sampler, config.max_tokens,
+                                                   adjust=adjust, stats=stats)
     for token in tokens:
         if token in eos_ids:
             finish = "stop"

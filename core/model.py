@@ -88,9 +88,11 @@ class GenerativeModel:
         ``tokenize=True`` gives token ids in which message content is data (control-token text typed by a
         user stays text); ``tokenize=False`` gives the rendered string.
         """
-        text, ids = self.render_prompt(messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                       **template_kwargs)
-        return ids if tokenize else text
+        if not tokenize:
+            return self.render_text(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                    **template_kwargs)
+        return self.render_prompt(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                  **template_kwargs)[1]
 
     def render_prompt(
         self,
@@ -101,14 +103,30 @@ class GenerativeModel:
         **template_kwargs: Any,
     ) -> tuple[str, list[int]]:
         """The chat prompt as text and as safe token ids (one rendering)."""
+        template, schemas, kwargs = self._template_call(tools, template_kwargs)
+        return template.render_encoded(messages, tools=schemas, add_generation_prompt=add_generation_prompt,
+                                       **kwargs)
+
+    def render_text(
+        self,
+        messages: Sequence[Any],
+        *,
+        tools: Sequence[Any] | None = None,
+        add_generation_prompt: bool = True,
+        **template_kwargs: Any,
+    ) -> str:
+        """The chat prompt as text only (no tokenizing)."""
+        template, schemas, kwargs = self._template_call(tools, template_kwargs)
+        return template.render(messages, tools=schemas, add_generation_prompt=add_generation_prompt, **kwargs)
+
+    def _template_call(self, tools: Sequence[Any] | None,
+                       template_kwargs: dict[str, Any]) -> tuple[ChatTemplate, list[Any] | None, dict[str, Any]]:
         if self.chat_template is None:
             raise TemplateError(f"{self.path} has no chat template (chat_template.jinja or tokenizer_config.json)")
         from .tools.schema import tool_schemas
 
         schemas = tool_schemas(tools) if tools else None
-        kwargs = {**self.architecture.chat.template_kwargs, **template_kwargs}
-        return self.chat_template.render_encoded(messages, tools=schemas,
-                                                 add_generation_prompt=add_generation_prompt, **kwargs)
+        return self.chat_template, schemas, {**self.architecture.chat.template_kwargs, **template_kwargs}
 
     def tool_parser(self, tools: Sequence[ToolSpec]) -> ToolCallParser | None:
         """A fresh parser for this family's tool-call format, knowing the offered tools."""
@@ -200,7 +218,7 @@ class GenerativeModel:
         yield from self.run_generation(tokens, cache, config, cancel)
 
     def run_generation(self, tokens: Sequence[int], cache: PromptCache, config: GenerationConfig,
-                       cancel: Cancelled, checkpoints: Sequence[int] = ()) -> Iterator[GenerationChunk]:
+                       cancel: Cancelled, snapshot_at: Sequence[int] = ()) -> Iterator[GenerationChunk]:
         """The generation loop, on the worker thread (sessions call it from their own jobs).
 
         The prompt's ids, ``logit_bias`` and the prompt's length are checked before any work; ``max_tokens``
@@ -213,7 +231,7 @@ class GenerativeModel:
         config = self.fit(len(prompt), config)
         try:
             yield from stream_generation(self.module, self.tokenizer, prompt, cache, config, self.eos_ids,
-                                         self.config.vocab_size, checkpoints=checkpoints, cancel=cancel)
+                                         self.config.vocab_size, snapshot_at=snapshot_at, cancel=cancel)
         except MlxchatError:
             cache.clear()
             raise

@@ -1,21 +1,24 @@
 """A model's layer caches together with the tokens they hold: the session's memory between turns.
 
-Before each turn :meth:`PromptCache.reuse` compares the new prompt with the cached tokens, cuts the cache
-back to the longest common prefix and returns how many tokens need no prefill. Layers that cannot be cut
-back (conv and recurrent states, sliding windows) return to a position only through a snapshot taken
-there, so the generation loop calls :meth:`checkpoint` at turn boundaries and ``reuse`` restores the
+:meth:`PromptCache.prefill` owns a prompt's way in: it compares the prompt with the cached tokens, cuts the
+cache back to the longest common prefix (:meth:`reuse`), runs the rest through the model in chunks, and
+takes snapshots at the positions it is given. Layers that cannot be cut back (conv and recurrent states,
+sliding windows) return to a position only through a snapshot taken there, and ``reuse`` restores the
 latest snapshot at or before the common prefix. The cache never pretends: the prefix it reports is the
 prefix it really holds.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
 from .cache import LayerCache, cache_arrays
+
+if TYPE_CHECKING:
+    from .worker import Cancelled
 
 DEFAULT_MAX_SNAPSHOTS = 12
 
@@ -37,6 +40,7 @@ class PromptCache:
         self.tokens: list[int] = []
         self.max_snapshots = max_snapshots
         self._snapshots: dict[int, list[Any]] = {}
+        self._wanted: set[int] = set()
         self.needs_snapshots = any(not layer.trimmable for layer in self.layers)
 
     def __len__(self) -> int:
@@ -51,12 +55,17 @@ class PromptCache:
         self.layers = self._make_layers()
         self.tokens = []
         self._snapshots = {}
+        self._wanted = set()
 
     def feed(self, tokens: Sequence[int]) -> None:
-        """Record tokens that were just run through the model with these layer caches."""
+        """Record tokens that were just run through the model with these layer caches (snapshotting when
+        that reaches a position :meth:`prefill` was asked for, such as the end of the prompt)."""
         self.tokens.extend(int(t) for t in tokens)
+        if len(self.tokens) in self._wanted:
+            self._wanted.discard(len(self.tokens))
+            self.snapshot()
 
-    def checkpoint(self) -> None:
+    def snapshot(self) -> None:
         """Snapshot the non-trimmable layers at the current position (free for trim-only models)."""
         position = len(self.tokens)
         if not self.needs_snapshots or position == 0 or position in self._snapshots:
@@ -65,6 +74,35 @@ class PromptCache:
         while len(self._snapshots) > self.max_snapshots:
             # Drop the oldest (lowest) position: rewinds usually go back a turn or two.
             del self._snapshots[min(self._snapshots)]
+
+    def prefill(self, module: Callable[..., Any], prompt: Sequence[int], *, snapshot_at: Iterable[int] = (),
+                step: int = 512, cancel: Cancelled | None = None) -> tuple[int, list[int]]:
+        """Make the cache hold ``prompt`` but for its last tokens; return ``(reused, pending)``: how many
+        prompt tokens the cache already held, and the tail left for the first decode step (which runs it in
+        the same pass over the weights that gives the next token's logits).
+
+        The rest is run through ``module`` in chunks of at most ``step`` tokens, split at the positions of
+        ``snapshot_at`` it passes, where it takes snapshots; only caches that need snapshots get them (each
+        split costs a pass over the weights), and they keep the last prompt token for the decode step, so
+        that a regenerate finds a snapshot just before it; a snapshot asked for at the prompt's end is taken
+        when the decode step feeds it. A set ``cancel`` stops between chunks.
+        """
+        reused = self.reuse(prompt)
+        pending = list(prompt[reused:])
+        self._wanted = {p for p in snapshot_at if reused < p <= len(prompt)} if self.needs_snapshots else set()
+        stops = sorted(p for p in self._wanted if p < len(prompt))
+        keep = 1 if self.needs_snapshots else min(len(pending), step)
+        while len(pending) > keep and not cancel:
+            size = min(len(pending) - keep, step)
+            if stops:
+                size = min(size, stops[0] - len(self))
+            chunk, pending = pending[:size], pending[size:]
+            module(mx.array(chunk)[None], self.layers)
+            mx.eval(self.arrays())
+            self.feed(chunk)
+            if stops and len(self) == stops[0]:
+                stops.pop(0)
+        return reused, pending
 
     def reuse(self, prompt: Sequence[int]) -> int:
         """Cut the cache back to the longest reusable prefix of ``prompt``; return its length.

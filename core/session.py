@@ -17,6 +17,7 @@ import json
 import re
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal, Protocol, runtime_checkable
 
 from pydantic import BaseModel, Field
@@ -83,12 +84,25 @@ class SessionCapableModel(Protocol):
     def render_prompt(self, messages: Sequence[Any], *, tools: Sequence[Any] | None = None,
                       add_generation_prompt: bool = True, **template_kwargs: Any) -> tuple[str, list[int]]: ...
 
+    def render_text(self, messages: Sequence[Any], *, tools: Sequence[Any] | None = None,
+                    add_generation_prompt: bool = True, **template_kwargs: Any) -> str: ...
+
     def tool_parser(self, tools: Sequence[ToolSpec]) -> ToolCallParser | None: ...
 
     def make_prompt_cache(self) -> PromptCache: ...
 
     def run_generation(self, tokens: Sequence[int], cache: PromptCache, config: GenerationConfig,
-                       cancel: Cancelled, checkpoints: Sequence[int] = ()) -> Iterator[GenerationChunk]: ...
+                       cancel: Cancelled, snapshot_at: Sequence[int] = ()) -> Iterator[GenerationChunk]: ...
+
+
+@dataclass(frozen=True)
+class TurnPlan:
+    """One turn's prompt and where its prefill takes snapshots (see :meth:`ChatSession._plan`)."""
+
+    prompt: list[int]
+    in_reasoning: bool
+    """The generation prompt opened a reasoning block: the reply starts inside it."""
+    snapshot_at: list[int]
 
 
 class _TurnEnd:
@@ -463,29 +477,51 @@ class ChatSession:
         kwargs = dict(config.chat_template_kwargs)
         if config.enable_thinking is not None:
             kwargs["enable_thinking"] = config.enable_thinking
-        history, text, prompt = self._fitted_prompt(config, tools, kwargs)
-        head_text, head = self._model.render_prompt(history, tools=tools or None, add_generation_prompt=False,
-                                                    **kwargs)
-        generation_prompt = text[len(head_text):] if text.startswith(head_text) else text
-        markers = self._model.reasoning_markers
-        inside = markers is not None and generation_prompt.rfind(markers[0]) > generation_prompt.rfind(markers[1])
-        parser = ReplyParser(markers, inside, self._model.tool_parser(tools), self._new_call_id)
-        checkpoints = {common_prefix_length(head, prompt), len(prompt) - 1}
-        if self._cache is not None and self._cache.needs_snapshots:
-            checkpoints |= self._reply_starts(history, tools, kwargs, prompt)
-
+        plan = self._plan(config, tools, kwargs)
+        parser = ReplyParser(self._model.reasoning_markers, plan.in_reasoning, self._model.tool_parser(tools),
+                             self._new_call_id)
         tokens: list[int] = []
         report: GenerationReport | None = None
         assert self._cache is not None
-        for chunk in self._model.run_generation(prompt, self._cache, config, cancel, sorted(checkpoints)):
+        for chunk in self._model.run_generation(plan.prompt, self._cache, config, cancel, plan.snapshot_at):
             if chunk.token is not None:
                 tokens.append(chunk.token)
             yield from parser.feed(chunk.text)
             report = chunk.report or report
         yield from parser.finish()
-        self._cache.checkpoint()
+        self._cache.snapshot()
         assert report is not None
         yield _TurnEnd(parser, report, tokens)
+
+    def _plan(self, config: GenerationConfig, tools: list[ToolSpec], kwargs: dict[str, Any]) -> TurnPlan:
+        """What this turn sends the model: one rendering of the visible conversation (text and ids), plus
+        the text of its head to see whether the generation prompt opens a reasoning block; and for caches
+        that cannot be cut back, where snapshots pay off: just before the last prompt token (a regenerate
+        returns there), where the next turn's render will part from this prompt, and before earlier replies
+        the cache does not hold yet."""
+        assert self._cache is not None
+        history, text, prompt = self._fitted_prompt(config, tools, kwargs)
+        head = self._model.render_text(history, tools=tools or None, add_generation_prompt=False, **kwargs)
+        generation_prompt = text[len(head):] if text.startswith(head) else text
+        markers = self._model.reasoning_markers
+        inside = markers is not None and generation_prompt.rfind(markers[0]) > generation_prompt.rfind(markers[1])
+        snapshot_at: set[int] = set()
+        if self._cache.needs_snapshots:
+            snapshot_at = {len(prompt) - 1, *self._next_turn_agrees(history, tools, kwargs, prompt),
+                           *self._reply_starts(history, tools, kwargs, prompt)}
+        return TurnPlan(prompt=prompt, in_reasoning=inside, snapshot_at=sorted(snapshot_at))
+
+    def _next_turn_agrees(self, history: list[dict[str, Any]], tools: list[ToolSpec], kwargs: dict[str, Any],
+                          prompt: list[int]) -> list[int]:
+        """How far the next turn's render will agree with this prompt: templates re-render a reply once a
+        later turn exists (Qwen3.5 drops its reasoning, so the new render parts right after
+        ``<|im_start|>assistant\\n``). Probed with a placeholder reply and question."""
+        probe = history + [{"role": "assistant", "content": "\ue002"}, {"role": "user", "content": "\ue002"}]
+        try:
+            ids = self._model.render_prompt(probe, tools=tools or None, add_generation_prompt=False, **kwargs)[1]
+        except TemplateError:
+            return []
+        return [common_prefix_length(ids, prompt)]
 
     def _fitted_prompt(self, config: GenerationConfig, tools: list[ToolSpec],
                        kwargs: dict[str, Any]) -> tuple[list[dict[str, Any]], str, list[int]]:

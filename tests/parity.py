@@ -6,7 +6,8 @@ import mlx.core as mx
 import numpy as np
 
 import mlxchat
-from mlxchat.generation import GenerationConfig, decode_tokens
+from mlxchat.generation import decode_tokens
+from mlxchat.sampling import make_sampler
 
 TOLERANCE = 1e-4
 
@@ -32,15 +33,19 @@ def chunked_logits(model: mlxchat.GenerativeModel, ids: np.ndarray, chunks: list
     return model.worker.run(run)
 
 
+def prefill_and_decode(model: mlxchat.GenerativeModel, prompt: list[int], cache: mlxchat.PromptCache, n: int,
+                       snapshot_at: list[int] = (), step: int = 512) -> tuple[list[int], int]:
+    """``n`` greedy tokens through ``cache`` (on the caller's thread: call it on the model's worker), not
+    stopping at the checkpoint's stop tokens; and how many prompt tokens the cache served."""
+    reused, pending = cache.prefill(model.module, prompt, snapshot_at=snapshot_at, step=step)
+    return list(decode_tokens(model.module, cache, pending, make_sampler(0.0), n)), reused
+
+
 def greedy(model: mlxchat.GenerativeModel, prompt: list[int], n: int, prefill_step: int = 5) -> list[int]:
     """``n`` greedy tokens from the generation loop itself (prefilled in small chunks), not stopping at the
     checkpoint's stop tokens (the reference run did not stop either)."""
-    config = GenerationConfig(max_tokens=n, temperature=0.0, prefill_step=prefill_step)
-
-    def run() -> list[int]:
-        return list(decode_tokens(model.module, prompt, model.make_prompt_cache(), config, model.config.vocab_size))
-
-    return model.worker.run(run)
+    return model.worker.run(lambda: prefill_and_decode(model, prompt, model.make_prompt_cache(), n,
+                                                       step=prefill_step)[0])
 
 
 def assert_close(ours: np.ndarray, theirs: np.ndarray, tol: float = TOLERANCE) -> None:

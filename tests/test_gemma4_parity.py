@@ -15,7 +15,8 @@ import pytest
 import mlxchat
 from mlxchat.cache import KVCache, SlidingWindowCache
 from mlxchat.checkpoint import read_json
-from mlxchat.generation import GenerationConfig, decode_tokens
+from mlxchat.generation import decode_tokens
+from mlxchat.sampling import make_sampler
 from mlxchat_gemma4 import Gemma4Config
 
 from conftest import fixture_path, loaded, reference
@@ -40,11 +41,10 @@ def test_long_chat_keeps_sliding_memory_at_the_window() -> None:
     model = loaded("gemma4")
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, 400, size=1600).tolist()
-    config = GenerationConfig(max_tokens=500, temperature=0.8, seed=0, prefill_step=37)
-
     def run() -> mlxchat.PromptCache:
         cache = model.make_prompt_cache()
-        for _ in decode_tokens(model.module, prompt, cache, config, model.config.vocab_size):
+        _, pending = cache.prefill(model.module, prompt, step=37)
+        for _ in decode_tokens(model.module, cache, pending, make_sampler(0.8, seed=0), 500):
             pass
         return cache
 

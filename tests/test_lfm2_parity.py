@@ -10,11 +10,10 @@ import pytest
 
 import mlxchat
 from mlxchat.cache import KVCache, StateCache
-from mlxchat.generation import GenerationConfig, decode_tokens
 from mlxchat_lfm2.model import Lfm2Config
 
 from conftest import fixture_path, loaded, reference
-from parity import full_logits
+from parity import full_logits, prefill_and_decode
 
 ARCHS = ["lfm2", "lfm2_moe"]
 
@@ -48,15 +47,9 @@ def test_conv_state_returns_only_through_snapshots() -> None:
     and the continuation then equals a fresh run."""
     model = loaded("lfm2")
     ids = reference("lfm2")["input_ids"].tolist()
-    config = GenerationConfig(max_tokens=4, temperature=0.0)
 
     def run(prompt: list[int], cache: mlxchat.PromptCache, checkpoints: list[int]) -> tuple[list[int], int]:
-        from mlxchat.generation import DecodeStats
-
-        stats = DecodeStats()
-        tokens = list(decode_tokens(model.module, prompt, cache, config, model.config.vocab_size,
-                                    checkpoints=checkpoints, stats=stats))
-        return tokens, stats.cached
+        return prefill_and_decode(model, prompt, cache, 4, snapshot_at=checkpoints)
 
     def scenario() -> None:
         cache = model.make_prompt_cache()

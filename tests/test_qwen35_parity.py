@@ -98,7 +98,7 @@ def test_state_snapshot_restores_exactly() -> None:
         cache = model.make_prompt_cache()
         model.module(mx.array(ids[:50])[None], cache.layers)
         cache.feed(ids[:50])
-        cache.checkpoint()
+        cache.snapshot()
         first = model.module(mx.array(ids[50:90])[None], cache.layers)
         cache.feed(ids[50:90])
         kept = cache.reuse(ids[:70])  # diverges inside the second chunk: back to the snapshot at 50

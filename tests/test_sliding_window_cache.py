@@ -123,7 +123,7 @@ def test_prompt_cache_returns_through_snapshots_once_the_window_moved() -> None:
     feed([1, 2, 3])
     assert cache.reuse([1, 2, 9, 9]) == 2  # still inside the window: a plain cut
     feed([9, 9, 9, 9, 9])
-    cache.checkpoint()
+    cache.snapshot()
     feed([5, 5, 5])
     assert cache.reuse([1, 2, 9, 9, 9, 9, 9, 7]) == 7  # the window moved on: the snapshot at 7
     assert cache.layers[0].offset == 7
