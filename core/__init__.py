@@ -8,12 +8,13 @@ from .runtime import configure_blas
 
 configure_blas()
 
-from .architecture import Architecture, ChatQuirks, ModelModule  # noqa: E402
+from .architecture import Architecture, ChatQuirks, ModelModule, VisionModule  # noqa: E402
 from .cache import KVCache, LayerCache, StateCache  # noqa: E402
 from .config import ModelConfig, RopeConfig  # noqa: E402
 from .errors import (  # noqa: E402
     CheckpointError,
     GenerationError,
+    ImageError,
     MlxchatError,
     SessionClosedError,
     SessionStateError,
@@ -24,9 +25,11 @@ from .errors import (  # noqa: E402
 )
 from .generation import GenerationChunk, GenerationConfig, GenerationReport, GenerationResult  # noqa: E402
 from .hookspecs import hookimpl  # noqa: E402
+from .images import ImageProcessor, ProcessedImage, load_image  # noqa: E402
 from .loading import load_model, load_session  # noqa: E402
 from .messages import ChatMessage, FunctionCall, ToolCall  # noqa: E402
-from .model import GenerativeModel  # noqa: E402
+from .model import Capabilities, GenerativeModel  # noqa: E402
+from .multimodal import ImageSpan, MultimodalPrompt  # noqa: E402
 from .prompt_cache import PromptCache  # noqa: E402
 from .registry import detect_model_type, registry  # noqa: E402
 from .reply import TextDelta, ThinkingDelta, ToolCallEvent  # noqa: E402
@@ -36,6 +39,7 @@ from .tools import Tool, tool  # noqa: E402
 
 __all__ = [
     "Architecture",
+    "Capabilities",
     "ChatMessage",
     "ChatResult",
     "ChatSession",
@@ -50,11 +54,16 @@ __all__ = [
     "GenerationReport",
     "GenerationResult",
     "GenerativeModel",
+    "ImageError",
+    "ImageProcessor",
+    "ImageSpan",
     "KVCache",
     "LayerCache",
     "MlxchatError",
     "ModelConfig",
     "ModelModule",
+    "MultimodalPrompt",
+    "ProcessedImage",
     "PromptCache",
     "RopeConfig",
     "SessionCapableModel",
@@ -71,8 +80,10 @@ __all__ = [
     "ToolCallEvent",
     "UnknownModelTypeError",
     "UnsupportedQuantizationError",
+    "VisionModule",
     "detect_model_type",
     "hookimpl",
+    "load_image",
     "load_model",
     "load_session",
     "registry",

@@ -23,6 +23,10 @@ class TemplateError(MlxchatError):
     """A chat template failed to render (``raise_exception`` in the template, bad message shape)."""
 
 
+class ImageError(MlxchatError, ValueError):
+    """An image could not be read, is not allowed (a remote URL), or does not fit the model's processor."""
+
+
 class GenerationError(MlxchatError):
     """A generation failed while running; the session that asked keeps its state."""
 

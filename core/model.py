@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator, Sequence
+import time
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
+from pydantic import BaseModel, ConfigDict
 
-from .architecture import Architecture, ModelModule
+from .architecture import Architecture, ModelModule, VisionModule
 from .chat_template import ChatTemplate
 from .config import ModelConfig
-from .errors import MlxchatError, TemplateError
-from .generation import GenerationChunk, GenerationConfig, GenerationResult, stream_generation
+from .errors import ImageError, MlxchatError, TemplateError
+from .generation import GenerationChunk, GenerationConfig, GenerationReport, GenerationResult, stream_generation
+from .images import ImageProcessor, ImageSource, ProcessedImage
+from .multimodal import MultimodalPrompt, encode_images, expand_images, prefill, split_image_parts
 from .prompt_cache import DEFAULT_MAX_SNAPSHOTS, PromptCache
 from .tokenizer import Tokenizer
 from .worker import Cancelled, Worker
@@ -23,6 +27,27 @@ if TYPE_CHECKING:
     from .tools.schema import ToolSpec
 
 Prompt = str | Sequence[int]
+ImageInput = ImageSource | ProcessedImage
+"""An image as a path, encoded bytes, a ``PIL.Image``, a ``data:`` URL, or already preprocessed."""
+AnyPrompt = Prompt | Sequence[Any] | MultimodalPrompt
+"""Raw text or ids, chat messages, or a prompt with images."""
+
+
+class Capabilities(BaseModel):
+    """What a loaded model can do."""
+
+    model_config = ConfigDict(frozen=True)
+
+    supports_tools: bool
+    """Tools can be offered: the chat template renders them and the family has a call format."""
+    supports_images: bool
+    """Images can be sent: the checkpoint has a vision tower."""
+    supports_reasoning: bool
+    """The model reasons between markers the chat template knows; replies keep it apart."""
+    context_length: int
+    """Tokens the model was built to attend over (``max_position_embeddings``)."""
+    default_generation: GenerationConfig
+    """The generation settings a request starts from (the checkpoint's generation_config.json)."""
 
 
 class GenerativeModel:
@@ -41,6 +66,7 @@ class GenerativeModel:
         path: Path | None = None,
         dtype: mx.Dtype = mx.float32,
         quantization: dict[str, Any] | None = None,
+        image_processor: ImageProcessor | None = None,
     ):
         self.module = module
         self.config = config
@@ -52,6 +78,8 @@ class GenerativeModel:
         self.path = path
         self.dtype = dtype
         self.quantization = quantization
+        self.image_processor = image_processor
+        """Preprocessing for the vision tower (``None``: the model reads no images)."""
         self.worker = Worker(f"mlxchat-{architecture.name}")
 
     def __repr__(self) -> str:
@@ -63,6 +91,18 @@ class GenerativeModel:
     def supports_tools(self) -> bool:
         """Whether tools can be offered: the template renders them and the family has a call format."""
         return bool(self.chat_template and self.chat_template.takes_tools and self.architecture.chat.tool_format)
+
+    @property
+    def supports_images(self) -> bool:
+        return self.image_processor is not None
+
+    @property
+    def capabilities(self) -> Capabilities:
+        markers = self.reasoning_markers
+        reasoning = bool(markers and self.chat_template and markers[0].strip() in self.chat_template.source)
+        return Capabilities(supports_tools=self.supports_tools, supports_images=self.supports_images,
+                            supports_reasoning=reasoning, context_length=self.config.max_position_embeddings,
+                            default_generation=self.defaults)
 
     # -- prompts ------------------------------------------------------------------------------------
 
@@ -130,53 +170,144 @@ class GenerativeModel:
             raise ValueError("cannot generate from an empty prompt")
         return ids
 
+    # -- images -------------------------------------------------------------------------------------
+
+    def process_image(self, image: ImageInput) -> ProcessedImage:
+        """An image as this model's vision tower reads it (an image already processed passes through)."""
+        if self.image_processor is None:
+            raise ImageError(f"{self.architecture.name} checkpoint {self.path} reads no images (it has no "
+                             "vision tower)")
+        return image if isinstance(image, ProcessedImage) else self.image_processor(image)
+
+    def image_prompt(self, prompt: Prompt | Sequence[Any], images: Sequence[ImageInput] = (), *,
+                     tools: Sequence[Any] | None = None, **template_kwargs: Any) -> MultimodalPrompt:
+        """Token ids with each image's placeholders in place, from a raw prompt (text or ids) holding one
+        image marker per image (``<|image_pad|>``, ``<|image|>``), or from chat messages whose image
+        content parts carry the images (parts without one take the next of ``images``), rendered through
+        the chat template with a generation prompt."""
+        if _is_messages(prompt):
+            messages, sources = split_image_parts(prompt, images)
+            ids = self.render_prompt(messages, tools=tools, **template_kwargs)[1]
+        else:
+            ids, sources = self.encode(prompt), list(images)  # type: ignore[arg-type]
+        processed = [self.process_image(image) for image in sources]
+        if not processed:
+            return MultimodalPrompt(tuple(ids))
+        tokens = self.module.image_tokens  # type: ignore[attr-defined]
+        return expand_images(ids, processed, tokens)
+
     # -- running ------------------------------------------------------------------------------------
 
     def make_prompt_cache(self, max_snapshots: int = DEFAULT_MAX_SNAPSHOTS) -> PromptCache:
         return PromptCache(self.module.make_cache, max_snapshots)
 
-    def logits(self, token_ids: Sequence[int]) -> mx.array:
-        """Float32 logits ``[len, vocab]`` of one cache-free forward pass (research and parity tests)."""
-        ids = [[int(t) for t in token_ids]]
-        # Arrays are built on the worker: MLX ops belong to the stream of the thread that creates them.
-        return self.worker.run(lambda: _evaluated(self.module(mx.array(ids))[0].astype(mx.float32)))
+    def logits(self, token_ids: Sequence[int] | MultimodalPrompt,
+               images: Sequence[ImageInput] | None = None) -> mx.array:
+        """Float32 logits ``[len, vocab]`` of one cache-free forward pass (research and parity tests).
+
+        With ``images`` the ids hold one image marker per image (see :meth:`image_prompt`); the logits
+        are those of the expanded prompt.
+        """
+        if images is None and not isinstance(token_ids, MultimodalPrompt):
+            ids = [[int(t) for t in token_ids]]
+            # Arrays are built on the worker: MLX ops belong to the stream of the thread that creates them.
+            return self.worker.run(lambda: _evaluated(self.module(mx.array(ids))[0].astype(mx.float32)))
+        prompt = token_ids if isinstance(token_ids, MultimodalPrompt) else self.image_prompt(token_ids, images or [])
+        module = self.module
+
+        def run() -> mx.array:
+            inputs = {}
+            if prompt.images:
+                assert isinstance(module, VisionModule)
+                inputs = module.image_inputs(prompt, 0, len(prompt), encode_images(module, prompt.images))
+            return _evaluated(module(mx.array(prompt.ids)[None], None, **inputs)[0].astype(mx.float32))
+
+        return self.worker.run(run)
 
     def stream(
-        self, prompt: Prompt, config: GenerationConfig | dict[str, Any] | None = None, *,
-        cache: PromptCache | None = None,
+        self, prompt: AnyPrompt, config: GenerationConfig | dict[str, Any] | None = None,
+        *, images: Sequence[ImageInput] | None = None, cache: PromptCache | None = None,
     ) -> Iterator[GenerationChunk]:
         """Stream a generation: text chunks, the last one with the report. ``cache`` (a prompt cache of
-        this model) carries state between calls; without one every call starts fresh."""
-        tokens = self.encode(prompt)
+        this model) carries state between calls; without one every call starts fresh.
+
+        ``prompt`` is raw text or token ids, chat messages (rendered with a generation prompt), or a
+        :class:`~mlxchat.multimodal.MultimodalPrompt`; ``images`` go with a raw prompt's image markers
+        or the messages' image parts (see :meth:`image_prompt`).
+        """
         merged = self.defaults.merged(config)
-        return self.worker.stream(lambda cancel: self._produce(tokens, merged, cache, cancel))
+        work = self._work(prompt, images, merged, cache)
+        return self.worker.stream(work)
 
     async def astream(
-        self, prompt: Prompt, config: GenerationConfig | dict[str, Any] | None = None, *,
-        cache: PromptCache | None = None,
+        self, prompt: AnyPrompt, config: GenerationConfig | dict[str, Any] | None = None,
+        *, images: Sequence[ImageInput] | None = None, cache: PromptCache | None = None,
     ) -> AsyncIterator[GenerationChunk]:
-        tokens = self.encode(prompt)
         merged = self.defaults.merged(config)
-        async for chunk in self.worker.astream(lambda cancel: self._produce(tokens, merged, cache, cancel)):
+        async for chunk in self.worker.astream(self._work(prompt, images, merged, cache)):
             yield chunk
 
     def generate(
-        self, prompt: Prompt, config: GenerationConfig | dict[str, Any] | None = None, *,
-        cache: PromptCache | None = None,
+        self, prompt: AnyPrompt, config: GenerationConfig | dict[str, Any] | None = None,
+        *, images: Sequence[ImageInput] | None = None, cache: PromptCache | None = None,
     ) -> GenerationResult:
-        return _collect(self.stream(prompt, config, cache=cache))
+        return _collect(self.stream(prompt, config, images=images, cache=cache))
 
     async def agenerate(
-        self, prompt: Prompt, config: GenerationConfig | dict[str, Any] | None = None, *,
-        cache: PromptCache | None = None,
+        self, prompt: AnyPrompt, config: GenerationConfig | dict[str, Any] | None = None,
+        *, images: Sequence[ImageInput] | None = None, cache: PromptCache | None = None,
     ) -> GenerationResult:
-        chunks = [chunk async for chunk in self.astream(prompt, config, cache=cache)]
+        chunks = [chunk async for chunk in self.astream(prompt, config, images=images, cache=cache)]
         return _collect(iter(chunks))
+
+    def _work(self, prompt: Any, images: Sequence[ImageInput] | None, config: GenerationConfig,
+              cache: PromptCache | None) -> Any:
+        """The job that generates from ``prompt``; what needs no MLX (rendering, preprocessing) is done now."""
+        if isinstance(prompt, MultimodalPrompt) or images or _is_messages(prompt):
+            kwargs = dict(config.chat_template_kwargs)
+            if config.enable_thinking is not None:
+                kwargs["enable_thinking"] = config.enable_thinking
+            multimodal = prompt if isinstance(prompt, MultimodalPrompt) else self.image_prompt(
+                prompt, images or (), **(kwargs if _is_messages(prompt) else {}))
+            if multimodal.images:
+                return lambda cancel: self._produce_multimodal(multimodal, config, cache, cancel)
+            prompt = multimodal.ids
+        tokens = self.encode(prompt)
+        return lambda cancel: self._produce(tokens, config, cache, cancel)
 
     def _produce(self, tokens: list[int], config: GenerationConfig, cache: PromptCache | None,
                  cancel: Cancelled) -> Iterator[GenerationChunk]:
         cache = cache if cache is not None else self.make_prompt_cache()
         yield from self.run_generation(tokens, cache, config, cancel)
+
+    def _produce_multimodal(self, prompt: MultimodalPrompt, config: GenerationConfig, cache: PromptCache | None,
+                            cancel: Cancelled) -> Iterator[GenerationChunk]:
+        """Reuse what the cache holds (images compared by digest), prefill through the last image here, then
+        the usual generation loop for the text after it (the cache carries the rotary shift, if any).
+
+        Until the generation loop takes image inputs itself, the report is corrected for the part
+        prefilled here: it counts as prefilled, and its time as time to first token.
+        """
+        cache = cache if cache is not None else self.make_prompt_cache()
+        module = self.module
+        assert isinstance(module, VisionModule)
+        started = time.perf_counter()
+        last = prompt.images[-1].end
+        if last >= len(prompt):
+            raise ImageError("a prompt must go on after its last image (the next token's logits come from text)")
+        reused = cache.reuse(prompt.ids, prompt.image_keys())
+        try:
+            if reused < last:
+                # Snapshots before each image: a changed image then costs only what follows it.
+                prefill(module, prompt, cache, last, config.prefill_step, [s.start for s in prompt.images])
+        except Exception as exc:
+            cache.clear()
+            raise MlxchatError(f"prefilling the images failed: {exc}") from exc
+        spent = time.perf_counter() - started
+        for chunk in self.run_generation(prompt.ids, cache, config, cancel):
+            if chunk.report is not None:
+                chunk = chunk.model_copy(update={"report": _with_image_prefill(chunk.report, reused, spent)})
+            yield chunk
 
     def run_generation(self, tokens: Sequence[int], cache: PromptCache, config: GenerationConfig,
                        cancel: Cancelled, checkpoints: Sequence[int] = ()) -> Iterator[GenerationChunk]:
@@ -216,6 +347,20 @@ class GenerativeModel:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _is_messages(prompt: Any) -> bool:
+    """Whether a prompt is a list of chat messages (not text, ids or a prepared prompt)."""
+    if isinstance(prompt, str | MultimodalPrompt) or not isinstance(prompt, Sequence) or not prompt:
+        return False
+    return isinstance(prompt[0], Mapping) or hasattr(prompt[0], "model_dump")
+
+
+def _with_image_prefill(report: GenerationReport, reused: int, seconds: float) -> GenerationReport:
+    ttft = report.ttft_s + seconds
+    prefilled = report.prompt_tokens - reused
+    return report.model_copy(update={"cached_prompt_tokens": reused, "ttft_s": ttft,
+                                     "prefill_tps": prefilled / ttft if ttft > 0 else 0.0})
 
 
 def _evaluated(array: mx.array) -> mx.array:
