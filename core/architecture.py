@@ -29,6 +29,7 @@ class ModelModule(Protocol):
 
     # Optional: ``last_logits(tokens, cache) -> [batch, vocab]``, the last position's logits without the
     # output projection of the others (mlxchat.layers.CausalLM has it); generation uses it when present.
+    # A vision-language module also implements VisionModule below.
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         """Map checkpoint tensor names (and layouts) to this module's parameter names."""

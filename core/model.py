@@ -174,9 +174,8 @@ class GenerativeModel:
 
     def process_image(self, image: ImageInput) -> ProcessedImage:
         """An image as this model's vision tower reads it (an image already processed passes through)."""
-        if self.image_processor is None:
-            raise ImageError(f"{self.architecture.name} checkpoint {self.path} reads no images (it has no "
-                             "vision tower)")
+        self._vision()
+        assert self.image_processor is not None
         return image if isinstance(image, ProcessedImage) else self.image_processor(image)
 
     def image_prompt(self, prompt: Prompt | Sequence[Any], images: Sequence[ImageInput] = (), *,
@@ -193,8 +192,19 @@ class GenerativeModel:
         processed = [self.process_image(image) for image in sources]
         if not processed:
             return MultimodalPrompt(tuple(ids))
-        tokens = self.module.image_tokens  # type: ignore[attr-defined]
-        return expand_images(ids, processed, tokens)
+        return expand_images(ids, processed, self._vision().image_tokens)
+
+    def _vision(self) -> VisionModule:
+        module = self.module
+        if self.image_processor is None or not isinstance(module, VisionModule):
+            raise ImageError(f"{self.architecture.name} checkpoint {self.path} reads no images (it has no "
+                             "vision tower)")
+        return module
+
+    def _checked(self, prompt: MultimodalPrompt) -> MultimodalPrompt:
+        if prompt.images:
+            prompt.check(self._vision().image_tokens.marker)
+        return prompt
 
     # -- running ------------------------------------------------------------------------------------
 
@@ -212,14 +222,17 @@ class GenerativeModel:
             ids = [[int(t) for t in token_ids]]
             # Arrays are built on the worker: MLX ops belong to the stream of the thread that creates them.
             return self.worker.run(lambda: _evaluated(self.module(mx.array(ids))[0].astype(mx.float32)))
-        prompt = token_ids if isinstance(token_ids, MultimodalPrompt) else self.image_prompt(token_ids, images or [])
+        if isinstance(token_ids, MultimodalPrompt):
+            prompt = self._checked(token_ids)
+        else:
+            prompt = self.image_prompt(token_ids, images or [])
         module = self.module
 
         def run() -> mx.array:
             inputs = {}
             if prompt.images:
-                assert isinstance(module, VisionModule)
-                inputs = module.image_inputs(prompt, 0, len(prompt), encode_images(module, prompt.images))
+                vision = self._vision()
+                inputs = vision.image_inputs(prompt, 0, len(prompt), encode_images(vision, prompt.images))
             return _evaluated(module(mx.array(prompt.ids)[None], None, **inputs)[0].astype(mx.float32))
 
         return self.worker.run(run)
@@ -267,7 +280,7 @@ class GenerativeModel:
             kwargs = dict(config.chat_template_kwargs)
             if config.enable_thinking is not None:
                 kwargs["enable_thinking"] = config.enable_thinking
-            multimodal = prompt if isinstance(prompt, MultimodalPrompt) else self.image_prompt(
+            multimodal = self._checked(prompt) if isinstance(prompt, MultimodalPrompt) else self.image_prompt(
                 prompt, images or (), **(kwargs if _is_messages(prompt) else {}))
             if multimodal.images:
                 return lambda cancel: self._produce_multimodal(multimodal, config, cache, cancel)
@@ -289,8 +302,7 @@ class GenerativeModel:
         prefilled here: it counts as prefilled, and its time as time to first token.
         """
         cache = cache if cache is not None else self.make_prompt_cache()
-        module = self.module
-        assert isinstance(module, VisionModule)
+        module = self._vision()
         started = time.perf_counter()
         last = prompt.images[-1].end
         if last >= len(prompt):

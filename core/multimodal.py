@@ -91,6 +91,14 @@ class MultimodalPrompt:
     def __len__(self) -> int:
         return len(self.ids)
 
+    def check(self, marker: int) -> None:
+        """Raise unless the placeholder token ``marker`` fills exactly the image spans."""
+        expected = {i for span in self.images for i in range(span.start, span.end)}
+        found = {i for i, t in enumerate(self.ids) if t == marker}
+        if found != expected:
+            raise ImageError(f"image placeholder tokens at {len(found)} positions for images covering "
+                             f"{len(expected)}: the ids and the image spans disagree")
+
     def image_keys(self) -> list[ImageKey]:
         return [span.key for span in self.images]
 
@@ -114,7 +122,9 @@ def expand_images(ids: Sequence[int], images: Sequence[ProcessedImage], tokens: 
         out += tokens.end
         cursor = position + 1
     out += ids[cursor:]
-    return MultimodalPrompt(tuple(int(t) for t in out), tuple(spans))
+    prompt = MultimodalPrompt(tuple(int(t) for t in out), tuple(spans))
+    prompt.check(tokens.marker)
+    return prompt
 
 
 def embed_with_images(embed: Callable[[mx.array], mx.array], prompt: MultimodalPrompt, start: int, end: int,

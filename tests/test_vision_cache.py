@@ -213,3 +213,11 @@ def test_mlx_vlm_quantized_layout_loads_with_its_tower() -> None:
     released = dict(tree_flatten(loaded("qwen3_5_vl").module.visual.parameters()))
     assert ours.keys() == released.keys()
     assert all(mx.array_equal(ours[k], released[k]).item() for k in ours)
+
+
+def test_a_prompt_whose_ids_and_images_disagree_is_refused() -> None:
+    model = loaded("qwen3_5_vl")
+    one = prompt("qwen3_5_vl", "one")
+    stray = mlxchat.MultimodalPrompt(one.ids + (model.module.image_tokens.marker, 5), one.images)
+    with pytest.raises(ImageError, match="disagree"):
+        model.logits(stray)

@@ -5,10 +5,16 @@ bidirectional attention among an image's tokens, and MoE)."""
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
+import mlx.core as mx
 import numpy as np
 import pytest
 
-from conftest import loaded, reference
+import mlxchat
+
+from conftest import fixture_path, loaded, reference
 from parity import assert_close
 from vision_support import VISION, cached_logits, chat, prompt, with_images
 
@@ -50,3 +56,26 @@ def test_greedy_tokens_match_transformers(name: str, which: str) -> None:
     result = model.generate(with_images(messages, images), config)
     assert result.tokens == expected[: len(result.tokens)]
     assert len(result.tokens) == len(expected) or expected[len(result.tokens)] in model.eos_ids
+
+
+def test_mlx_vlm_gemma4_layout_matches_transformers(tmp_path: Path) -> None:
+    """mlx-vlm's names for a Gemma 4 conversion (``language_model.model.*``, top-level ``vision_tower.*`` and
+    ``embed_vision.*``; checked against a real mlx-vlm 0.7.10 conversion of this fixture) load the same model."""
+    folder = tmp_path / "gemma4_vl"
+    shutil.copytree(fixture_path("gemma4_vl"), folder)
+    renames = (("model.language_model.", "language_model.model."), ("model.vision_tower.", "vision_tower."),
+               ("model.embed_vision.", "embed_vision."))
+    weights = mx.load(str(folder / "model.safetensors"))
+    renamed = {}
+    for key, value in weights.items():
+        for old, new in renames:
+            key = key.replace(old, new) if key.startswith(old) else key
+        renamed[key] = value
+    assert not any(k.startswith("model.") for k in renamed)
+    mx.save_safetensors(str(folder / "model.safetensors"), renamed, metadata={"format": "mlx"})
+    model = mlxchat.load_model(folder, dtype="float32")
+    try:
+        messages, images = chat("gemma4_vl", "two")
+        assert_close(np.array(model.logits(model.image_prompt(messages, images))), reference("gemma4_vl")["two_logits"])
+    finally:
+        model.close()

@@ -382,6 +382,9 @@ class Gemma4ForCausalLM(CausalLM):
             assert vision is not None
             self.vision_tower = Gemma4VisionModel(vision)
             self.embed_vision = MultimodalEmbedder(vision.hidden_size, config.hidden_size, vision.rms_norm_eps)
+            assert config.image_token_id is not None and config.boi_token_id is not None
+            assert config.eoi_token_id is not None
+            self.image_tokens = ImageTokens(config.image_token_id, (config.boi_token_id,), (config.eoi_token_id,))
 
     def cast_predicate(self, name: str) -> bool:
         """The per-layer embedding table (262144 x 8960 in E2B: 9.4 GB as float32) is only ever looked up,
@@ -405,13 +408,6 @@ class Gemma4ForCausalLM(CausalLM):
     @property
     def supports_images(self) -> bool:
         return "vision_tower" in self
-
-    @property
-    def image_tokens(self) -> ImageTokens:
-        config: Gemma4Config = self.config  # type: ignore[assignment]
-        assert config.image_token_id is not None and config.boi_token_id is not None
-        assert config.eoi_token_id is not None
-        return ImageTokens(config.image_token_id, (config.boi_token_id,), (config.eoi_token_id,))
 
     def image_processor(self, settings: dict[str, Any]) -> Gemma4ImageProcessor:
         vision: Gemma4VisionConfig = self.vision_tower.config

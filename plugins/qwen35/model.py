@@ -245,8 +245,9 @@ class Qwen35ForCausalLM(CausalLM):
         super().__init__(config, Qwen35Model(config.vocab_size, config.hidden_size, blocks,
                                              RMSNorm(config.hidden_size, config.rms_norm_eps)))
         if config.has_vision:
-            assert config.vision_config is not None
+            assert config.vision_config is not None and config.image_token_id is not None
             self.visual = Qwen35VisionModel(config.vision_config)
+            self.image_tokens = ImageTokens(config.image_token_id)
 
     def make_cache(self) -> list[LayerCache]:
         return [StateCache(2) if block.is_linear else KVCache() for block in self.model.layers]
@@ -256,12 +257,6 @@ class Qwen35ForCausalLM(CausalLM):
     @property
     def supports_images(self) -> bool:
         return "visual" in self
-
-    @property
-    def image_tokens(self) -> ImageTokens:
-        config: Qwen35Config = self.config  # type: ignore[assignment]
-        assert config.image_token_id is not None
-        return ImageTokens(config.image_token_id)
 
     def image_processor(self, settings: dict[str, Any]) -> Qwen2VLImageProcessor:
         vision: Qwen35VisionConfig = self.visual.config
