@@ -102,7 +102,7 @@ class GenerativeModel:
         reasoning = bool(markers and self.chat_template and markers[0].strip() in self.chat_template.source)
         return Capabilities(supports_tools=self.supports_tools, supports_images=self.supports_images,
                             supports_reasoning=reasoning, context_length=self.config.max_position_embeddings,
-                            default_generation=self.defaults)
+                            default_generation=self.defaults.model_copy(deep=True))
 
     # -- prompts ------------------------------------------------------------------------------------
 

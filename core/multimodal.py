@@ -24,6 +24,11 @@ bidirectionally among an image's tokens (``use_bidirectional_attention: "vision"
 inside one chunk (:attr:`~mlxchat.architecture.VisionModule.atomic_images`); :func:`chunk_bounds` never
 splits one there.
 
+**Snapshots.** States that cannot be cut back (DeltaNet, conv, sliding windows) return to a position only
+through a snapshot taken there; :func:`prefill` takes one at each checkpoint it is given, and a model's
+generation with images gives it every image's first placeholder, so that a changed image costs only what
+follows it.
+
 **Identity for reuse.** :meth:`MultimodalPrompt.image_keys` gives ``(start, length, digest)`` per image;
 :meth:`mlxchat.prompt_cache.PromptCache.reuse` compares them besides the tokens, so a changed image
 stops reuse at its first placeholder and the same pixels sent again reuse everything.
