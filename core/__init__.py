@@ -9,13 +9,14 @@ from .runtime import configure_blas, package_version
 configure_blas()
 __version__ = package_version()
 
-from .architecture import Architecture, ChatQuirks, ModelModule  # noqa: E402
+from .architecture import Architecture, ChatQuirks, ModelModule, VisionModule  # noqa: E402
 from .cache import KVCache, LayerCache, StateCache  # noqa: E402
 from .config import ModelConfig, RopeConfig  # noqa: E402
 from .errors import (  # noqa: E402
     CheckpointError,
     ContextLengthError,
     GenerationError,
+    ImageError,
     InvalidInputError,
     MlxchatError,
     SessionClosedError,
@@ -27,9 +28,11 @@ from .errors import (  # noqa: E402
 )
 from .generation import GenerationChunk, GenerationConfig, GenerationReport, GenerationResult  # noqa: E402
 from .hookspecs import hookimpl  # noqa: E402
+from .images import ImageProcessor, ProcessedImage, load_image  # noqa: E402
 from .loading import load_model, load_session  # noqa: E402
 from .messages import ChatMessage, FunctionCall, ToolCall  # noqa: E402
-from .model import GenerativeModel  # noqa: E402
+from .model import Capabilities, GenerativeModel  # noqa: E402
+from .multimodal import ImageSpan, MultimodalPrompt  # noqa: E402
 from .prompt_cache import PromptCache  # noqa: E402
 from .registry import detect_model_type, registry  # noqa: E402
 from .reply import TextDelta, ThinkingDelta, ToolCallEvent  # noqa: E402
@@ -39,6 +42,7 @@ from .tools import Tool, tool  # noqa: E402
 
 __all__ = [
     "Architecture",
+    "Capabilities",
     "ChatMessage",
     "ChatResult",
     "ChatSession",
@@ -55,11 +59,16 @@ __all__ = [
     "GenerationResult",
     "GenerativeModel",
     "InvalidInputError",
+    "ImageError",
+    "ImageProcessor",
+    "ImageSpan",
     "KVCache",
     "LayerCache",
     "MlxchatError",
     "ModelConfig",
     "ModelModule",
+    "MultimodalPrompt",
+    "ProcessedImage",
     "PromptCache",
     "RopeConfig",
     "SessionCapableModel",
@@ -77,8 +86,10 @@ __all__ = [
     "UnknownModelTypeError",
     "UnsupportedQuantizationError",
     "__version__",
+    "VisionModule",
     "detect_model_type",
     "hookimpl",
+    "load_image",
     "load_model",
     "load_session",
     "registry",

@@ -70,6 +70,26 @@ class KVCache(KeysValues):
         self.keys: mx.array | None = None
         self.values: mx.array | None = None
         self.offset = 0
+        self.shifts: list[tuple[int, int]] = []
+        """``(index, shift)`` pairs: from token ``index`` on, a text token's rotary position is its index plus
+        ``shift``. Multimodal RoPE (Qwen-VL) continues text after an image at the image's largest position
+        + 1, not at the token index; the shift travels with the keys so that decoding, and a cache cut back
+        to any position, continue at the right position."""
+
+    @property
+    def position(self) -> int:
+        """Rotary position of the next text token (the offset, unless an image shifted it)."""
+        return self.offset + (self.shifts[-1][1] if self.shifts else 0)
+
+    def shift_positions(self, shift: int) -> None:
+        """From the current offset on, text positions are the token index plus ``shift``."""
+        if shift != (self.shifts[-1][1] if self.shifts else 0):
+            self.shifts.append((self.offset, shift))
+
+    def trim_to(self, position: int) -> None:
+        super().trim_to(position)
+        while self.shifts and self.shifts[-1][0] > position:
+            self.shifts.pop()
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Append this chunk's keys and values; return everything cached so far."""

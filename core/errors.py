@@ -31,6 +31,10 @@ class ContextLengthError(InvalidInputError):
     """A prompt does not fit the model's context (``max_position_embeddings`` or the user's limit)."""
 
 
+class ImageError(InvalidInputError):
+    """An image could not be read, is not allowed (a remote URL), or does not fit the model's processor."""
+
+
 class GenerationError(MlxchatError):
     """A generation failed while running; the session that asked keeps its state."""
 

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from .architecture import ModelModule
 from .detokenizer import StreamingDetokenizer
 from .limits import check_depth, check_strings, check_text
+from .multimodal import MultimodalPrompt
 from .prompt_cache import PromptCache
 from .sampling import LogitsAdjuster, Sampler, make_sampler
 from .tokenizer import Tokenizer
@@ -236,7 +237,7 @@ class StopStrings:
 def stream_generation(
     module: ModelModule,
     tokenizer: Tokenizer,
-    prompt: Sequence[int],
+    prompt: Sequence[int] | MultimodalPrompt,
     cache: PromptCache,
     config: GenerationConfig,
     eos_ids: set[int],
@@ -263,7 +264,7 @@ def stream_generation(
                                           cancel=cancel)
     adjust = LogitsAdjuster(vocab_size, config.repetition_penalty, config.presence_penalty,
                             config.frequency_penalty, config.logit_bias)
-    adjust.start(prompt)
+    adjust.start(prompt.ids if isinstance(prompt, MultimodalPrompt) else prompt)
     sampler = make_sampler(config.temperature, config.top_p, config.top_k, config.min_p, config.seed)
     tokens = iter(()) if cancel else decode_tokens(module, cache, pending, sampler, config.max_tokens,
                                                    adjust=adjust, stats=stats)

@@ -11,11 +11,12 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from .architecture import Architecture
+from .architecture import Architecture, VisionModule
 from .chat_template import ChatTemplate, read_template_source
 from .checkpoint import read_json, read_weights, resolve_checkpoint
 from .errors import CheckpointError, UnsupportedQuantizationError
 from .generation import GenerationConfig
+from .images import ImageProcessor
 from .model import GenerativeModel
 from .registry import registry
 from .runtime import default_dtype
@@ -73,6 +74,7 @@ def load_model(
     for parameter in dict(tree_flatten(module.parameters())).values():
         mx.eval(parameter)  # one at a time: a stored copy is freed as soon as its cast copy exists
 
+    image_processor = _image_processor(module, folder)
     tokenizer = Tokenizer.from_folder(folder)
     source = read_template_source(folder)
     template = ChatTemplate(source, tokenizer) if source else None
@@ -89,6 +91,7 @@ def load_model(
         dtype=target,
         quantization=quantization,
         context_length=context_length,
+        image_processor=image_processor,
     )
 
 
@@ -105,6 +108,18 @@ def load_session(
     model = load_model(path_or_repo, **load_kwargs)
     return model.chat_session(system=system, default_config=default_config, tools=tools,
                               context_policy=context_policy)
+
+
+def _image_processor(module: Any, folder: Path) -> ImageProcessor | None:
+    """The preprocessing of a module that loaded a vision tower: the plugin's, with the settings of
+    ``preprocessor_config.json`` (or the ``image_processor`` entry of ``processor_config.json``)."""
+    if not isinstance(module, VisionModule) or not module.supports_images:
+        return None
+    settings = read_json(folder / "preprocessor_config.json", required=False)
+    if not settings:
+        nested = read_json(folder / "processor_config.json", required=False).get("image_processor")
+        settings = nested if isinstance(nested, dict) else {}
+    return module.image_processor(settings)
 
 
 def _quantization(raw: dict[str, Any]) -> dict[str, Any] | None:

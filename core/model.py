@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
+from pydantic import BaseModel, ConfigDict
 
-from .architecture import Architecture, ModelModule
+from .architecture import Architecture, ModelModule, VisionModule
 from .chat_template import ChatTemplate
 from .config import ModelConfig
-from .errors import ContextLengthError, GenerationError, InvalidInputError, MlxchatError, TemplateError
+from .errors import ContextLengthError, GenerationError, ImageError, InvalidInputError, MlxchatError, TemplateError
 from .generation import GenerationChunk, GenerationConfig, GenerationResult, stream_generation
+from .images import ImageProcessor, ImageSource, ProcessedImage
 from .limits import check_text, check_token_ids
+from .multimodal import MultimodalPrompt, encode_images, expand_images, split_image_parts
 from .prompt_cache import DEFAULT_MAX_SNAPSHOTS, PromptCache
 from .tokenizer import Tokenizer
 from .worker import Cancelled, Worker
@@ -24,6 +27,27 @@ if TYPE_CHECKING:
     from .tools.schema import ToolSpec
 
 Prompt = str | Sequence[int]
+ImageInput = ImageSource | ProcessedImage
+"""An image as a path, encoded bytes, a ``PIL.Image``, a ``data:`` URL, or already preprocessed."""
+AnyPrompt = Prompt | Sequence[Any] | MultimodalPrompt
+"""Raw text or ids, chat messages, or a prompt with images."""
+
+
+class Capabilities(BaseModel):
+    """What a loaded model can do."""
+
+    model_config = ConfigDict(frozen=True)
+
+    supports_tools: bool
+    """Tools can be offered: the chat template renders them and the family has a call format."""
+    supports_images: bool
+    """Images can be sent: the checkpoint has a vision tower."""
+    supports_reasoning: bool
+    """The model reasons between markers the chat template knows; replies keep it apart."""
+    context_length: int
+    """Tokens the model was built to attend over (``max_position_embeddings``)."""
+    default_generation: GenerationConfig
+    """The generation settings a request starts from (the checkpoint's generation_config.json)."""
 
 
 class GenerativeModel:
@@ -43,6 +67,7 @@ class GenerativeModel:
         dtype: mx.Dtype = mx.float32,
         quantization: dict[str, Any] | None = None,
         context_length: int | None = None,
+        image_processor: ImageProcessor | None = None,
     ):
         """``context_length``: the most tokens (prompt and reply) a generation may hold; by default, and at
         most, the checkpoint's ``max_position_embeddings``."""
@@ -60,6 +85,8 @@ class GenerativeModel:
             raise ValueError(f"context_length must be at least 2, got {context_length}")
         limit = config.max_position_embeddings
         self.context_length = limit if context_length is None else min(context_length, limit)
+        self.image_processor = image_processor
+        """Preprocessing for the vision tower (``None``: the model reads no images)."""
         self.worker = Worker(f"mlxchat-{architecture.name}")
 
     def __repr__(self) -> str:
@@ -71,6 +98,18 @@ class GenerativeModel:
     def supports_tools(self) -> bool:
         """Whether tools can be offered: the template renders them and the family has a call format."""
         return bool(self.chat_template and self.chat_template.takes_tools and self.architecture.chat.tool_format)
+
+    @property
+    def supports_images(self) -> bool:
+        return self.image_processor is not None
+
+    @property
+    def capabilities(self) -> Capabilities:
+        markers = self.reasoning_markers
+        reasoning = bool(markers and self.chat_template and markers[0].strip() in self.chat_template.source)
+        return Capabilities(supports_tools=self.supports_tools, supports_images=self.supports_images,
+                            supports_reasoning=reasoning, context_length=self.config.max_position_embeddings,
+                            default_generation=self.defaults.model_copy(deep=True))
 
     # -- prompts ------------------------------------------------------------------------------------
 
@@ -169,64 +208,145 @@ class GenerativeModel:
             )
         return config if config.max_tokens <= room else config.model_copy(update={"max_tokens": room})
 
+    # -- images -------------------------------------------------------------------------------------
+
+    def process_image(self, image: ImageInput) -> ProcessedImage:
+        """An image as this model's vision tower reads it (an image already processed passes through)."""
+        self._vision()
+        assert self.image_processor is not None
+        return image if isinstance(image, ProcessedImage) else self.image_processor(image)
+
+    def image_prompt(self, prompt: Prompt | Sequence[Any], images: Sequence[ImageInput] = (), *,
+                     tools: Sequence[Any] | None = None, **template_kwargs: Any) -> MultimodalPrompt:
+        """Token ids with each image's placeholders in place, from a raw prompt (text or ids) holding one
+        image marker per image (``<|image_pad|>``, ``<|image|>``), or from chat messages whose image
+        content parts carry the images (parts without one take the next of ``images``), rendered through
+        the chat template with a generation prompt."""
+        if _is_messages(prompt):
+            messages, sources = split_image_parts(prompt, images)
+            ids = self.render_prompt(messages, tools=tools, **template_kwargs)[1]
+        else:
+            ids, sources = self.encode(prompt), list(images)  # type: ignore[arg-type]
+        processed = [self.process_image(image) for image in sources]
+        if not processed:
+            return MultimodalPrompt(tuple(ids))
+        return expand_images(ids, processed, self._vision().image_tokens)
+
+    def _vision(self) -> VisionModule:
+        module = self.module
+        if self.image_processor is None or not isinstance(module, VisionModule):
+            raise ImageError(f"{self.architecture.name} checkpoint {self.path} reads no images (it has no "
+                             "vision tower)")
+        return module
+
+    def _checked(self, prompt: MultimodalPrompt) -> MultimodalPrompt:
+        if prompt.images:
+            prompt.check(self._vision().image_tokens.marker)
+        return prompt
+
     # -- running ------------------------------------------------------------------------------------
 
     def make_prompt_cache(self, max_snapshots: int = DEFAULT_MAX_SNAPSHOTS) -> PromptCache:
         return PromptCache(self.module.make_cache, max_snapshots)
 
-    def logits(self, token_ids: Sequence[int]) -> mx.array:
-        """Float32 logits ``[len, vocab]`` of one cache-free forward pass (research and parity tests)."""
-        ids = [check_token_ids(token_ids, self.config.vocab_size, "token id")]
-        # Arrays are built on the worker: MLX ops belong to the stream of the thread that creates them.
-        return self.worker.run(lambda: _evaluated(self.module(mx.array(ids))[0].astype(mx.float32)))
+    def logits(self, token_ids: Sequence[int] | MultimodalPrompt,
+               images: Sequence[ImageInput] | None = None) -> mx.array:
+        """Float32 logits ``[len, vocab]`` of one cache-free forward pass (research and parity tests).
+
+        With ``images`` the ids hold one image marker per image (see :meth:`image_prompt`); the logits
+        are those of the expanded prompt.
+        """
+        if images is None and not isinstance(token_ids, MultimodalPrompt):
+            ids = [check_token_ids(token_ids, self.config.vocab_size, "token id")]
+            # Arrays are built on the worker: MLX ops belong to the stream of the thread that creates them.
+            return self.worker.run(lambda: _evaluated(self.module(mx.array(ids))[0].astype(mx.float32)))
+        if isinstance(token_ids, MultimodalPrompt):
+            prompt = self._checked(token_ids)
+        else:
+            prompt = self.image_prompt(token_ids, images or [])
+        module = self.module
+
+        def run() -> mx.array:
+            inputs = {}
+            if prompt.images:
+                vision = self._vision()
+                inputs = vision.image_inputs(prompt, 0, len(prompt), encode_images(vision, prompt.images))
+            return _evaluated(module(mx.array(prompt.ids)[None], None, **inputs)[0].astype(mx.float32))
+
+        return self.worker.run(run)
 
     def stream(
-        self, prompt: Prompt, config: GenerationConfig | dict[str, Any] | None = None, *,
-        cache: PromptCache | None = None,
+        self, prompt: AnyPrompt, config: GenerationConfig | dict[str, Any] | None = None,
+        *, images: Sequence[ImageInput] | None = None, cache: PromptCache | None = None,
     ) -> Iterator[GenerationChunk]:
         """Stream a generation: text chunks, the last one with the report. ``cache`` (a prompt cache of
-        this model) carries state between calls; without one every call starts fresh."""
-        tokens = self.encode(prompt)
+        this model) carries state between calls; without one every call starts fresh.
+
+        ``prompt`` is raw text or token ids, chat messages (rendered with a generation prompt), or a
+        :class:`~mlxchat.multimodal.MultimodalPrompt`; ``images`` go with a raw prompt's image markers
+        or the messages' image parts (see :meth:`image_prompt`).
+        """
         merged = self.defaults.merged(config)
-        return self.worker.stream(lambda cancel: self._produce(tokens, merged, cache, cancel))
+        work = self._work(prompt, images, merged, cache)
+        return self.worker.stream(work)
 
     async def astream(
-        self, prompt: Prompt, config: GenerationConfig | dict[str, Any] | None = None, *,
-        cache: PromptCache | None = None,
+        self, prompt: AnyPrompt, config: GenerationConfig | dict[str, Any] | None = None,
+        *, images: Sequence[ImageInput] | None = None, cache: PromptCache | None = None,
     ) -> AsyncIterator[GenerationChunk]:
-        tokens = self.encode(prompt)
         merged = self.defaults.merged(config)
-        async for chunk in self.worker.astream(lambda cancel: self._produce(tokens, merged, cache, cancel)):
+        async for chunk in self.worker.astream(self._work(prompt, images, merged, cache)):
             yield chunk
 
     def generate(
-        self, prompt: Prompt, config: GenerationConfig | dict[str, Any] | None = None, *,
-        cache: PromptCache | None = None,
+        self, prompt: AnyPrompt, config: GenerationConfig | dict[str, Any] | None = None,
+        *, images: Sequence[ImageInput] | None = None, cache: PromptCache | None = None,
     ) -> GenerationResult:
-        return _collect(self.stream(prompt, config, cache=cache))
+        return _collect(self.stream(prompt, config, images=images, cache=cache))
 
     async def agenerate(
-        self, prompt: Prompt, config: GenerationConfig | dict[str, Any] | None = None, *,
-        cache: PromptCache | None = None,
+        self, prompt: AnyPrompt, config: GenerationConfig | dict[str, Any] | None = None,
+        *, images: Sequence[ImageInput] | None = None, cache: PromptCache | None = None,
     ) -> GenerationResult:
-        chunks = [chunk async for chunk in self.astream(prompt, config, cache=cache)]
+        chunks = [chunk async for chunk in self.astream(prompt, config, images=images, cache=cache)]
         return _collect(iter(chunks))
 
-    def _produce(self, tokens: list[int], config: GenerationConfig, cache: PromptCache | None,
-                 cancel: Cancelled) -> Iterator[GenerationChunk]:
-        cache = cache if cache is not None else self.make_prompt_cache()
-        yield from self.run_generation(tokens, cache, config, cancel)
+    def _work(self, prompt: Any, images: Sequence[ImageInput] | None, config: GenerationConfig,
+              cache: PromptCache | None) -> Any:
+        """The job that generates from ``prompt``; what needs no MLX (rendering, preprocessing) is done now."""
+        prepared: Sequence[int] | MultimodalPrompt
+        if isinstance(prompt, MultimodalPrompt) or images or _is_messages(prompt):
+            kwargs = dict(config.chat_template_kwargs)
+            if config.enable_thinking is not None:
+                kwargs["enable_thinking"] = config.enable_thinking
+            multimodal = prompt if isinstance(prompt, MultimodalPrompt) else self.image_prompt(
+                prompt, images or (), **(kwargs if _is_messages(prompt) else {}))
+            prepared = multimodal if multimodal.images else list(multimodal.ids)
+        else:
+            prepared = self.encode(prompt)
+        # Snapshots before each image: a changed image then costs only what follows it.
+        snapshot_at = [s.start for s in prepared.images] if isinstance(prepared, MultimodalPrompt) else []
 
-    def run_generation(self, tokens: Sequence[int], cache: PromptCache, config: GenerationConfig,
+        def produce(cancel: Cancelled) -> Iterator[GenerationChunk]:
+            used = cache if cache is not None else self.make_prompt_cache()
+            yield from self.run_generation(prepared, used, config, cancel, snapshot_at)
+
+        return produce
+
+    def run_generation(self, prompt: Sequence[int] | MultimodalPrompt, cache: PromptCache, config: GenerationConfig,
                        cancel: Cancelled, snapshot_at: Sequence[int] = ()) -> Iterator[GenerationChunk]:
         """The generation loop, on the worker thread (sessions call it from their own jobs).
 
-        The prompt's ids, ``logit_bias`` and the prompt's length are checked before any work; ``max_tokens``
-        is lowered to what the context leaves. A set ``cancel`` ends it at the next prefill chunk or token
-        with ``finish_reason="cancelled"``. An error inside MLX clears the cache (its state is unknown) and
-        is raised as :class:`GenerationError`.
+        The prompt's ids (and images), ``logit_bias`` and the prompt's length are checked before any work;
+        ``max_tokens`` is lowered to what the context leaves. A set ``cancel`` ends it at the next prefill
+        chunk or token with ``finish_reason="cancelled"``. An error inside MLX clears the cache (its state is
+        unknown) and is raised as :class:`GenerationError`.
         """
-        prompt = check_token_ids(tokens, self.config.vocab_size, "prompt token id")
+        if isinstance(prompt, MultimodalPrompt):
+            check_token_ids(prompt.ids, self.config.vocab_size, "prompt token id")
+            prompt = self._checked(prompt)
+        else:
+            prompt = check_token_ids(prompt, self.config.vocab_size, "prompt token id")
         check_token_ids(config.logit_bias, self.config.vocab_size, "logit_bias token id")
         config = self.fit(len(prompt), config)
         try:
@@ -255,6 +375,13 @@ class GenerativeModel:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _is_messages(prompt: Any) -> bool:
+    """Whether a prompt is a list of chat messages (not text, ids or a prepared prompt)."""
+    if isinstance(prompt, str | MultimodalPrompt) or not isinstance(prompt, Sequence) or not prompt:
+        return False
+    return isinstance(prompt[0], Mapping) or hasattr(prompt[0], "model_dump")
 
 
 def _evaluated(array: mx.array) -> mx.array:

@@ -6,6 +6,11 @@ takes snapshots at the positions it is given. Layers that cannot be cut back (co
 sliding windows) return to a position only through a snapshot taken there, and ``reuse`` restores the
 latest snapshot at or before the common prefix. The cache never pretends: the prefix it reports is the
 prefix it really holds.
+
+Images: an image's placeholder tokens are all the same id, so tokens alone cannot tell two images apart.
+``feed`` and ``reuse`` take each image's :data:`ImageKey` (where its placeholders start, how many, and the
+digest of its pixels); reuse stops at the first placeholder of the first image that is not the same in
+both (see :mod:`mlxchat.multimodal`).
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 
 from .cache import LayerCache, cache_arrays
+from .errors import ImageError
+from .multimodal import ImageKey, MultimodalPrompt, chunk_bounds, encode_images
 
 if TYPE_CHECKING:
     from .worker import Cancelled
@@ -38,6 +45,8 @@ class PromptCache:
         self._make_layers = make_layers
         self.layers: list[LayerCache] = make_layers()
         self.tokens: list[int] = []
+        self.images: list[ImageKey] = []
+        """The images among :attr:`tokens`, in order."""
         self.max_snapshots = max_snapshots
         self._snapshots: dict[int, list[Any]] = {}
         self._wanted: set[int] = set()
@@ -54,13 +63,16 @@ class PromptCache:
         """Forget everything (fresh layer caches)."""
         self.layers = self._make_layers()
         self.tokens = []
+        self.images = []
         self._snapshots = {}
         self._wanted = set()
 
-    def feed(self, tokens: Sequence[int]) -> None:
-        """Record tokens that were just run through the model with these layer caches (snapshotting when
-        that reaches a position :meth:`prefill` was asked for, such as the end of the prompt)."""
+    def feed(self, tokens: Sequence[int], images: Sequence[ImageKey] = ()) -> None:
+        """Record tokens that were just run through the model with these layer caches, and the images whose
+        placeholders start among them (snapshotting when that reaches a position :meth:`prefill` was asked
+        for, such as the end of the prompt)."""
         self.tokens.extend(int(t) for t in tokens)
+        self.images.extend(images)
         if len(self.tokens) in self._wanted:
             self._wanted.discard(len(self.tokens))
             self.snapshot()
@@ -75,41 +87,60 @@ class PromptCache:
             # Drop the oldest (lowest) position: rewinds usually go back a turn or two.
             del self._snapshots[min(self._snapshots)]
 
-    def prefill(self, module: Callable[..., Any], prompt: Sequence[int], *, snapshot_at: Iterable[int] = (),
-                step: int = 512, cancel: Cancelled | None = None) -> tuple[int, list[int]]:
+    def prefill(self, module: Any, prompt: Sequence[int] | MultimodalPrompt, *,
+                snapshot_at: Iterable[int] = (), step: int = 512,
+                cancel: Cancelled | None = None) -> tuple[int, list[int]]:
         """Make the cache hold ``prompt`` but for its last tokens; return ``(reused, pending)``: how many
         prompt tokens the cache already held, and the tail left for the first decode step (which runs it in
         the same pass over the weights that gives the next token's logits).
 
-        The rest is run through ``module`` in chunks of at most ``step`` tokens, split at the positions of
-        ``snapshot_at`` it passes, where it takes snapshots; only caches that need snapshots get them (each
-        split costs a pass over the weights), and they keep the last prompt token for the decode step, so
-        that a regenerate finds a snapshot just before it; a snapshot asked for at the prompt's end is taken
-        when the decode step feeds it. A set ``cancel`` stops between chunks.
-        """
-        reused = self.reuse(prompt)
-        pending = list(prompt[reused:])
-        self._wanted = {p for p in snapshot_at if reused < p <= len(prompt)} if self.needs_snapshots else set()
-        stops = sorted(p for p in self._wanted if p < len(prompt))
-        keep = 1 if self.needs_snapshots else min(len(pending), step)
-        while len(pending) > keep and not cancel:
-            size = min(len(pending) - keep, step)
-            if stops:
-                size = min(size, stops[0] - len(self))
-            chunk, pending = pending[:size], pending[size:]
-            module(mx.array(chunk)[None], self.layers)
-            mx.eval(self.arrays())
-            self.feed(chunk)
-            if stops and len(self) == stops[0]:
-                stops.pop(0)
-        return reused, pending
+        The rest is run through ``module`` (a model module; a vision one for images) in chunks of at most
+        ``step`` tokens, split at the positions of ``snapshot_at`` it passes, where it takes snapshots; only
+        caches that need snapshots get them (each split costs a pass over the weights), and they keep the last
+        prompt token for the decode step, so that a regenerate finds a snapshot just before it; a snapshot
+        asked for at the prompt's end is taken when the decode step feeds it. A set ``cancel`` stops between
+        chunks.
 
-    def reuse(self, prompt: Sequence[int]) -> int:
+        A prompt with images (a :class:`~mlxchat.multimodal.MultimodalPrompt`) reuses only images held
+        identically, runs every image through here (the decode step takes text only), encodes each image
+        once, gives each chunk its image inputs, and never splits an image that must stay whole.
+        """
+        ids = list(prompt.ids) if isinstance(prompt, MultimodalPrompt) else list(prompt)
+        images = prompt.images if isinstance(prompt, MultimodalPrompt) else ()
+        keys = [span.key for span in images]
+        atomic = [(s.start, s.end) for s in images] if images and module.atomic_images else []
+        reused = self.reuse(ids, keys if images else None)
+        inside = [s for s, e in atomic if s < reused < e]
+        if inside:  # an image attended as a whole is prefilled as a whole
+            reused = self.reuse(ids[: inside[0] + 1], keys)
+        text_tail = len(ids) - max((s.end for s in images), default=0)
+        if text_tail < 1:
+            raise ImageError("a prompt must go on after its last image (the next token's logits come from text)")
+        keep = min(text_tail, 1 if self.needs_snapshots else min(len(ids) - reused, step))
+        self._wanted = {p for p in snapshot_at if reused < p <= len(ids)} if self.needs_snapshots else set()
+        features = encode_images(module, [span for span in images if span.end > reused])
+        for a, b in chunk_bounds(reused, len(ids) - keep, step, self._wanted, atomic):
+            if cancel:
+                break
+            spans = [s for s in images if s.start < b and s.end > a]
+            inputs = module.image_inputs(prompt, a, b, features) if spans else {}
+            module(mx.array(ids[a:b])[None], self.layers, **inputs)
+            mx.eval(self.arrays())
+            self.feed(ids[a:b], images=[s.key for s in images if a <= s.start < b])
+        return reused, ids[len(self):]
+
+    def reuse(self, prompt: Sequence[int], images: Sequence[ImageKey] | None = None) -> int:
         """Cut the cache back to the longest reusable prefix of ``prompt``; return its length.
 
-        At least one prompt token is always left to prefill, since the next token's logits come from it.
+        With ``images`` (the prompt's image keys) the prefix also stops at the first placeholder of any
+        image, cached or new, that the other side does not hold identically; without them only tokens are
+        compared (the caller vouches for the images). At least one prompt token is always left to
+        prefill, since the next token's logits come from it.
         """
         limit = min(common_prefix_length(self.tokens, prompt), len(prompt) - 1)
+        if images is not None:
+            same = set(self.images) & set(images)
+            limit = min([limit, *(start for start, _, _ in {*self.images, *images} - same)])
         limit = max(limit, 0)
         if all(layer.can_trim_to(limit) for layer in self.layers):
             self._rewind(limit, None)
@@ -130,6 +161,7 @@ class PromptCache:
             else:
                 layer.restore(saved)
         del self.tokens[position:]
+        self.images = [key for key in self.images if key[0] < position]
         self._snapshots = {p: s for p, s in self._snapshots.items() if p <= position}
 
     def arrays(self) -> list[Any]:

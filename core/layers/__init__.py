@@ -6,14 +6,17 @@ from .gated_delta import GatedDeltaNet, RMSNormGated, gated_delta_chunked, gated
 from .mlp import SwiGLU, gate_function, gelu_tanh_gate, silu_gate
 from .moe import SparseMoE, SwitchGLU, SwitchLinear, softmax_top_k, stack_experts
 from .norms import RMSNorm
-from .rope import ProportionalRoPE, RoPE
+from .rope import MRoPE, ProportionalRoPE, RoPE, rotate
 from .short_conv import ShortConv, depthwise_weight
+from .vision import AxialRoPE, attend_all
 
 __all__ = [
     "Attention",
+    "AxialRoPE",
     "CausalLM",
     "Decoder",
     "GatedDeltaNet",
+    "MRoPE",
     "ProportionalRoPE",
     "RMSNorm",
     "RMSNormGated",
@@ -24,11 +27,13 @@ __all__ = [
     "SwitchGLU",
     "SwitchLinear",
     "attend",
+    "attend_all",
     "depthwise_weight",
     "gate_function",
     "gated_delta_chunked",
     "gated_delta_step",
     "gelu_tanh_gate",
+    "rotate",
     "silu_gate",
     "softmax_top_k",
     "stack_experts",

@@ -75,11 +75,20 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(batch, length, -1))
 
 
-def window_mask(length: int, key_length: int, window: int) -> mx.array | None:
+def window_mask(length: int, key_length: int, window: int, blocks: mx.array | None = None) -> mx.array | None:
     """Sliding-window causal mask: ``length`` queries, the last positions of ``key_length`` contiguous keys,
-    each seeing itself and the ``window - 1`` keys before it. ``None`` when that is every key."""
-    if length == 1 and key_length <= window:
+    each seeing itself and the ``window - 1`` keys before it. ``None`` when that is every key.
+
+    ``blocks [length]`` (block id per query, -1 for none) also lets the queries of one block see each
+    other's keys in both directions, still within the window: an image's tokens attending to the whole
+    image. The keys before the chunk belong to no block.
+    """
+    if length == 1 and key_length <= window and blocks is None:
         return None
     queries = mx.arange(key_length - length, key_length)[:, None]
     keys = mx.arange(key_length)[None]
-    return (keys <= queries) & (queries - keys < window)
+    visible = keys <= queries
+    if blocks is not None:
+        key_blocks = mx.concatenate([mx.full((key_length - length,), -1, blocks.dtype), blocks])
+        visible = visible | ((blocks[:, None] == key_blocks[None]) & (blocks[:, None] >= 0))
+    return visible & (queries - keys < window)

@@ -46,13 +46,17 @@ class CausalLM(nn.Module):
             return self.model.embed_tokens.as_linear(h)
         return self.lm_head(h)
 
-    def __call__(self, tokens: mx.array, cache: Sequence[LayerCache | None] | None = None) -> mx.array:
-        return self.project(self.model(tokens, cache))
+    def __call__(self, tokens: mx.array, cache: Sequence[LayerCache | None] | None = None,
+                 **inputs: mx.array) -> mx.array:
+        """Logits of ``tokens``; ``inputs`` are the extra inputs a vision-language decoder takes (precomputed
+        ``embeddings``, ``positions``) for a chunk with image tokens."""
+        return self.project(self.model(tokens, cache, **inputs))
 
-    def last_logits(self, tokens: mx.array, cache: Sequence[LayerCache | None] | None = None) -> mx.array:
+    def last_logits(self, tokens: mx.array, cache: Sequence[LayerCache | None] | None = None,
+                    **inputs: mx.array) -> mx.array:
         """Logits ``[batch, vocab]`` of the last position only: the vocabulary-wide projection runs for one
         row, so a prompt chunk and the first sampled token can share one pass over the weights."""
-        return self.project(self.model(tokens, cache)[:, -1:, :])[:, -1, :]
+        return self.project(self.model(tokens, cache, **inputs)[:, -1:, :])[:, -1, :]
 
     def make_cache(self) -> list[LayerCache]:
         return [KVCache() for _ in self.model.layers]

@@ -102,6 +102,44 @@ class RoPE(nn.Module):
         )
 
 
+def rotate(x: mx.array, angles: mx.array) -> mx.array:
+    """Rotate-half RoPE with explicit angles: feature ``j`` pairs with ``j + D/2`` and the pair turns by
+    ``angles[..., j]`` (``angles`` broadcasts against ``x[..., :D/2]``)."""
+    half = x.shape[-1] // 2
+    cos, sin = mx.cos(angles).astype(x.dtype), mx.sin(angles).astype(x.dtype)
+    x1, x2 = x[..., :half], x[..., half:]
+    return mx.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+class MRoPE(RoPE):
+    """Qwen's multimodal RoPE with interleaved sections (Qwen3-VL, Qwen3.5): a token has a 3-D position
+    (temporal, height, width) and rotated pair ``j`` turns by the height coordinate when
+    ``j % 3 == 1`` and ``j < 3 * sections[1]``, by the width when ``j % 3 == 2`` and
+    ``j < 3 * sections[2]``, and by the temporal one otherwise.
+
+    Text tokens have three equal coordinates, which is plain RoPE at that position: an ``int`` offset takes
+    :class:`RoPE`'s fast path unchanged. Explicit positions ``[3, L]`` (a chunk with image tokens) take the
+    general one.
+    """
+
+    def __init__(self, dims: int, rope: RopeConfig, sections: tuple[int, int, int], max_position_embeddings: int):
+        super().__init__(dims, rope, max_position_embeddings)
+        if rope.rope_type != "default":
+            raise CheckpointError(f"multimodal RoPE with rope_type {rope.rope_type!r} is not supported")
+        inv_freq, _ = rope_inv_freq(dims, rope, max_position_embeddings)
+        axes = [1 if j % 3 == 1 and j < 3 * sections[1] else 2 if j % 3 == 2 and j < 3 * sections[2] else 0
+                for j in range(dims // 2)]
+        self._inv_freq = mx.array(inv_freq, dtype=mx.float32)
+        self._axes = mx.array(axes)
+
+    def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:  # type: ignore[override]
+        if isinstance(offset, int):
+            return super().__call__(x, offset)
+        angles = offset[self._axes].T.astype(mx.float32) * self._inv_freq  # [L, dims/2]
+        turned = rotate(x[..., : self.dims], angles)
+        return mx.concatenate([turned, x[..., self.dims :]], axis=-1) if self.dims < x.shape[-1] else turned
+
+
 class ProportionalRoPE(nn.Module):
     """Gemma 4's "proportional" RoPE: rotate-half pairs ``(j, j + head_dim/2)`` over the whole head, of which
     only the first ``partial_rotary_factor * head_dim / 2`` turn; the other pairs pass unchanged.

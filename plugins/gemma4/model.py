@@ -5,6 +5,11 @@ Gemma 4 is not Gemma 3: every norm multiplies by ``w`` (not ``1 + w``), attentio
 norms do the scaling) and values get a weightless norm. Sliding layers use ``head_dim`` and plain RoPE;
 global layers use ``global_head_dim`` and proportional RoPE, and with ``attention_k_eq_v`` read their
 values off the key projection. Logits are soft-capped.
+
+With a vision tower (:mod:`.vision`) image soft tokens replace the ``<|image|>`` embeddings; their
+per-layer embeddings look up the pad token, and where the config asks for it
+(``use_bidirectional_attention: "vision"``) an image's tokens see each other in both directions in the
+sliding layers (so an image is prefilled in one chunk).
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ from pydantic import model_validator
 
 from mlxchat.cache import KVCache, LayerCache, SlidingWindowCache
 from mlxchat.config import ModelConfig, RopeConfig
-from mlxchat.errors import CheckpointError
+from mlxchat.errors import CheckpointError, ImageError
+from mlxchat.images import Gemma4ImageProcessor, ProcessedImage
 from mlxchat.layers import (
     CausalLM,
     Decoder,
@@ -34,6 +40,9 @@ from mlxchat.layers import (
     stack_experts,
     window_mask,
 )
+from mlxchat.multimodal import ImageTokens, MultimodalPrompt, embed_with_images
+
+from .vision import Gemma4VisionConfig, Gemma4VisionModel, MultimodalEmbedder
 
 LayerType = Literal["sliding_attention", "full_attention"]
 
@@ -78,6 +87,12 @@ class Gemma4Config(ModelConfig):
     top_k_experts: int | None = None
     moe_intermediate_size: int | None = None
     use_bidirectional_attention: Literal["vision"] | None = None
+    pad_token_id: int = 0
+    # the multimodal wrapper (top level of config.json)
+    vision_config: Gemma4VisionConfig | None = None
+    image_token_id: int | None = None
+    boi_token_id: int | None = None
+    eoi_token_id: int | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -119,6 +134,11 @@ class Gemma4Config(ModelConfig):
 
     def owns_kv(self, layer: int) -> bool:
         return layer < self.first_shared_layer
+
+    @property
+    def has_vision(self) -> bool:
+        return self.vision_config is not None and None not in (self.image_token_id, self.boi_token_id,
+                                                                self.eoi_token_id)
 
     def mlp_width(self, layer: int) -> int:
         double = self.use_double_wide_mlp and not self.owns_kv(layer)
@@ -193,7 +213,8 @@ class Gemma4Attention(nn.Module):
         self.rope = make_rope(self.head_dim, rope, config.max_position_embeddings)
 
     def __call__(self, x: mx.array, offset: int, cache: LayerCache | None,
-                 shared: dict[str, tuple[mx.array, mx.array]]) -> mx.array:
+                 shared: dict[str, tuple[mx.array, mx.array]], blocks: mx.array | None = None) -> mx.array:
+        """``blocks``: image block id per token (-1 for text) where image tokens attend bidirectionally."""
         batch, length, _ = x.shape
         q = self.q_norm(self.q_proj(x).reshape(batch, length, self.num_heads, self.head_dim))
         q = self.rope(q.transpose(0, 2, 1, 3), offset)
@@ -208,7 +229,7 @@ class Gemma4Attention(nn.Module):
         else:
             k, v = shared[self.kind]
         if self.window is not None:
-            mask: mx.array | str | None = window_mask(length, k.shape[2], self.window)
+            mask: mx.array | str | None = window_mask(length, k.shape[2], self.window, blocks)
         else:
             mask = "causal" if length > 1 else None
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=1.0, mask=mask)
@@ -262,8 +283,9 @@ class Gemma4Block(nn.Module):
         self.layer_scalar = mx.ones((1,))
 
     def __call__(self, x: mx.array, per_layer_input: mx.array | None, offset: int, cache: LayerCache | None,
-                 shared: dict[str, tuple[mx.array, mx.array]]) -> mx.array:
-        h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), offset, cache, shared))
+                 shared: dict[str, tuple[mx.array, mx.array]], blocks: mx.array | None = None) -> mx.array:
+        attended = self.self_attn(self.input_layernorm(x), offset, cache, shared, blocks)
+        h = x + self.post_attention_layernorm(attended)
         f = self.mlp(self.pre_feedforward_layernorm(h))
         if self.moe:
             weights, indices = self.router(h)
@@ -288,6 +310,8 @@ class Gemma4TextModel(Decoder):
         h = config.hidden_size
         blocks = [Gemma4Block(config, i) for i in range(config.num_hidden_layers)]
         super().__init__(config.vocab_size, h, blocks, RMSNorm(h, config.rms_norm_eps))
+        self.image_token_id, self.pad_token_id = config.image_token_id, config.pad_token_id
+        self.bidirectional_images = config.use_bidirectional_attention == "vision"
         self.embed_scale = math.sqrt(h)
         self.ple_dim = config.hidden_size_per_layer_input
         if self.ple_dim:
@@ -313,26 +337,54 @@ class Gemma4TextModel(Decoder):
         context = self.per_layer_projection_norm(context.reshape(shape))
         return (context + rows) * (2**-0.5)
 
-    def __call__(self, tokens: mx.array, cache: list[LayerCache] | None = None) -> mx.array:  # type: ignore[override]
-        h = self.embed(tokens)
-        per_layer = self.per_layer_inputs(tokens, h) if self.ple_dim else None
+    def __call__(self, tokens: mx.array, cache: list[LayerCache] | None = None,  # type: ignore[override]
+                 embeddings: mx.array | None = None) -> mx.array:
+        """``embeddings``: the chunk's input embeddings with image soft tokens in place (see
+        :meth:`Gemma4ForCausalLM.image_inputs`); the image placeholders' per-layer inputs then use the
+        pad token, and the image blocks their bidirectional mask."""
+        blocks = None
+        if embeddings is None:
+            h, ple_tokens = self.embed(tokens), tokens
+        else:
+            h = embeddings
+            images = tokens == self.image_token_id
+            ple_tokens = mx.where(images, self.pad_token_id, tokens)
+            if self.bidirectional_images:
+                blocks = image_blocks(images[0])
+        per_layer = self.per_layer_inputs(ple_tokens, h) if self.ple_dim else None
         offset = cache[0].offset if cache else 0
         shared: dict[str, tuple[mx.array, mx.array]] = {}
         for i, (layer, slot) in enumerate(zip(self.layers, self.cache_slots, strict=True)):
             layer_cache = cache[slot] if cache is not None and slot is not None else None
             layer_input = per_layer[..., i, :] if per_layer is not None else None
-            h = layer(h, layer_input, offset, layer_cache, shared)
+            h = layer(h, layer_input, offset, layer_cache, shared, blocks)
         return self.norm(h)
 
 
+def image_blocks(images: mx.array) -> mx.array:
+    """Block id of each token: runs of image tokens numbered from 0, -1 elsewhere."""
+    starts = images & ~mx.concatenate([mx.array([False]), images[:-1]])
+    return mx.where(images, mx.cumsum(starts.astype(mx.int32)) - 1, -1)
+
+
 class Gemma4ForCausalLM(CausalLM):
-    """The text model under ``model`` and the tied head, soft-capped."""
+    """The text model under ``model`` and the tied head, soft-capped; with ``vision_tower`` and
+    ``embed_vision`` when the checkpoint has them."""
 
     model: Gemma4TextModel
 
     def __init__(self, config: Gemma4Config):
         super().__init__(config, Gemma4TextModel(config))
         self.softcap = config.final_logit_softcapping
+        self.atomic_images = config.use_bidirectional_attention == "vision"
+        if config.has_vision:
+            vision = config.vision_config
+            assert vision is not None
+            self.vision_tower = Gemma4VisionModel(vision)
+            self.embed_vision = MultimodalEmbedder(vision.hidden_size, config.hidden_size, vision.rms_norm_eps)
+            assert config.image_token_id is not None and config.boi_token_id is not None
+            assert config.eoi_token_id is not None
+            self.image_tokens = ImageTokens(config.image_token_id, (config.boi_token_id,), (config.eoi_token_id,))
 
     def cast_predicate(self, name: str) -> bool:
         """The per-layer embedding table (262144 x 8960 in E2B: 9.4 GB as float32) is only ever looked up,
@@ -351,6 +403,36 @@ class Gemma4ForCausalLM(CausalLM):
         return [SlidingWindowCache(config.sliding_window) if t == "sliding_attention" else KVCache()
                 for i, t in enumerate(config.layer_types) if config.owns_kv(i)]
 
+    # -- images (see mlxchat.architecture.VisionModule) ---------------------------------------------
+
+    @property
+    def supports_images(self) -> bool:
+        return "vision_tower" in self
+
+    def image_processor(self, settings: dict[str, Any]) -> Gemma4ImageProcessor:
+        vision: Gemma4VisionConfig = self.vision_tower.config
+        processor = Gemma4ImageProcessor.from_config(settings, patch_size=vision.patch_size,
+                                                     pooling_kernel_size=vision.pooling_kernel_size)
+        if (processor.patch_size, processor.pooling_kernel_size) != (vision.patch_size, vision.pooling_kernel_size):
+            raise CheckpointError(f"preprocessor_config.json: patch size and pooling kernel "
+                                  f"{processor.patch_size, processor.pooling_kernel_size} do not fit the vision "
+                                  f"tower's {vision.patch_size, vision.pooling_kernel_size}")
+        return processor
+
+    def encode_image(self, image: ProcessedImage) -> mx.array:
+        vision: Gemma4VisionConfig = self.vision_tower.config
+        _, rows, cols = image.grid
+        k, p = vision.pooling_kernel_size, vision.patch_size
+        too_big = max(rows, cols) > vision.position_embedding_size
+        if image.pixels.shape[1] != 3 * p * p or rows % k or cols % k or too_big:
+            raise ImageError(f"{image} was not preprocessed for this vision tower")
+        return self.embed_vision(self.vision_tower(mx.array(image.pixels), rows, cols))
+
+    def image_inputs(self, prompt: MultimodalPrompt, start: int, end: int,
+                     features: dict[str, mx.array]) -> dict[str, mx.array]:
+        config: Gemma4Config = self.config  # type: ignore[assignment]
+        return {"embeddings": embed_with_images(self.model.embed, prompt, start, end, features, config.pad_token_id)}
+
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         config: Gemma4Config = self.config  # type: ignore[assignment]
         text = {}
@@ -359,6 +441,13 @@ class Gemma4ForCausalLM(CausalLM):
             if match and not config.owns_kv(int(match.group(1))):
                 continue  # KV-shared layers: some checkpoints keep projections they never use
             text[key.replace(".experts.switch_glu.", ".switch_mlp.")] = value
+        if self.supports_images:
+            tower = vision_weights(weights, config.vision_config)  # type: ignore[arg-type]
+            if tower:
+                text.update(tower)
+            else:  # a text-only copy of the checkpoint: serve it as a text model
+                del self.vision_tower
+                del self.embed_vision
         return stack_experts(super().sanitize(text))
 
 
@@ -374,6 +463,23 @@ TOWERS = ("vision_tower.", "audio_tower.", "embed_vision.", "embed_audio.", "mul
 # Where the text model sits: HF wrapper, mlx-lm conversions of the wrapper, text-only checkpoints.
 TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
                  ("language_model.", ""), ("model.", "model."), ("lm_head.", "lm_head."))
+
+
+_CLIP_BOUNDS = (".input_min", ".input_max", ".output_min", ".output_max")
+
+
+def vision_weights(weights: dict[str, mx.array], vision: Gemma4VisionConfig) -> dict[str, mx.array]:
+    """The vision tower's and ``embed_vision``'s tensors under this module's names (released and mlx-vlm
+    layouts); clipping bounds only where the tower clips."""
+    out = {}
+    for key, value in weights.items():
+        bare = key.removeprefix("model.")
+        if not bare.startswith(("vision_tower.", "embed_vision.")):
+            continue
+        if bare.endswith(_CLIP_BOUNDS) and not vision.use_clipped_linears:
+            continue
+        out[bare] = value
+    return out
 
 
 def text_weights(weights: dict[str, mx.array]) -> dict[str, mx.array]:

@@ -4,24 +4,32 @@ sigmoid of a second query projection. The feed-forward is a SwiGLU MLP, or in th
 top-k mixture of experts plus a sigmoid-gated shared expert in every layer.
 
 Checkpoints are released as a vision-language model: the text model sits under ``text_config`` and
-``model.language_model.*``; the vision tower and the multi-token-prediction head are not used here.
+``model.language_model.*``, the vision tower (:mod:`.vision`) under ``model.visual.*``. Image features
+replace the ``<|image_pad|>`` embeddings, and the attention layers then rotate by 3-D positions
+(multimodal RoPE, see :mod:`mlxchat.multimodal`); text-only prompts run exactly as a text model. A
+checkpoint without the tower (mlx-lm's conversions) loads as a text model. The multi-token-prediction
+head is not used.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from pydantic import model_validator
 
 from mlxchat.cache import KVCache, LayerCache, StateCache
 from mlxchat.config import ModelConfig, RopeConfig
-from mlxchat.errors import CheckpointError
+from mlxchat.errors import CheckpointError, ImageError
+from mlxchat.images import ProcessedImage, Qwen2VLImageProcessor
 from mlxchat.layers import (
     CausalLM,
     Decoder,
     GatedDeltaNet,
+    MRoPE,
     RMSNorm,
     RoPE,
     SparseMoE,
@@ -29,6 +37,9 @@ from mlxchat.layers import (
     attend,
     stack_experts,
 )
+from mlxchat.multimodal import ImageTokens, MultimodalPrompt, embed_with_images
+
+from .vision import Qwen35VisionConfig, Qwen35VisionModel
 
 LayerType = Literal["linear_attention", "full_attention"]
 
@@ -51,6 +62,10 @@ class Qwen35Config(ModelConfig):
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
+    # the vision-language wrapper (top level of config.json)
+    mrope_section: tuple[int, int, int] = (11, 11, 10)
+    vision_config: Qwen35VisionConfig | None = None
+    image_token_id: int | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -70,6 +85,8 @@ class Qwen35Config(ModelConfig):
         if isinstance(data.get("rope"), dict):
             rope = dict(data["rope"])
             rope.setdefault("partial_rotary_factor", 0.25)
+            if rope.get("mrope_section") is not None:
+                data.setdefault("mrope_section", rope["mrope_section"])
             if rope.get("rope_type") == "mrope":  # text-only positions make mRoPE plain 1-D RoPE
                 rope["rope_type"] = "default"
             data["rope"] = rope
@@ -87,6 +104,10 @@ class Qwen35Config(ModelConfig):
     @property
     def rotary_dims(self) -> int:
         return int(self.head_dim * self.rope.partial_rotary_factor)
+
+    @property
+    def has_vision(self) -> bool:
+        return self.vision_config is not None and self.image_token_id is not None
 
 
 class GatedAttention(nn.Module):
@@ -106,15 +127,15 @@ class GatedAttention(nn.Module):
         self.k_norm = RMSNorm(d, config.rms_norm_eps)
         self.rope = rope
 
-    def __call__(self, x: mx.array, cache: KVCache | None = None) -> mx.array:
+    def __call__(self, x: mx.array, cache: KVCache | None, positions: int | mx.array) -> mx.array:
+        """``positions``: the first token's rotary position (text), or every token's 3-D position ``[3, L]``."""
         batch, length, _ = x.shape
         queries = self.q_proj(x).reshape(batch, length, self.num_heads, 2 * self.head_dim)
         q, gate = mx.split(queries, 2, axis=-1)
         k = self.k_proj(x).reshape(batch, length, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).reshape(batch, length, self.num_kv_heads, self.head_dim)
         q, k, v = self.q_norm(q).swapaxes(1, 2), self.k_norm(k).swapaxes(1, 2), v.swapaxes(1, 2)
-        offset = cache.offset if cache is not None else 0
-        q, k = self.rope(q, offset), self.rope(k, offset)
+        q, k = self.rope(q, positions), self.rope(k, positions)
         out = attend(q, k, v, cache, self.head_dim**-0.5).swapaxes(1, 2)
         return self.o_proj((out * mx.sigmoid(gate)).reshape(batch, length, -1))
 
@@ -140,28 +161,129 @@ class Qwen35Block(nn.Module):
         else:
             self.mlp = SwiGLU(h, config.intermediate_size)
 
-    def __call__(self, x: mx.array, cache: LayerCache | None) -> mx.array:
-        mixer = self.linear_attn if self.is_linear else self.self_attn
-        h = x + mixer(self.input_layernorm(x), cache)
+    def __call__(self, x: mx.array, cache: LayerCache | None, positions: int | mx.array) -> mx.array:
+        normed = self.input_layernorm(x)
+        if self.is_linear:
+            h = x + self.linear_attn(normed, cache)
+        else:
+            h = x + self.self_attn(normed, cache, positions)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Qwen35Model(Decoder):
+    """The decoder; its attention layers rotate text by the KV cache's position and image chunks by the
+    explicit 3-D ``positions`` given with their ``embeddings``."""
+
+    def __call__(self, tokens: mx.array, cache: Sequence[LayerCache | None] | None = None,  # type: ignore[override]
+                 embeddings: mx.array | None = None, positions: mx.array | None = None) -> mx.array:
+        h = self.embed(tokens) if embeddings is None else embeddings
+        caches = list(cache) if cache is not None else [None] * len(self.layers)
+        attention = [c for c in caches if isinstance(c, KVCache)]
+        rope: int | mx.array = positions if positions is not None else (attention[0].position if attention else 0)
+        for layer, layer_cache in zip(self.layers, caches, strict=True):
+            h = layer(h, layer_cache, rope)
+        if positions is not None and attention:
+            # Text after this chunk continues one past its last token's largest coordinate.
+            shift = int(np.array(positions[:, -1]).max()) + 1 - attention[0].offset
+            for kv in attention:
+                kv.shift_positions(shift)
+        return self.norm(h)
+
+
+def mrope_positions(prompt: MultimodalPrompt, start: int, end: int, merge: int) -> np.ndarray:
+    """3-D rotary positions ``[3, end - start]`` of a prompt slice, as transformers' ``get_rope_index``:
+    text at its index plus the shift so far; an image at ``(s, s + row, s + column)`` of its merged grid,
+    ``s`` being where the text would have continued; text after it at ``s + max(rows, columns)``."""
+    out = np.empty((3, end - start), np.int32)
+
+    def fill(first: int, values: np.ndarray) -> None:
+        a, b = max(first, start), min(first + values.shape[1], end)
+        if a < b:
+            out[:, a - start : b - start] = values[:, a - first : b - first]
+
+    shift, cursor = 0, 0
+    for span in prompt.images:
+        if cursor >= end:
+            break
+        fill(cursor, np.repeat(np.arange(cursor, span.start)[None] + shift, 3, axis=0))
+        _, grid_h, grid_w = span.image.grid
+        rows, cols = grid_h // merge, grid_w // merge
+        first = span.start + shift
+        row, col = np.divmod(np.arange(rows * cols), cols)
+        fill(span.start, np.stack([np.full(rows * cols, first), first + row, first + col]))
+        shift = first + max(rows, cols) - span.end
+        cursor = span.end
+    if cursor < end:
+        fill(cursor, np.repeat(np.arange(cursor, end)[None] + shift, 3, axis=0))
+    return out
 
 
 # Norms that HF-layout checkpoints store zero-centred (the forward multiplies by 1 + w). The gated norm
 # of the DeltaNet (`linear_attn.norm`) is not one of them.
 _ZERO_CENTRED = (".input_layernorm.weight", ".post_attention_layernorm.weight", "model.norm.weight",
                  ".q_norm.weight", ".k_norm.weight")
-_SKIPPED = ("model.visual.", "visual.", "vision_tower.", "mtp.", "model.mtp.")
+_SKIPPED = ("mtp.", "model.mtp.")
+# Where the vision tower sits: released (HF) layout, mlx-vlm's conversions.
+_VISUAL = ("model.visual.", "visual.", "vision_tower.")
+# Qwen3-VL / Qwen3.5 preprocessor_config.json values, for checkpoints that ship none.
+PROCESSOR_DEFAULTS = {"image_mean": (0.5, 0.5, 0.5), "image_std": (0.5, 0.5, 0.5), "min_pixels": 65536,
+                      "max_pixels": 16777216}
 
 
 class Qwen35ForCausalLM(CausalLM):
+    """The text decoder and ``lm_head``; with a vision tower (``visual``) when the checkpoint has one."""
+
+    model: Qwen35Model
+    atomic_images = False  # the text model is causal over image tokens: a chunk may end inside an image
+
     def __init__(self, config: Qwen35Config):
-        rope = RoPE(config.rotary_dims, config.rope, config.max_position_embeddings)
+        if config.has_vision:
+            rope: RoPE = MRoPE(config.rotary_dims, config.rope, config.mrope_section, config.max_position_embeddings)
+        else:
+            rope = RoPE(config.rotary_dims, config.rope, config.max_position_embeddings)
         blocks = [Qwen35Block(config, i, rope) for i in range(config.num_hidden_layers)]
-        super().__init__(config, Decoder(config.vocab_size, config.hidden_size, blocks,
-                                         RMSNorm(config.hidden_size, config.rms_norm_eps)))
+        super().__init__(config, Qwen35Model(config.vocab_size, config.hidden_size, blocks,
+                                             RMSNorm(config.hidden_size, config.rms_norm_eps)))
+        if config.has_vision:
+            assert config.vision_config is not None and config.image_token_id is not None
+            self.visual = Qwen35VisionModel(config.vision_config)
+            self.image_tokens = ImageTokens(config.image_token_id)
 
     def make_cache(self) -> list[LayerCache]:
         return [StateCache(2) if block.is_linear else KVCache() for block in self.model.layers]
+
+    # -- images (see mlxchat.architecture.VisionModule) ---------------------------------------------
+
+    @property
+    def supports_images(self) -> bool:
+        return "visual" in self
+
+    def image_processor(self, settings: dict[str, Any]) -> Qwen2VLImageProcessor:
+        vision: Qwen35VisionConfig = self.visual.config
+        processor = Qwen2VLImageProcessor.from_config(
+            settings, **PROCESSOR_DEFAULTS, patch_size=vision.patch_size,
+            temporal_patch_size=vision.temporal_patch_size, merge_size=vision.spatial_merge_size)
+        tower = (vision.patch_size, vision.temporal_patch_size, vision.spatial_merge_size)
+        if (processor.patch_size, processor.temporal_patch_size, processor.merge_size) != tower:
+            raise CheckpointError(f"preprocessor_config.json: patch, temporal patch and merge sizes "
+                                  f"{processor.patch_size, processor.temporal_patch_size, processor.merge_size} "
+                                  f"do not fit the vision tower's {tower}")
+        return processor
+
+    def encode_image(self, image: ProcessedImage) -> mx.array:
+        vision: Qwen35VisionConfig = self.visual.config
+        merge = vision.spatial_merge_size
+        _, rows, cols = image.grid
+        if image.pixels.shape[1] != vision.patch_values or rows % merge or cols % merge or image.grid[0] != 1:
+            raise ImageError(f"{image} was not preprocessed for this vision tower")
+        return self.visual(mx.array(image.pixels), image.grid)
+
+    def image_inputs(self, prompt: MultimodalPrompt, start: int, end: int,
+                     features: dict[str, mx.array]) -> dict[str, mx.array]:
+        marker = self.image_tokens.marker
+        merge = self.visual.config.spatial_merge_size
+        return {"embeddings": embed_with_images(self.model.embed, prompt, start, end, features, marker),
+                "positions": mx.array(mrope_positions(prompt, start, end, merge))}
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         """Released (HF) and mlx-lm-converted checkpoints to this module's names and conventions.
@@ -170,8 +292,12 @@ class Qwen35ForCausalLM(CausalLM):
         moved to MLX's ``[C, K, 1]`` and the zero-centred norms given their ``1 +`` (mlx-lm folds both in
         when it converts, so its checkpoints already have them).
         """
-        renamed = {}
+        renamed, tower = {}, {}
         for key, value in weights.items():
+            prefix = next((p for p in _VISUAL if key.startswith(p)), None)
+            if prefix is not None:
+                tower["visual." + key[len(prefix):]] = value
+                continue
             if key.startswith("model.language_model."):
                 key = "model." + key[len("model.language_model."):]
             elif key.startswith("language_model."):  # mlx-lm: language_model.{model,lm_head}.*
@@ -190,4 +316,21 @@ class Qwen35ForCausalLM(CausalLM):
                     renamed[key] = value.swapaxes(1, 2)
                 elif key.endswith(_ZERO_CENTRED) and value.ndim == 1:
                     renamed[key] = value + 1.0
+        if "visual" in self:
+            if tower:
+                renamed.update(self._sanitize_tower(tower))
+            else:
+                del self.visual  # a text-only copy of the checkpoint: serve it as a text model
         return stack_experts(super().sanitize(renamed))
+
+    def _sanitize_tower(self, tower: dict[str, mx.array]) -> dict[str, mx.array]:
+        """The patch embedding's Conv3d weight as our linear map: PyTorch ``[out, C, T, P, P]`` or mlx-vlm's
+        channels-last ``[out, T, P, P, C]``, flattened in the ``(C, T, P, P)`` order of the pixel values."""
+        key = "visual.patch_embed.proj.weight"
+        weight = tower.get(key)
+        if weight is not None and weight.ndim == 5:
+            channels = self.visual.config.in_channels
+            if weight.shape[-1] == channels and weight.shape[1] != channels:
+                weight = weight.transpose(0, 4, 1, 2, 3)
+            tower[key] = weight.reshape(weight.shape[0], -1)
+        return tower
