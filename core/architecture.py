@@ -37,8 +37,8 @@ class ChatQuirks:
 
     tool_format: str | None = None
     """Name of the tool-call format in the parser registry (``None``: the model does not call tools)."""
-    reasoning: tuple[str, str] | None = ("<think>", "</think>")
-    """Markers around reasoning in the model's output."""
+    reasoning: tuple[str, str] | None = None
+    """Markers around reasoning in the model's output (``None``: the family does not reason in its replies)."""
     stop_tokens: tuple[str, ...] = ()
     """Tokens that end a reply besides the checkpoint's EOS ids (when the vocabulary has them)."""
     template_kwargs: dict[str, Any] = field(default_factory=dict)

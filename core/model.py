@@ -26,7 +26,11 @@ Prompt = str | Sequence[int]
 
 
 class GenerativeModel:
-    """A model ready to generate. Sessions over it take turns on its single worker thread."""
+    """A model ready to generate. Sessions over it take turns on its single worker thread.
+
+    The worker owns the module: it built and evaluated it (:func:`mlxchat.load_model`), and every MLX
+    operation on it runs there, so no lazy array ever crosses threads.
+    """
 
     def __init__(
         self,
@@ -38,6 +42,7 @@ class GenerativeModel:
         chat_template: ChatTemplate | None,
         defaults: GenerationConfig,
         eos_ids: set[int],
+        worker: Worker,
         path: Path | None = None,
         dtype: mx.Dtype = mx.float32,
         quantization: dict[str, Any] | None = None,
@@ -52,7 +57,7 @@ class GenerativeModel:
         self.path = path
         self.dtype = dtype
         self.quantization = quantization
-        self.worker = Worker(f"mlxchat-{architecture.name}")
+        self.worker = worker
 
     def __repr__(self) -> str:
         return f"GenerativeModel({self.architecture.name}, {self.path}, dtype={self.dtype})"
@@ -94,7 +99,8 @@ class GenerativeModel:
     ) -> tuple[str, list[int]]:
         """The chat prompt as text and as safe token ids (one rendering)."""
         if self.chat_template is None:
-            raise TemplateError(f"{self.path} has no chat template (chat_template.jinja or tokenizer_config.json)")
+            raise TemplateError(f"{self.path or 'this model'} has no chat template (chat_template.jinja or "
+                                "tokenizer_config.json)")
         from .tools.schema import tool_schemas
 
         schemas = tool_schemas(tools) if tools else None
@@ -133,7 +139,8 @@ class GenerativeModel:
     # -- running ------------------------------------------------------------------------------------
 
     def make_prompt_cache(self, max_snapshots: int = DEFAULT_MAX_SNAPSHOTS) -> PromptCache:
-        return PromptCache(self.module.make_cache, max_snapshots)
+        """A fresh prompt cache, made on the worker (a plugin's layer caches may start with arrays)."""
+        return self.worker.run(PromptCache, self.module.make_cache, max_snapshots)
 
     def logits(self, token_ids: Sequence[int]) -> mx.array:
         """Float32 logits ``[len, vocab]`` of one cache-free forward pass (research and parity tests)."""

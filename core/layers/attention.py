@@ -44,7 +44,6 @@ class Attention(nn.Module):
         rope: RoPE,
         *,
         qk_norm_eps: float | None = None,
-        norm_offset: float = 0.0,
         bias: bool = False,
         scale: float | None = None,
     ):
@@ -57,8 +56,8 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
         self.qk_norm = qk_norm_eps is not None
         if qk_norm_eps is not None:
-            self.q_norm = RMSNorm(head_dim, qk_norm_eps, offset=norm_offset)
-            self.k_norm = RMSNorm(head_dim, qk_norm_eps, offset=norm_offset)
+            self.q_norm = RMSNorm(head_dim, qk_norm_eps)
+            self.k_norm = RMSNorm(head_dim, qk_norm_eps)
         self.rope = rope
 
     def __call__(self, x: mx.array, cache: KVCache | None = None) -> mx.array:

@@ -18,15 +18,18 @@ import mlx.core as mx
 import mlx.nn as nn
 from pydantic import model_validator
 
-from mlxchat.cache import KVCache, LayerCache, SlidingWindowCache
-from mlxchat.config import ModelConfig, RopeConfig
-from mlxchat.errors import CheckpointError
-from mlxchat.layers import (
+from mlxchat.plugin import (
     CausalLM,
+    CheckpointError,
     Decoder,
+    KVCache,
+    LayerCache,
+    ModelConfig,
     ProportionalRoPE,
     RMSNorm,
     RoPE,
+    RopeConfig,
+    SlidingWindowCache,
     SwiGLU,
     SwitchGLU,
     gelu_tanh_gate,
