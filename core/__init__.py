@@ -8,6 +8,7 @@ from .runtime import configure_blas
 
 configure_blas()
 
+from . import configs  # noqa: E402  (a module: mlxchat.configs.list(), .get(name))
 from .architecture import Architecture, ChatQuirks, ModelModule  # noqa: E402
 from .cache import KVCache, LayerCache, StateCache  # noqa: E402
 from .config import ModelConfig, RopeConfig  # noqa: E402
@@ -15,6 +16,7 @@ from .errors import (  # noqa: E402
     CheckpointError,
     GenerationError,
     MlxchatError,
+    PluginError,
     SessionClosedError,
     SessionStateError,
     StreamConsumedError,
@@ -24,7 +26,7 @@ from .errors import (  # noqa: E402
 )
 from .generation import GenerationChunk, GenerationConfig, GenerationReport, GenerationResult  # noqa: E402
 from .hookspecs import hookimpl  # noqa: E402
-from .loading import load_model, load_session  # noqa: E402
+from .loading import build_model, load_model, load_session  # noqa: E402
 from .messages import ChatMessage, FunctionCall, ToolCall  # noqa: E402
 from .model import GenerativeModel  # noqa: E402
 from .prompt_cache import PromptCache  # noqa: E402
@@ -55,6 +57,7 @@ __all__ = [
     "MlxchatError",
     "ModelConfig",
     "ModelModule",
+    "PluginError",
     "PromptCache",
     "RopeConfig",
     "SessionCapableModel",
@@ -71,6 +74,8 @@ __all__ = [
     "ToolCallEvent",
     "UnknownModelTypeError",
     "UnsupportedQuantizationError",
+    "build_model",
+    "configs",
     "detect_model_type",
     "hookimpl",
     "load_model",

@@ -73,6 +73,7 @@ class Gemma4Config(ModelConfig):
     attention_bias: bool = False
     final_logit_softcapping: float | None = None
     hidden_size_per_layer_input: int = 256
+    """Width of the per-layer inputs (PLE); 0 for none (26B-A4B and 31B write null)."""
     vocab_size_per_layer_input: int = 262_144
     num_kv_shared_layers: int = 0
     use_double_wide_mlp: bool = False
@@ -88,6 +89,8 @@ class Gemma4Config(ModelConfig):
         if not isinstance(data, dict):
             return data
         data = dict(data)
+        if "hidden_size_per_layer_input" in data and data["hidden_size_per_layer_input"] is None:
+            data["hidden_size_per_layer_input"] = 0
         layers = data.get("num_hidden_layers")
         if not isinstance(layers, int):
             return data  # the field check reports it
