@@ -11,10 +11,10 @@ import pytest
 import mlxchat
 from mlxchat.cache import KVCache, StateCache
 from mlxchat.generation import GenerationConfig, decode_tokens
+from mlxchat.testing import full_logits
 from mlxchat_lfm2.model import Lfm2Config
 
 from conftest import fixture_path, loaded, reference
-from parity import full_logits
 
 ARCHS = ["lfm2", "lfm2_moe"]
 
