@@ -151,16 +151,20 @@ def _greedy_problems(model: GenerativeModel, ref: dict[str, Any]) -> list[str]:
     problems = []
     ours = greedy_tokens(model, prompt, len(expected))
     if ours != expected:
-        first = next(i for i, (a, b) in enumerate(zip(ours, expected, strict=True)) if a != b)
-        problems.append(f"greedy continuation: token {first} is {ours[first]}, the reference chose "
-                        f"{expected[first]} (ours {ours[: first + 1]}...)")
+        problems.append(f"greedy continuation through the caches: {_first_difference(ours, expected)}")
     config = {"max_tokens": len(expected), "temperature": 0.0, "repetition_penalty": 1.0,
               "presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": {}}
     result = model.generate(prompt, config)
     # generate stops at an end-of-turn token, which the reference run did not: compare up to there.
     stopped_early = result.finish_reason == "stop" and len(result.tokens) < len(expected)
-    if result.tokens != expected[: len(result.tokens)] or (
-            stopped_early and expected[len(result.tokens)] not in model.eos_ids):
-        problems.append(f"generate(): {result.tokens} ({result.finish_reason}) is not a prefix of the "
-                        f"reference {expected}")
+    if result.tokens != expected[: len(result.tokens)]:
+        problems.append(f"greedy continuation through generate(): {_first_difference(result.tokens, expected)}")
+    elif stopped_early and expected[len(result.tokens)] not in model.eos_ids:
+        problems.append(f"generate() stopped after {len(result.tokens)} tokens, where the reference goes on "
+                        f"with {expected[len(result.tokens)]}, not an end-of-turn token")
     return problems
+
+
+def _first_difference(ours: list[int], expected: list[int]) -> str:
+    first = next(i for i, (a, b) in enumerate(zip(ours, expected, strict=False)) if a != b)
+    return f"token {first} is {ours[first]}, the reference chose {expected[first]} (after {ours[:first]})"
