@@ -103,11 +103,10 @@ def write_reference(folder: Path, model: Any, vocab_size: int, *, variant_of: st
     with torch.no_grad():
         logits = model(tokens).logits[0].float().numpy()
         out = model(tokens[:, :PROMPT_LEN], use_cache=True)
-        steps, past = [out.logits[0].float().numpy()], out.past_key_values
+        steps = [out.logits[0].float().numpy()]
         for i in range(PROMPT_LEN, SEQ_LEN):
-            out = model(tokens[:, i : i + 1], past_key_values=past, use_cache=True)
+            out = model(tokens[:, i : i + 1], cache=out.cache, use_cache=True)
             steps.append(out.logits[0].float().numpy())
-            past = out.past_key_values
         prompt = tokens[:, :PROMPT_LEN]
         generated = model.generate(prompt, max_new_tokens=GREEDY_TOKENS, min_new_tokens=GREEDY_TOKENS,
                                    do_sample=False, attention_mask=torch.ones_like(prompt), pad_token_id=0)

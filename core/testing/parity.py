@@ -80,7 +80,7 @@ def greedy_tokens(model: GenerativeModel, prompt: Sequence[int], count: int,
         out: list[int] = []
         step = tokens
         for _ in range(count):
-            token = int(mx.argmax(last(mx.array(step)[None], cache), axis=-1).item())
+            token = int(mx.argmax(last(mx.array(step)[None], cache), axis=-1).item())  # type: ignore[arg-type]
             out.append(token)
             step = [token]
         return out

@@ -29,4 +29,5 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     """Close what this run loaded (a run inside another, as pytester makes, leaves the outer run's)."""
-    fixtures.close_fixtures(keep=session.stash.get(_LOADED_BEFORE, set()))
+    before: set[Path] = session.stash.get(_LOADED_BEFORE, set())
+    fixtures.close_fixtures(keep=before)
