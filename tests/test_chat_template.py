@@ -109,3 +109,16 @@ def test_string_tool_call_arguments_reach_templates_as_mappings() -> None:
                     "name": "get_weather", "arguments": '{"city": "Paris", "days": 2}'}}]}]
     text = template("qwen3.5.jinja").render(messages)
     assert "<parameter=city>\nParis\n</parameter>" in text and "<parameter=days>\n2\n</parameter>" in text
+
+
+@pytest.mark.parametrize(("source", "takes_tools", "renders_calls"), [
+    # Words in comments or strings decide nothing: what the template renders does.
+    ("{# tools and tool_calls are not supported #}{% for m in messages %}{{ m.content }}{% endfor %}", False, False),
+    ("{% if tools %}{{ tools | tojson }}{% endif %}{% for m in messages %}{{ m.content }}{% endfor %}", True, False),
+    ("{% for m in messages %}{{ m.content }}{% for c in m.tool_calls or [] %}{{ c.function.name }}{% endfor %}"
+     "{% endfor %}", False, True),
+    ("{{ raise_exception('no') }}", False, False),
+])
+def test_tool_support_is_decided_by_rendering_a_probe(source: str, takes_tools: bool, renders_calls: bool) -> None:
+    chat = ChatTemplate(source, TOKENIZER)
+    assert (chat.takes_tools, chat.renders_tool_calls) == (takes_tools, renders_calls)
