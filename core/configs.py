@@ -286,11 +286,12 @@ _CONFIGS: dict[str, _Named] = {
     # LFM2: arch_gemma4_lfm2.md section 3.1 (350M, 1.2B: configs quoted by ports' tests) and section 3
     # (8B-A1B). UNCERTAIN: 700M's width (1536), heads (24) and block_ff_dim (10240) are the model card's,
     # not a copy of its config; 2.6B's 30 layers, 22 conv + 8 attention and block_ff_dim 10752 are quoted by
-    # a port's test, but the attention layers' positions below are a guess.
+    # a port's test, its width 2560 is what makes 2.6B parameters of them (2048 would make 1.9B), and the
+    # attention layers' positions below are a guess.
     "lfm2-350m": _Named("LiquidAI/LFM2-350M", _lfm2(1024, 6656, 16)),
     "lfm2-700m": _Named("LiquidAI/LFM2-700M", _lfm2(1536, 10240, 24)),
     "lfm2-1.2b": _Named("LiquidAI/LFM2-1.2B", _lfm2(2048, 12288, 32)),
-    "lfm2-2.6b": _Named("LiquidAI/LFM2-2.6B", _lfm2(2048, 10752, 32, layers=30,
+    "lfm2-2.6b": _Named("LiquidAI/LFM2-2.6B", _lfm2(2560, 10752, 32, layers=30,
                                                     attention=(2, 6, 10, 14, 18, 22, 26, 29))),
     "lfm2-8b-a1b": _Named("LiquidAI/LFM2-8B-A1B", _lfm2_moe()),
     # Gemma 4: Ollama's x/models/gemma4 tests quote each release's text_config; arch_gemma4_lfm2.md section
