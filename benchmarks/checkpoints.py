@@ -4,26 +4,16 @@
 
 Speed depends on shapes, not on trained values, so random weights with a release's exact tensor shapes,
 vocabulary size (the lm_head is a large share of decode), dtype (bf16, as released) and file layout
-(config.json keys, tensor names) measure what a user of that release gets. transformers builds each model
-(its own random init) and ``save_pretrained`` writes it; the config is then patched to the released style.
+(config.json keys, tensor names) measure what a user of that release gets. Each checkpoint's config.json
+is the release's own, from ``mlxchat.configs`` (where every value's source is named); transformers builds
+the model from it (its own random init) and ``save_pretrained`` writes the weights, then the release's
+config.json replaces the one transformers wrote.
 
-Where the shapes come from (see ../shared/research/arch_qwen.md §7 and arch_gemma4_lfm2.md; [3p] = a
-third-party copy of the released config, not checked against the hub):
-
-- Qwen3-0.6B: every value from a [3p] copy of the released config.json.
-- Qwen3-MoE: Qwen3-30B-A3B's expert count (128), top-k (8), head_dim (128), GQA ratio (8:1), expert
-  width / hidden ratio (768/2048) and vocabulary; scaled down (our choice) to hidden 1024, 8 layers,
-  16/2 heads and expert width 384 so that it fits a 24 GB machine in float32.
-- Qwen3.5-0.8B: hidden 1024, 24 layers (3 Gated DeltaNet : 1 attention), 8/2 heads of 256, FFN 3584,
-  vocab 248320, rope theta 1e7, partial rotary 0.25 ([3p] model cards); assumed: 16 key and 16 value
-  DeltaNet heads of 128 (one [3p] code comment), tied embeddings, conv kernel 4 (transformers default).
-  Written text-only (no vision tower), top-level model_type qwen3_5 as released.
-- LFM2-350M: hidden 1024, 16 layers with attention at [2, 5, 8, 10, 12, 14], 16/8 heads, FFN 6656 (auto
-  adjusted to 4608), vocab 65536, conv kernel 3, rope theta 1e6, tied ([3p] configs quoted in ports).
-- Gemma 4 E2B (text): 35 layers, hidden 1536, 8 heads / 1 KV head, head_dim 256 (sliding) and 512 (full,
-  every 5th layer), FFN 6144 and 12288 on the 20 KV-sharing layers, per-layer inputs 256 wide, vocab
-  262144, window 512, softcap 30 (gemma.cpp test [3p] and mlx-lm's defaults, which equal them). Written
-  text-only (no vision/audio towers), model_type gemma4 as released.
+- Qwen3-0.6B, Qwen3.5-0.8B, LFM2-350M and Gemma 4 E2B: the released configs, unchanged. Qwen3.5 and
+  Gemma 4 are written text-only (no vision/audio towers), in their released wrapper layout.
+- Qwen3-MoE: Qwen3-30B-A3B's config (128 experts, top-8, head_dim 128, its vocabulary) scaled down (our
+  choice) to hidden 1024, 8 layers, 16/2 heads and expert width 384, so that it fits a 24 GB machine in
+  float32.
 
 Tokenizers: the real Qwen3 / Qwen3.5 vocabularies when ../shared/tokenizers (or $MLXCHAT_BENCH_TOKENIZERS)
 has them; otherwise, and for LFM2 and Gemma 4, a byte-level BPE trained on the benchmark's own text with
@@ -48,7 +38,6 @@ HERE = Path(__file__).resolve().parent
 TEMPLATES = HERE / "templates"
 DEFAULT_DIR = Path(os.environ.get("MLXCHAT_BENCH_CHECKPOINTS", HERE / "checkpoints"))
 MARKER = "benchmark.json"
-DELETE = object()
 
 
 def _shared_tokenizers() -> Path:
@@ -76,10 +65,10 @@ class BenchModel:
     """Parameter count (checks memory before a checkpoint is built)."""
     lookup_params: float
     """Of which in per-layer embedding tables (read a row at a time; a plugin may keep them stored)."""
-    make: Callable[[], tuple[Any, Any]] = field(repr=False)
-    """Returns (transformers model class, config)."""
-    patch: Callable[[dict[str, Any]], None] = field(repr=False)
-    """Edits the saved config.json into the released style."""
+    config: Callable[[], dict[str, Any]] = field(repr=False)
+    """The checkpoint's config.json: a release's, from mlxchat.configs."""
+    model: Callable[[dict[str, Any]], tuple[Any, Any]] = field(repr=False)
+    """(transformers model class, its config) for that config.json."""
     rename: Callable[[str], str] | None = field(default=None, repr=False)
     """Maps saved tensor names to the released ones (when they differ)."""
 
@@ -103,109 +92,46 @@ QWEN_SPECIALS = (
 )
 
 
-def _qwen3_dense() -> tuple[Any, Any]:
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+def _released(name: str, **changes: Any) -> Callable[[], dict[str, Any]]:
+    """A release's config.json from mlxchat.configs, with ``changes`` (top level) applied."""
 
-    return Qwen3ForCausalLM, Qwen3Config(
-        vocab_size=151936,
-        hidden_size=1024,
-        intermediate_size=3072,
-        num_hidden_layers=28,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=128,
-        tie_word_embeddings=True,
-        max_position_embeddings=40960,
-        rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
-    )
+    def config() -> dict[str, Any]:
+        from mlxchat import configs
+
+        return {**configs.get(name), **changes}
+
+    return config
 
 
-def _qwen3_moe() -> tuple[Any, Any]:
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    return Qwen3MoeForCausalLM, Qwen3MoeConfig(  # type: ignore[call-arg]  # head_dim arrives via **kwargs
-        vocab_size=151936,
-        hidden_size=1024,
-        intermediate_size=3072,
-        num_hidden_layers=8,
-        num_attention_heads=16,
-        num_key_value_heads=2,
-        head_dim=128,
-        tie_word_embeddings=False,
-        num_experts=128,
-        num_experts_per_tok=8,
-        moe_intermediate_size=384,
-        norm_topk_prob=True,
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
-        max_position_embeddings=40960,
-        rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
-    )
+def _hf_config(config_class: Any, config: dict[str, Any]) -> Any:
+    """A transformers config from a config.json dict (the keys that only describe the file left out)."""
+    skipped = ("architectures", "model_type", "transformers_version", "torch_dtype", "dtype")
+    return config_class(**{k: v for k, v in config.items() if k not in skipped})
 
 
-def _qwen3_release(config: dict[str, Any]) -> None:
-    """Released Qwen3 configs are transformers-4 style: top-level rope_theta (and num_experts for MoE)."""
-    _set(config, rope_theta=1e6, rope_scaling=None, rope_parameters=DELETE)
-    if "num_local_experts" in config:
-        _set(config, num_experts=config["num_local_experts"], num_local_experts=DELETE)
+def _qwen3(config: dict[str, Any]) -> tuple[Any, Any]:
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    if config["model_type"] == "qwen3_moe":
+        return Qwen3MoeForCausalLM, _hf_config(Qwen3MoeConfig, config)
+    return Qwen3ForCausalLM, _hf_config(Qwen3Config, config)
+
 
 
 # -- Qwen3.5 ----------------------------------------------------------------------------------------
 
 
-def _qwen35() -> tuple[Any, Any]:
+def _qwen35(config: dict[str, Any]) -> tuple[Any, Any]:
+    """The text model alone (the release's weights sit under model.language_model: see _qwen35_name)."""
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
-    layers = 24
-    return Qwen3_5ForCausalLM, Qwen3_5TextConfig(
-        vocab_size=248320,
-        hidden_size=1024,
-        intermediate_size=3584,
-        num_hidden_layers=layers,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=256,
-        linear_num_key_heads=16,
-        linear_num_value_heads=16,
-        linear_key_head_dim=128,
-        linear_value_head_dim=128,
-        linear_conv_kernel_dim=4,
-        layer_types=["full_attention" if i % 4 == 3 else "linear_attention" for i in range(layers)],
-        tie_word_embeddings=True,
-        max_position_embeddings=262144,
-        rms_norm_eps=1e-6,
-        rope_parameters={
-            "rope_type": "default",
-            "rope_theta": 1e7,
-            "partial_rotary_factor": 0.25,
-            "mrope_section": [11, 11, 10],
-            "mrope_interleaved": True,
-        },
-    )
+    return Qwen3_5ForCausalLM, _hf_config(Qwen3_5TextConfig, config["text_config"])
+
 
 
 def _qwen35_name(name: str) -> str:
     """Released Qwen3.5 keeps the text model under model.language_model (the VLM's layout)."""
     return name.replace("model.", "model.language_model.", 1) if name.startswith("model.") else name
-
-
-def _qwen35_release(config: dict[str, Any]) -> None:
-    """Released Qwen3.5 is a VLM config with the text model nested (and full_attention_interval kept)."""
-    text = {**config, "model_type": "qwen3_5_text", "full_attention_interval": 4}
-    for key in ("architectures", "transformers_version", "dtype"):
-        text.pop(key, None)
-    config.clear()
-    config.update(
-        {
-            "architectures": ["Qwen3_5ForConditionalGeneration"],
-            "model_type": "qwen3_5",
-            "text_config": text,
-            "tie_word_embeddings": True,
-            "dtype": "bfloat16",
-        }
-    )
 
 
 # -- LFM2 -------------------------------------------------------------------------------------------
@@ -226,41 +152,11 @@ LFM2_SPECIALS = (
     "<|tool_response_start|>",
     "<|tool_response_end|>",
 )
-LFM2_ATTENTION = (2, 5, 8, 10, 12, 14)
-
-
-def _lfm2() -> tuple[Any, Any]:
+def _lfm2(config: dict[str, Any]) -> tuple[Any, Any]:
     from transformers import Lfm2Config, Lfm2ForCausalLM
 
-    layers = 16
-    return Lfm2ForCausalLM, Lfm2Config(
-        vocab_size=65536,
-        hidden_size=1024,
-        intermediate_size=6656,
-        num_hidden_layers=layers,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        max_position_embeddings=128000,
-        norm_eps=1e-5,
-        tie_word_embeddings=True,
-        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
-        conv_bias=False,
-        conv_L_cache=3,
-        block_multiple_of=256,
-        block_ffn_dim_multiplier=1.0,
-        block_auto_adjust_ff_dim=True,
-        layer_types=["full_attention" if i in LFM2_ATTENTION else "conv" for i in range(layers)],
-    )
+    return Lfm2ForCausalLM, _hf_config(Lfm2Config, config)
 
-
-def _lfm2_release(config: dict[str, Any]) -> None:
-    _set(
-        config,
-        block_dim=config["hidden_size"],
-        block_ff_dim=config["intermediate_size"],
-        full_attn_idxs=list(LFM2_ATTENTION),
-        rope_theta=1e6,
-    )
 
 
 # -- Gemma 4 ----------------------------------------------------------------------------------------
@@ -288,46 +184,14 @@ GEMMA4_SPECIALS = (
 )
 
 
-def _gemma4() -> tuple[Any, Any]:
+def _gemma4(config: dict[str, Any]) -> tuple[Any, Any]:
+    """The multimodal wrapper without its vision and audio towers (the text model is what both engines run)."""
     from transformers import Gemma4Config, Gemma4ForConditionalGeneration, Gemma4TextConfig
 
-    layers = 35
-    text = Gemma4TextConfig(  # type: ignore[call-arg]  # saved as per_layer_config
-        vocab_size=262144,
-        hidden_size=1536,
-        intermediate_size=6144,
-        num_hidden_layers=layers,
-        num_attention_heads=8,
-        num_key_value_heads=1,
-        head_dim=256,
-        global_head_dim=512,
-        hidden_activation="gelu_pytorch_tanh",
-        max_position_embeddings=131072,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=True,
-        sliding_window=512,
-        final_logit_softcapping=30.0,
-        layer_types=["full_attention" if i % 5 == 4 else "sliding_attention" for i in range(layers)],
-        rope_parameters={
-            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-            "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6},
-        },
-        vocab_size_per_layer_input=262144,
-        hidden_size_per_layer_input=256,
-        num_kv_shared_layers=20,
-        use_double_wide_mlp=True,
-        attention_k_eq_v=False,
-        enable_moe_block=False,
-    )
-    return Gemma4ForConditionalGeneration, Gemma4Config(
-        text_config=text, vision_config=None, audio_config=None, tie_word_embeddings=True
-    )
+    text = _hf_config(Gemma4TextConfig, config["text_config"])
+    return Gemma4ForConditionalGeneration, Gemma4Config(text_config=text, vision_config=None, audio_config=None,
+                                                        tie_word_embeddings=config["tie_word_embeddings"])
 
-
-def _gemma4_release(config: dict[str, Any]) -> None:
-    """Hub configs carry global_head_dim and a top-level vocab_size (transformers writes neither)."""
-    config["vocab_size"] = 262144
-    config["text_config"].update(global_head_dim=512, num_global_key_value_heads=None)
 
 
 QWEN_EOS = ("<|im_end|>", "<|endoftext|>")
@@ -348,8 +212,8 @@ MODELS: dict[str, BenchModel] = {
             real_tokenizer="qwen3",
             params=0.596e9,
             lookup_params=0,
-            make=_qwen3_dense,
-            patch=_qwen3_release,
+            config=_released("qwen3-0.6b"),
+            model=_qwen3,
         ),
         BenchModel(
             key="lfm2-350m",
@@ -364,8 +228,8 @@ MODELS: dict[str, BenchModel] = {
             real_tokenizer=None,
             params=0.354e9,
             lookup_params=0,
-            make=_lfm2,
-            patch=_lfm2_release,
+            config=_released("lfm2-350m"),
+            model=_lfm2,
         ),
         BenchModel(
             key="qwen3.5-0.8b",
@@ -380,8 +244,8 @@ MODELS: dict[str, BenchModel] = {
             real_tokenizer="qwen3.5",
             params=0.752e9,
             lookup_params=0,
-            make=_qwen35,
-            patch=_qwen35_release,
+            config=_released("qwen3.5-0.8b"),
+            model=_qwen35,
             rename=_qwen35_name,
         ),
         BenchModel(
@@ -397,8 +261,10 @@ MODELS: dict[str, BenchModel] = {
             real_tokenizer="qwen3",
             params=1.558e9,
             lookup_params=0,
-            make=_qwen3_moe,
-            patch=_qwen3_release,
+            config=_released("qwen3-30b-a3b", hidden_size=1024, intermediate_size=3072, num_hidden_layers=8,
+                             max_window_layers=8, num_attention_heads=16, num_key_value_heads=2,
+                             moe_intermediate_size=384),
+            model=_qwen3,
         ),
         BenchModel(
             key="gemma4-e2b",
@@ -413,19 +279,11 @@ MODELS: dict[str, BenchModel] = {
             real_tokenizer=None,
             params=4.629e9,
             lookup_params=262144 * 35 * 256,
-            make=_gemma4,
-            patch=_gemma4_release,
+            config=_released("gemma-4-e2b"),
+            model=_gemma4,
         ),
     )
 }
-
-
-def _set(config: dict[str, Any], **changes: Any) -> None:
-    for key, value in changes.items():
-        if value is DELETE:
-            config.pop(key, None)
-        else:
-            config[key] = value
 
 
 # -- tokenizers -------------------------------------------------------------------------------------
@@ -534,7 +392,8 @@ def build(spec: BenchModel, root: Path = DEFAULT_DIR) -> Path:
     ids = _control_ids(spec, tok, work)
 
     torch.manual_seed(0)
-    model_class, config = spec.make()
+    released = spec.config()
+    model_class, config = spec.model(released)
     model = model_class._from_config(config, dtype=torch.bfloat16)
     _silence_unused_rows(model, used)
     model.save_pretrained(work, max_shard_size="2GB")
@@ -543,14 +402,12 @@ def build(spec: BenchModel, root: Path = DEFAULT_DIR) -> Path:
     if spec.rename is not None:
         _rename_tensors(work, spec.rename)
 
-    saved = json.loads((work / "config.json").read_text())
-    spec.patch(saved)
     eos = [ids[t] for t in spec.eos]
     special = {"eos_token_id": eos[0] if len(eos) == 1 else eos, "pad_token_id": ids[spec.pad]}
     if spec.bos:
         special["bos_token_id"] = ids[spec.bos]
-    saved.get("text_config", saved).update(special)
-    (work / "config.json").write_text(json.dumps(saved, indent=2))
+    released.get("text_config", released).update(special)  # this checkpoint's tokenizer's ids
+    (work / "config.json").write_text(json.dumps(released, indent=2))
     sampling = {"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20}
     generation = {**special, "eos_token_id": eos, **sampling}
     (work / "generation_config.json").write_text(json.dumps(generation, indent=2))

@@ -9,7 +9,8 @@ from .runtime import configure_blas, package_version
 configure_blas()
 __version__ = package_version()
 
-from .architecture import Architecture, ChatQuirks, ModelModule, VisionModule  # noqa: E402
+from . import configs  # noqa: E402  (a module: mlxchat.configs.list(), .get(name))
+from .architecture import Architecture, ChatQuirks, ModelModule  # noqa: E402
 from .cache import KVCache, LayerCache, StateCache  # noqa: E402
 from .config import ModelConfig, RopeConfig  # noqa: E402
 from .errors import (  # noqa: E402
@@ -19,6 +20,7 @@ from .errors import (  # noqa: E402
     ImageError,
     InvalidInputError,
     MlxchatError,
+    PluginError,
     SessionClosedError,
     SessionStateError,
     StreamConsumedError,
@@ -29,10 +31,10 @@ from .errors import (  # noqa: E402
 from .generation import GenerationChunk, GenerationConfig, GenerationReport, GenerationResult  # noqa: E402
 from .hookspecs import hookimpl  # noqa: E402
 from .images import ImageProcessor, ProcessedImage, load_image  # noqa: E402
-from .loading import load_model, load_session  # noqa: E402
+from .loading import build_model, load_model, load_session  # noqa: E402
 from .messages import ChatMessage, FunctionCall, ToolCall  # noqa: E402
 from .model import Capabilities, GenerativeModel  # noqa: E402
-from .multimodal import ImageSpan, MultimodalPrompt  # noqa: E402
+from .multimodal import ImageSpan, MultimodalPrompt, VisionModule  # noqa: E402
 from .prompt_cache import PromptCache  # noqa: E402
 from .registry import detect_model_type, registry  # noqa: E402
 from .reply import TextDelta, ThinkingDelta, ToolCallEvent  # noqa: E402
@@ -69,6 +71,7 @@ __all__ = [
     "ModelModule",
     "MultimodalPrompt",
     "ProcessedImage",
+    "PluginError",
     "PromptCache",
     "RopeConfig",
     "SessionCapableModel",
@@ -87,6 +90,8 @@ __all__ = [
     "UnsupportedQuantizationError",
     "__version__",
     "VisionModule",
+    "build_model",
+    "configs",
     "detect_model_type",
     "hookimpl",
     "load_image",

@@ -53,6 +53,10 @@ class KeysValues(LayerCache):
     keys: mx.array | None
     values: mx.array | None
 
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Add this chunk's keys and values; return those its queries attend to."""
+        raise NotImplementedError
+
     @property
     def state(self) -> list[mx.array | None]:
         return [] if self.keys is None or self.values is None else [self.keys, self.values]

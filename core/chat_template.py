@@ -21,7 +21,7 @@ import json
 import re
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,9 @@ REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 DATA_ROLES = ("system", "user", "tool", "developer")
 
 _MARK_START, _MARK_END = "\ue000", "\ue001"
+_PROBE_NAME = "mlxchat_probe_function"
+_PROBE_TOOL = {"type": "function", "function": {"name": _PROBE_NAME, "description": "Probe.",
+                                                "parameters": {"type": "object", "properties": {}}}}
 
 
 class _Marked(str):
@@ -184,16 +187,27 @@ class ChatTemplate:
         self._marks_re = re.compile(marks)
         self._markers_re = re.compile(f"{_MARK_START}({self._data_re.pattern}){_MARK_END}|{marks}")
 
-    @property
+    @cached_property
     def takes_tools(self) -> bool:
-        """Whether the template renders a ``tools`` list at all."""
-        return "tools" in self.source
+        """Whether the template renders a ``tools`` list: a probe chat rendered with a tool differs from the
+        same chat without one (a template that fails on the probe takes none)."""
+        probe = [{"role": "user", "content": "Hi"}]
+        try:
+            return self.render(probe, tools=[_PROBE_TOOL]) != self.render(probe)
+        except TemplateError:
+            return False
 
-    @property
+    @cached_property
     def renders_tool_calls(self) -> bool:
-        """Whether assistant ``tool_calls`` appear in the rendering (some LFM2 templates drop them, so
-        the call text has to stay in the message content)."""
-        return "tool_calls" in self.source
+        """Whether assistant ``tool_calls`` appear in the rendering: a probe call's name shows up (some LFM2
+        templates drop them, so the call text has to stay in the message content)."""
+        call = {"id": "probe", "type": "function", "function": {"name": _PROBE_NAME, "arguments": {}}}
+        probe = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+                 {"role": "tool", "tool_call_id": "probe", "content": "ok"}]
+        try:
+            return _PROBE_NAME in self.render(probe, add_generation_prompt=False)
+        except TemplateError:
+            return False
 
     def render(
         self,

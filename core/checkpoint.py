@@ -98,6 +98,11 @@ def check_safetensors(path: Path) -> dict[str, Any]:
     return header
 
 
+def tensor_names(folder: Path) -> set[str]:
+    """Names of the tensors a checkpoint holds, from the safetensors headers alone."""
+    return {name for file in weight_files(folder) for name in check_safetensors(file) if name != "__metadata__"}
+
+
 def read_weights(folder: Path) -> dict[str, mx.array]:
     weights: dict[str, mx.array] = {}
     for file in weight_files(folder):

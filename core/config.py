@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .errors import CheckpointError
 
@@ -53,22 +53,67 @@ def normalize_rope(raw: dict[str, Any], default_theta: float = 10000.0) -> dict[
         params["rope_theta"] = raw.get("rope_theta", default_theta)
     if "partial_rotary_factor" not in params and "partial_rotary_factor" in raw:
         params["partial_rotary_factor"] = raw["partial_rotary_factor"]
+    if raw.get("original_max_position_embeddings") is not None:  # Phi-3 style: the top-level key wins
+        params["original_max_position_embeddings"] = raw["original_max_position_embeddings"]
     return params
 
 
 class ModelConfig(BaseModel):
-    """Base of every plugin's config: the keys all decoder-only chat models share."""
+    """Base of every plugin's config: the keys all decoder-only chat models share, and transformers'
+    defaults for the ones many declare.
+
+    A subclass that declares ``head_dim`` gets ``hidden_size // num_attention_heads`` when config.json has
+    none (or null), one that declares ``num_key_value_heads`` gets ``num_attention_heads``, and one that
+    declares ``layer_types`` gets :meth:`default_layer_types` (override it for older configs that name the
+    pattern otherwise); the layer types must then be one per layer, and query heads must be a multiple of
+    KV heads. A subclass's own ``mode="before"`` validators run first and can set other defaults.
+    """
 
     model_config = ConfigDict(extra="ignore", frozen=True)
 
     model_type: str
-    vocab_size: int
-    hidden_size: int
-    num_hidden_layers: int
+    vocab_size: int = Field(gt=0)
+    hidden_size: int = Field(gt=0)
+    num_hidden_layers: int = Field(gt=0)
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 32768
-    hidden_act: Literal["silu", "gelu_pytorch_tanh", "gelu"] = "silu"
+    hidden_act: Literal["silu", "gelu", "gelu_pytorch_tanh"] = "silu"
+    """Activation of the gated feed-forward, for families whose transformers class reads ``hidden_act``."""
+
+    @classmethod
+    def default_layer_types(cls, data: dict[str, Any]) -> list[str] | None:
+        """The layer pattern of a config.json without ``layer_types`` (``None``: the key is required)."""
+        return None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _transformers_defaults(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        fields = cls.model_fields
+        heads, hidden = data.get("num_attention_heads"), data.get("hidden_size")
+        if "head_dim" in fields and data.get("head_dim") is None and isinstance(heads, int) and heads > 0 \
+                and isinstance(hidden, int):
+            data["head_dim"] = hidden // heads
+        if "num_key_value_heads" in fields and data.get("num_key_value_heads") is None:
+            data["num_key_value_heads"] = heads
+        if "layer_types" in fields and data.get("layer_types") is None and isinstance(data.get("num_hidden_layers"),
+                                                                                    int):
+            data["layer_types"] = cls.default_layer_types(data)
+        return data
+
+    @model_validator(mode="after")
+    def _shared_checks(self) -> ModelConfig:
+        types = getattr(self, "layer_types", None)
+        if types is not None and len(types) != self.num_hidden_layers:
+            raise ValueError(f"layer_types has {len(types)} entries for {self.num_hidden_layers} layers")
+        heads, kv_heads = getattr(self, "num_attention_heads", None), getattr(self, "num_key_value_heads", None)
+        if isinstance(heads, int) and isinstance(kv_heads, int) and (kv_heads <= 0 or heads % kv_heads):
+            raise ValueError(f"num_attention_heads ({heads}) must be a positive multiple of num_key_value_heads "
+                             f"({kv_heads})")
+        return self
 
     @classmethod
     def from_hf(cls, raw: dict[str, Any], *, default_theta: float = 10000.0) -> ModelConfig:

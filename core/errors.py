@@ -11,6 +11,11 @@ class CheckpointError(MlxchatError):
     """A checkpoint folder is missing, malformed or does not fit the model (names the file or tensor)."""
 
 
+class PluginError(MlxchatError):
+    """A plugin cannot be registered: it fails to import, implements a hook that does not exist, or
+    claims a ``model_type`` or tool-call format another plugin claims (the message names both)."""
+
+
 class UnknownModelTypeError(MlxchatError):
     """No registered plugin serves a checkpoint's ``model_type``."""
 

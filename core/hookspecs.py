@@ -5,14 +5,16 @@ group ``mlxchat.plugins`` (the built-in plugins register exactly like a third-pa
     [project.entry-points."mlxchat.plugins"]
     myarch = "mlxchat_myarch"
 
-    # mlxchat_myarch/__init__.py
-    from mlxchat import Architecture, hookimpl
+    # mlxchat_myarch/__init__.py (plugin code imports from mlxchat.plugin)
+    from mlxchat.plugin import Architecture, hookimpl
 
     @hookimpl
     def mlxchat_architectures():
         return [Architecture("myarch", ("myarch",), MyConfig, MyModel)]
 
-A plugin can also be registered at run time with ``mlxchat.registry().register(module)``.
+A plugin can also be registered at run time with ``mlxchat.registry().register(module)``. A hook whose
+name is none of these, or two plugins claiming one ``model_type`` or format name, is a ``PluginError``.
+``examples/mlxchat-llama`` is a complete plugin package, tested with ``mlxchat.testing``.
 """
 
 from __future__ import annotations

@@ -1,26 +1,30 @@
-"""``load_model``: a checkpoint folder or Hub repo id in, a ready :class:`GenerativeModel` out."""
+"""``load_model``: a checkpoint folder or Hub repo id in, a ready :class:`GenerativeModel` out;
+``build_model``: the same from a config alone, with random (or given) weights."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from .architecture import Architecture, VisionModule
+from .architecture import Architecture, ModelModule
 from .chat_template import ChatTemplate, read_template_source
-from .checkpoint import read_json, read_weights, resolve_checkpoint
+from .checkpoint import read_json, read_weights, resolve_checkpoint, tensor_names
+from .config import ModelConfig
 from .errors import CheckpointError, UnsupportedQuantizationError
 from .generation import GenerationConfig
 from .images import ImageProcessor
 from .model import GenerativeModel
+from .multimodal import VisionModule
 from .registry import registry
 from .runtime import default_dtype
-from .tokenizer import Tokenizer
+from .tokenizer import NoTokenizer, Tokenizer
+from .worker import Worker
 
 if TYPE_CHECKING:
     from .session import ChatSession, ContextPolicy
@@ -29,6 +33,7 @@ _DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16
 _QUANT_MODES = ("affine", "mxfp4", "nvfp4", "mxfp8")
 _BITS = (2, 3, 4, 5, 6, 8)
 _SHOWN = 6
+T = TypeVar("T")
 
 
 def load_model(
@@ -45,6 +50,9 @@ def load_model(
     and float32 on the CPU (see :func:`mlxchat.runtime.default_dtype`). Quantized weights stay quantized.
     ``context_length`` caps the tokens a generation may hold (prompt and reply; at most the checkpoint's
     ``max_position_embeddings``, which is the default).
+
+    Everything that needs no MLX (config, tokenizer, template) is read here; the module is then built,
+    loaded and evaluated on the model's own worker thread, which runs all of its MLX work from then on.
     """
     if path_or_repo is None:
         from .demo import default_model_path
@@ -53,32 +61,28 @@ def load_model(
     folder = resolve_checkpoint(path_or_repo, revision)
     raw = read_json(folder / "config.json")
     arch = registry().architecture_for_config(raw)
-    weights = read_weights(folder)
-    if not any(name.endswith("lm_head.weight") for name in weights):
-        raw = {**raw, "tie_word_embeddings": True}
-        if isinstance(raw.get("text_config"), dict):
-            raw["text_config"] = {**raw["text_config"], "tie_word_embeddings": True}
+    if not any(name.endswith("lm_head.weight") for name in tensor_names(folder)):
+        raw = _tied(raw)
     config = arch.config_class.from_hf(raw)
-    module = arch.model_class(config)
-    weights = module.sanitize(weights)
     quantization = _quantization(raw)
-    if quantization is not None:
-        _quantize(module, weights, quantization)
-    _check_tensors(module, weights, folder)
-    target = _target_dtype(dtype, weights)
-    cast = getattr(module, "cast_predicate", lambda name: True)
-    weights = {k: v.astype(target) if mx.issubdtype(v.dtype, mx.floating) and cast(k) else v
-               for k, v in weights.items()}
-    module.load_weights(list(weights.items()), strict=True)
-    module.eval()
-    for parameter in dict(tree_flatten(module.parameters())).values():
-        mx.eval(parameter)  # one at a time: a stored copy is freed as soon as its cast copy exists
-
-    image_processor = _image_processor(module, folder)
     tokenizer = Tokenizer.from_folder(folder)
     source = read_template_source(folder)
     template = ChatTemplate(source, tokenizer) if source else None
     generation = read_json(folder / "generation_config.json", required=False)
+
+    def build() -> tuple[ModelModule, mx.Dtype]:
+        module = arch.model_class(config)
+        weights = module.sanitize(read_weights(folder))
+        if quantization is not None:
+            _quantize(module, weights, quantization)
+        _check_tensors(module, weights, str(folder))
+        target = _target_dtype(dtype, _stored_dtype(weights))
+        _materialize(module, weights, target, stored=None)
+        return module, target
+
+    worker = Worker(f"mlxchat-{arch.name}")
+    module, target = _on(worker, build)
+    image_processor = _image_processor(module, folder)
     return GenerativeModel(
         module=module,
         config=config,
@@ -87,11 +91,78 @@ def load_model(
         chat_template=template,
         defaults=_defaults(generation),
         eos_ids=_eos_ids(raw, generation, tokenizer, arch),
+        worker=worker,
         path=folder,
         dtype=target,
         quantization=quantization,
         context_length=context_length,
         image_processor=image_processor,
+    )
+
+
+def build_model(
+    config: str | Mapping[str, Any] | ModelConfig,
+    weights: Literal["random"] | Mapping[str, mx.array] = "random",
+    seed: int = 0,
+    dtype: str | mx.Dtype | None = None,
+    tokenizer: str | os.PathLike[str] | Tokenizer | None = None,
+    *,
+    chat_template: str | None = None,
+) -> GenerativeModel:
+    """A model of any registered architecture from its config alone, for research and benchmarks.
+
+    ``config`` is a name from :mod:`mlxchat.configs` (``"qwen3-0.6b"``), a ``config.json`` dict or a plugin's
+    :class:`ModelConfig`. ``weights="random"`` initialises every layer as MLX does (seeded by ``seed``); a
+    mapping of checkpoint tensor names to arrays is sanitized and checked like a checkpoint's. ``dtype`` as
+    in :func:`load_model`, the config's own ``torch_dtype`` standing for the stored dtype. ``tokenizer`` (a
+    checkpoint folder, whose chat template comes along, or a :class:`~mlxchat.tokenizer.Tokenizer` with an
+    optional ``chat_template`` source) makes text prompts and ``chat_session`` work; without one, prompts
+    are token ids and replies have no text.
+    """
+    from . import configs
+
+    if isinstance(config, str):
+        config = configs.get(config)
+    if isinstance(config, ModelConfig):
+        arch = registry().architecture_for(config.model_type)
+        raw: dict[str, Any] = config.model_dump()
+        model_config = config
+    else:
+        raw = dict(config)
+        arch = registry().architecture_for_config(raw)
+        model_config = arch.config_class.from_hf(raw)
+    stored = _declared_dtype(raw)
+    tok, template = _given_tokenizer(tokenizer, chat_template)
+    if not (isinstance(weights, Mapping) or weights == "random"):
+        raise ValueError(f'weights must be "random" or a mapping of tensor names to arrays, got {weights!r}')
+    if isinstance(weights, Mapping):
+        given = dict(weights)
+        mx.eval(list(given.values()))  # evaluated here, so that no graph of this thread reaches the worker
+
+    def build() -> tuple[ModelModule, mx.Dtype]:
+        mx.random.seed(seed)
+        module = arch.model_class(model_config)
+        if weights == "random":
+            tensors = dict(tree_flatten(module.parameters()))
+        else:
+            tensors = module.sanitize(given)
+            _check_tensors(module, tensors, "the given weights")
+        target = _target_dtype(dtype, stored)
+        _materialize(module, tensors, target, stored=stored)
+        return module, target
+
+    worker = Worker(f"mlxchat-{arch.name}")
+    module, target = _on(worker, build)
+    return GenerativeModel(
+        module=module,
+        config=model_config,
+        architecture=arch,
+        tokenizer=tok,
+        chat_template=template,
+        defaults=GenerationConfig(),
+        eos_ids=_eos_ids(raw, {}, tok, arch),
+        worker=worker,
+        dtype=target,
     )
 
 
@@ -168,7 +239,7 @@ def _quantize(module: nn.Module, weights: dict[str, mx.array], quantization: dic
     nn.quantize(module, class_predicate=predicate)
 
 
-def _check_tensors(module: nn.Module, weights: dict[str, mx.array], folder: Path) -> None:
+def _check_tensors(module: nn.Module, weights: dict[str, mx.array], source: str) -> None:
     expected = dict(tree_flatten(module.parameters()))
     missing = sorted(set(expected) - set(weights))
     extra = sorted(set(weights) - set(expected))
@@ -183,19 +254,85 @@ def _check_tensors(module: nn.Module, weights: dict[str, mx.array], folder: Path
             shown = ", ".join(names[:_SHOWN]) + (f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else "")
             problems.append(f"{label}: {shown}")
     if problems:
-        raise CheckpointError(f"{folder}: weights do not fit the model config ({'; '.join(problems)})")
+        raise CheckpointError(f"{source}: weights do not fit the model config ({'; '.join(problems)})")
 
 
-def _target_dtype(dtype: str | mx.Dtype | None, weights: dict[str, mx.array]) -> mx.Dtype:
+def _materialize(module: nn.Module, weights: dict[str, mx.array], target: mx.Dtype, stored: mx.Dtype | None) -> None:
+    """Load ``weights`` into ``module`` with floating tensors in ``target``, except those its
+    ``cast_predicate`` keeps as stored (in ``stored`` when given), and evaluate them one at a time: a
+    stored copy is freed as soon as its cast copy exists."""
+    cast = getattr(module, "cast_predicate", lambda name: True)
+
+    def converted(name: str, value: mx.array) -> mx.array:
+        if not mx.issubdtype(value.dtype, mx.floating):
+            return value
+        if cast(name):
+            return value.astype(target)
+        return value if stored is None else value.astype(stored)
+
+    module.load_weights([(k, converted(k, v)) for k, v in weights.items()], strict=True)
+    module.eval()
+    for parameter in dict(tree_flatten(module.parameters())).values():
+        mx.eval(parameter)
+
+
+def _on(worker: Worker, build: Callable[[], T]) -> T:
+    """Run ``build`` on the model's worker; a failure stops the worker (no model will own it)."""
+    try:
+        return worker.run(build)
+    except BaseException:
+        worker.close()
+        raise
+
+
+def _tied(raw: dict[str, Any]) -> dict[str, Any]:
+    """A config that says its head is tied (checkpoints without ``lm_head.weight`` are, whatever they say)."""
+    raw = {**raw, "tie_word_embeddings": True}
+    if isinstance(raw.get("text_config"), dict):
+        raw["text_config"] = {**raw["text_config"], "tie_word_embeddings": True}
+    return raw
+
+
+def _target_dtype(dtype: str | mx.Dtype | None, stored: mx.Dtype) -> mx.Dtype:
     if isinstance(dtype, str):
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
         return _DTYPES[dtype]
     if dtype is not None:
         return dtype
-    floating = [v.dtype for v in weights.values() if mx.issubdtype(v.dtype, mx.floating)]
-    stored = max(set(floating), key=floating.count) if floating else mx.float32
     return default_dtype(stored)
+
+
+def _stored_dtype(weights: dict[str, mx.array]) -> mx.Dtype:
+    """The dtype most floating tensors of a checkpoint are stored in."""
+    floating = [v.dtype for v in weights.values() if mx.issubdtype(v.dtype, mx.floating)]
+    return max(set(floating), key=floating.count) if floating else mx.float32
+
+
+def _declared_dtype(raw: Mapping[str, Any]) -> mx.Dtype:
+    """The dtype a config says its weights are stored in (``torch_dtype``, or transformers 5's ``dtype``)."""
+    text = raw.get("text_config")
+    for source in (raw, text if isinstance(text, Mapping) else {}):
+        for key in ("torch_dtype", "dtype"):
+            if source.get(key) in _DTYPES:
+                return _DTYPES[source[key]]
+    return mx.float32
+
+
+def _given_tokenizer(
+    tokenizer: str | os.PathLike[str] | Tokenizer | None, chat_template: str | None
+) -> tuple[Tokenizer, ChatTemplate | None]:
+    if tokenizer is None:
+        if chat_template is not None:
+            raise ValueError("a chat template needs a tokenizer: pass tokenizer= as well")
+        return NoTokenizer(), None
+    if isinstance(tokenizer, Tokenizer):
+        tok, source = tokenizer, chat_template
+    else:
+        folder = Path(tokenizer)
+        tok = Tokenizer.from_folder(folder)
+        source = chat_template if chat_template is not None else read_template_source(folder)
+    return tok, ChatTemplate(source, tok) if source else None
 
 
 def _as_list(value: Any) -> list[int]:

@@ -9,14 +9,14 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 from pydantic import BaseModel, ConfigDict
 
-from .architecture import Architecture, ModelModule, VisionModule
+from .architecture import Architecture, ModelModule
 from .chat_template import ChatTemplate
 from .config import ModelConfig
 from .errors import ContextLengthError, GenerationError, ImageError, InvalidInputError, MlxchatError, TemplateError
 from .generation import GenerationChunk, GenerationConfig, GenerationResult, stream_generation
 from .images import ImageProcessor, ImageSource, ProcessedImage
 from .limits import check_text, check_token_ids
-from .multimodal import MultimodalPrompt, encode_images, expand_images, split_image_parts
+from .multimodal import MultimodalPrompt, VisionModule, encode_images, expand_images, split_image_parts
 from .prompt_cache import DEFAULT_MAX_SNAPSHOTS, PromptCache
 from .tokenizer import Tokenizer
 from .worker import Cancelled, Worker
@@ -51,7 +51,11 @@ class Capabilities(BaseModel):
 
 
 class GenerativeModel:
-    """A model ready to generate. Sessions over it take turns on its single worker thread."""
+    """A model ready to generate. Sessions over it take turns on its single worker thread.
+
+    The worker owns the module: it built and evaluated it (:func:`mlxchat.load_model`), and every MLX
+    operation on it runs there, so no lazy array ever crosses threads.
+    """
 
     def __init__(
         self,
@@ -63,6 +67,7 @@ class GenerativeModel:
         chat_template: ChatTemplate | None,
         defaults: GenerationConfig,
         eos_ids: set[int],
+        worker: Worker,
         path: Path | None = None,
         dtype: mx.Dtype = mx.float32,
         quantization: dict[str, Any] | None = None,
@@ -87,7 +92,7 @@ class GenerativeModel:
         self.context_length = limit if context_length is None else min(context_length, limit)
         self.image_processor = image_processor
         """Preprocessing for the vision tower (``None``: the model reads no images)."""
-        self.worker = Worker(f"mlxchat-{architecture.name}")
+        self.worker = worker
 
     def __repr__(self) -> str:
         return f"GenerativeModel({self.architecture.name}, {self.path}, dtype={self.dtype})"
@@ -161,7 +166,8 @@ class GenerativeModel:
     def _template_call(self, tools: Sequence[Any] | None,
                        template_kwargs: dict[str, Any]) -> tuple[ChatTemplate, list[Any] | None, dict[str, Any]]:
         if self.chat_template is None:
-            raise TemplateError(f"{self.path} has no chat template (chat_template.jinja or tokenizer_config.json)")
+            raise TemplateError(f"{self.path or 'this model'} has no chat template (chat_template.jinja or "
+                                "tokenizer_config.json)")
         from .tools.schema import tool_schemas
 
         schemas = tool_schemas(tools) if tools else None
@@ -247,6 +253,8 @@ class GenerativeModel:
     # -- running ------------------------------------------------------------------------------------
 
     def make_prompt_cache(self, max_snapshots: int = DEFAULT_MAX_SNAPSHOTS) -> PromptCache:
+        """A fresh, empty prompt cache (made on the caller's thread: it holds no arrays until a prefill, so it
+        never waits for the worker)."""
         return PromptCache(self.module.make_cache, max_snapshots)
 
     def logits(self, token_ids: Sequence[int] | MultimodalPrompt,

@@ -39,13 +39,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import mlx.core as mx
 
-from .architecture import VisionModule
+from .architecture import ModelModule
+from .cache import LayerCache
 from .errors import ImageError
-from .images import ProcessedImage, image_url_source
+from .images import ImageProcessor, ProcessedImage, image_url_source
 
 ImageKey = tuple[int, int, str]
 """An image in a prompt: ``(start, length, digest)`` of its placeholder tokens and pixels."""
@@ -113,6 +114,35 @@ class MultimodalPrompt:
     def spans_in(self, start: int, end: int) -> list[ImageSpan]:
         """The images with placeholders in ``[start, end)``."""
         return [span for span in self.images if span.start < end and span.end > start]
+
+
+@runtime_checkable
+class VisionModule(ModelModule, Protocol):
+    """What a vision-language :class:`ModelModule` adds to read images (see :mod:`mlxchat.multimodal`)."""
+
+    def __call__(self, tokens: mx.array, cache: list[LayerCache] | None = None, **inputs: mx.array) -> mx.array:
+        """As :meth:`ModelModule.__call__`; a chunk with image tokens also takes the ``inputs`` that
+        :meth:`image_inputs` builds for it."""
+        ...
+
+    supports_images: bool
+    """Whether the checkpoint has the vision tower (a converted text-only copy loads without one)."""
+    image_tokens: ImageTokens
+    atomic_images: bool
+    """Whether an image's placeholders must be prefilled in one chunk (bidirectional attention among them)."""
+
+    def image_processor(self, settings: dict[str, Any]) -> ImageProcessor:
+        """The preprocessing this tower expects, from the checkpoint's ``preprocessor_config.json``."""
+        ...
+
+    def encode_image(self, image: ProcessedImage) -> mx.array:
+        """The image's features ``[image.tokens, hidden_size]`` in the text model's embedding space."""
+        ...
+
+    def image_inputs(self, prompt: MultimodalPrompt, start: int, end: int,
+                     features: dict[str, mx.array]) -> dict[str, mx.array]:
+        """Extra forward inputs for ``prompt.ids[start:end]`` (``features`` by image digest)."""
+        ...
 
 
 def expand_images(ids: Sequence[int], images: Sequence[ProcessedImage], tokens: ImageTokens) -> MultimodalPrompt:

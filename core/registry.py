@@ -1,17 +1,25 @@
-"""The plugin registry: pluggy over the ``mlxchat.plugins`` entry points."""
+"""The plugin registry: pluggy over the ``mlxchat.plugins`` entry points.
+
+Plugins must agree: two plugins that claim one ``model_type`` or one tool-call format name, or a
+``@hookimpl`` whose name is no hook (a misspelling would otherwise be silently ignored), are a
+:class:`~mlxchat.errors.PluginError` that names the plugins.
+"""
 
 from __future__ import annotations
 
+import importlib.metadata
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pluggy
 
 from . import hookspecs
 from .architecture import Architecture
-from .errors import CheckpointError, UnknownModelTypeError
+from .errors import CheckpointError, PluginError, UnknownModelTypeError
 
 ENTRY_POINT_GROUP = "mlxchat.plugins"
+T = TypeVar("T")
 
 
 class Registry:
@@ -22,14 +30,23 @@ class Registry:
         self.manager.add_hookspecs(hookspecs)
         from .tools import formats
 
-        self.manager.register(formats, name="mlxchat.tools.formats")
-        self.manager.load_setuptools_entrypoints(ENTRY_POINT_GROUP)
         self._architectures: dict[str, Architecture] | None = None
         self._parsers: dict[str, Any] | None = None
+        self.register(formats, name="mlxchat.tools.formats")
+        for name, plugin in _entry_point_plugins():
+            self.register(plugin, name=name)
 
     def register(self, plugin: Any, name: str | None = None) -> None:
         """Register a plugin object or module at run time."""
-        self.manager.register(plugin, name=name)
+        label = name or getattr(plugin, "__name__", repr(plugin))
+        try:
+            self.manager.register(plugin, name=name)
+            self.manager.check_pending()
+        except (pluggy.PluginValidationError, ValueError) as exc:
+            if self.manager.is_registered(plugin):
+                self.manager.unregister(plugin)
+            raise PluginError(f"plugin {label!r} cannot be registered: {exc} (hooks: "
+                              f"{', '.join(h for h in dir(hookspecs) if h.startswith('mlxchat_'))})") from exc
         self._architectures = self._parsers = None
 
     def unregister(self, plugin: Any) -> None:
@@ -39,8 +56,14 @@ class Registry:
     def architectures(self) -> dict[str, Architecture]:
         if self._architectures is None:
             found: dict[str, Architecture] = {}
-            for batch in self.manager.hook.mlxchat_architectures():
+            owners: dict[tuple[str, str], str] = {}  # (what, name) -> the plugin that claims it
+            for plugin, batch in self._results("mlxchat_architectures", list):
                 for arch in batch:
+                    for claim in [("an architecture named", arch.name), *(("model_type", t) for t in arch.model_types)]:
+                        if claim in owners:
+                            raise PluginError(f"plugins {owners[claim]!r} and {plugin!r} both claim {claim[0]} "
+                                              f"{claim[1]!r}; uninstall one of them")
+                        owners[claim] = plugin
                     found[arch.name] = arch
             self._architectures = found
         return self._architectures
@@ -56,7 +79,7 @@ class Registry:
             f"no plugin serves model_type {model_type!r}. Known model types: "
             f"{', '.join(self.known_model_types()) or '(none)'}. To add one, write a plugin package that "
             f"implements the `mlxchat_architectures` hook and declares it under the "
-            f"[project.entry-points.\"{ENTRY_POINT_GROUP}\"] table (see mlxchat.hookspecs)."
+            f"[project.entry-points.\"{ENTRY_POINT_GROUP}\"] table (see mlxchat.plugin)."
         )
 
     def architecture_for_config(self, raw: dict[str, Any]) -> Architecture:
@@ -74,10 +97,47 @@ class Registry:
     def tool_parsers(self) -> dict[str, Any]:
         if self._parsers is None:
             found: dict[str, Any] = {}
-            for batch in self.manager.hook.mlxchat_tool_parsers():
-                found.update(batch)
+            owners: dict[str, str] = {}
+            for plugin, batch in self._results("mlxchat_tool_parsers", dict):
+                for name, parser in batch.items():
+                    if name in owners:
+                        raise PluginError(f"plugins {owners[name]!r} and {plugin!r} both register a tool-call "
+                                          f"parser named {name!r}; uninstall one of them")
+                    owners[name], found[name] = plugin, parser
             self._parsers = found
         return self._parsers
+
+    def _results(self, hook: str, kind: type[T]) -> Iterator[tuple[str, T]]:
+        """Each plugin's result of a hook, with the plugin's name, in registration order."""
+        for impl in getattr(self.manager.hook, hook).get_hookimpls():
+            result = impl.function()
+            if not isinstance(result, kind):
+                raise PluginError(f"plugin {impl.plugin_name!r}: {hook} returned {type(result).__name__}, "
+                                  f"expected a {kind.__name__}")
+            yield impl.plugin_name, result
+
+
+def _entry_point_plugins() -> Iterator[tuple[str, Any]]:
+    """The plugin modules declared under the entry-point group, each imported once; a name declared by two
+    distributions, or a module that fails to import, is a :class:`PluginError`."""
+    seen: dict[str, str] = {}
+    for dist in importlib.metadata.distributions():
+        for entry in dist.entry_points:
+            if entry.group != ENTRY_POINT_GROUP:
+                continue
+            owner = dist.metadata["Name"]
+            if entry.name in seen:
+                if seen[entry.name] == owner:
+                    continue  # one distribution found twice on the path
+                raise PluginError(f"the distributions {seen[entry.name]!r} and {owner!r} both declare a plugin "
+                                  f"named {entry.name!r} under {ENTRY_POINT_GROUP!r}; uninstall one of them")
+            seen[entry.name] = owner
+            try:
+                plugin = entry.load()
+            except Exception as exc:  # a broken plugin package: say which one
+                raise PluginError(f"plugin {entry.name!r} ({entry.value}, from {owner}) failed to import: "
+                                  f"{type(exc).__name__}: {exc}") from exc
+            yield entry.name, plugin
 
 
 def model_types_of(raw: dict[str, Any]) -> list[str]:

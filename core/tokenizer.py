@@ -6,9 +6,10 @@ from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer as Backend
+from tokenizers import models
 
 from .checkpoint import read_json
-from .errors import CheckpointError
+from .errors import CheckpointError, MlxchatError
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
 
@@ -83,3 +84,18 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+class NoTokenizer(Tokenizer):
+    """The tokenizer of a model built without one (:func:`mlxchat.build_model`): prompts are token ids,
+    and replies decode to no text."""
+
+    def __init__(self) -> None:
+        super().__init__(Backend(models.WordLevel(vocab={}, unk_token=None)))
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        raise MlxchatError("this model was built without a tokenizer: give token ids, or build it with "
+                           "tokenizer= (a checkpoint folder holding tokenizer.json)")
+
+    def encode_plain(self, text: str) -> list[int]:
+        return self.encode(text)

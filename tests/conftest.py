@@ -1,4 +1,6 @@
-"""Shared test fixtures: the committed tiny checkpoints (built by tests/fixtures/make_fixtures.py)."""
+"""Shared test fixtures: the committed tiny checkpoints (built by tests/fixtures/make_fixtures.py).
+
+pytest's ``pytester`` serves the tests of the conformance kit itself (tests/test_testing_kit.py)."""
 
 # mlxchat must be imported before mlx.core anywhere in the process: it puts OpenBLAS under MLX then, and
 # pytest imports this file before any test module.
@@ -12,6 +14,9 @@ import numpy as np
 import pytest
 
 import mlxchat.generation
+from mlxchat.testing import load_fixture
+
+pytest_plugins = ["pytester"]
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
@@ -24,14 +29,9 @@ def reference(name: str) -> dict[str, np.ndarray]:
     return dict(np.load(FIXTURES / name / "reference.npz"))
 
 
-_models: dict[str, mlxchat.GenerativeModel] = {}
-
-
 def loaded(name: str) -> mlxchat.GenerativeModel:
-    """One shared float32 model per fixture for the whole run (loading is cheap, but not free)."""
-    if name not in _models:
-        _models[name] = mlxchat.load_model(FIXTURES / name, dtype="float32")
-    return _models[name]
+    """The shared float32 model of a fixture, loaded once for the whole run (see mlxchat.testing)."""
+    return load_fixture(FIXTURES / name)
 
 
 @pytest.fixture

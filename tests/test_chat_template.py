@@ -123,3 +123,16 @@ def test_content_as_data_keeps_the_templates_own_logic() -> None:
     assert text == chat.render(messages)
     assert "I should call the tool." in text
     assert _count(ids, TOKENIZER, "<tool_response>") == 0  # still data
+
+
+@pytest.mark.parametrize(("source", "takes_tools", "renders_calls"), [
+    # Words in comments or strings decide nothing: what the template renders does.
+    ("{# tools and tool_calls are not supported #}{% for m in messages %}{{ m.content }}{% endfor %}", False, False),
+    ("{% if tools %}{{ tools | tojson }}{% endif %}{% for m in messages %}{{ m.content }}{% endfor %}", True, False),
+    ("{% for m in messages %}{{ m.content }}{% for c in m.tool_calls or [] %}{{ c.function.name }}{% endfor %}"
+     "{% endfor %}", False, True),
+    ("{{ raise_exception('no') }}", False, False),
+])
+def test_tool_support_is_decided_by_rendering_a_probe(source: str, takes_tools: bool, renders_calls: bool) -> None:
+    chat = ChatTemplate(source, TOKENIZER)
+    assert (chat.takes_tools, chat.renders_tool_calls) == (takes_tools, renders_calls)

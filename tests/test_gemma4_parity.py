@@ -17,10 +17,10 @@ from mlxchat.cache import KVCache, SlidingWindowCache
 from mlxchat.checkpoint import read_json
 from mlxchat.generation import decode_tokens
 from mlxchat.sampling import make_sampler
+from mlxchat.testing import assert_close, full_logits
 from mlxchat_gemma4 import Gemma4Config
 
 from conftest import fixture_path, loaded, reference
-from parity import assert_close, full_logits
 
 ARCHS = ["gemma4", "gemma4_moe"]
 WINDOW = 16  # the fixtures' sliding window, shorter than the 40-token reference sequence

@@ -18,9 +18,9 @@ import mlxchat
 import mlxchat.generation
 from mlxchat.cache import SlidingWindowCache
 from mlxchat.prompt_cache import common_prefix_length
+from mlxchat.testing import GREEDY, assert_matches_stateless, prompt_ids
 
 from conftest import loaded
-from session_support import GREEDY, assert_matches_stateless, prompt_ids
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},

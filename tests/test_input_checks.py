@@ -18,6 +18,7 @@ from pydantic import ValidationError
 import mlxchat
 from mlxchat import ContextLengthError, InvalidInputError
 from mlxchat.generation import GenerationConfig
+from mlxchat.testing import GREEDY, assert_matches_stateless
 from mlxchat.tools.parsing import JsonTagsParser
 from mlxchat.worker import Cancelled, ReaderStalledError
 from mlxchat_gemma4 import Gemma4ToolParser
@@ -25,7 +26,6 @@ from mlxchat_lfm2 import PythonicCallsParser
 from mlxchat_qwen35 import XmlToolCallParser
 
 from conftest import fixture_path, loaded
-from session_support import GREEDY, assert_matches_stateless
 
 HERE = Path(__file__).resolve().parent
 

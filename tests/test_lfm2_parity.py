@@ -10,10 +10,10 @@ import pytest
 
 import mlxchat
 from mlxchat.cache import KVCache, StateCache
+from mlxchat.testing import full_logits, prefill_and_decode
 from mlxchat_lfm2.model import Lfm2Config
 
 from conftest import fixture_path, loaded, reference
-from parity import full_logits, prefill_and_decode
 
 ARCHS = ["lfm2", "lfm2_moe"]
 

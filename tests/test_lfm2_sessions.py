@@ -12,8 +12,9 @@ import json
 
 import pytest
 
+from mlxchat.testing import GREEDY, assert_matches_stateless
+
 from conftest import loaded
-from session_support import GREEDY, assert_matches_stateless
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]

@@ -16,9 +16,9 @@ import pytest
 import mlxchat
 from mlxchat import CheckpointError, UnknownModelTypeError, UnsupportedQuantizationError
 from mlxchat.config import RopeConfig, normalize_rope
+from mlxchat.testing import assert_close, full_logits
 
 from conftest import fixture_path, loaded, reference
-from parity import assert_close, full_logits
 
 registry_module = importlib.import_module("mlxchat.registry")  # the module, not the function
 

@@ -15,10 +15,10 @@ import pytest
 import mlxchat
 from mlxchat.cache import KVCache, StateCache
 from mlxchat.errors import CheckpointError
+from mlxchat.testing import assert_close, chunked_logits, full_logits
 from mlxchat_qwen35 import Qwen35Config
 
 from conftest import fixture_path, loaded, reference
-from parity import assert_close, chunked_logits, full_logits
 
 ARCHS = ["qwen3_5", "qwen3_5_moe"]
 

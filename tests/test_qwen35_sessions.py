@@ -14,9 +14,9 @@ import pytest
 import mlxchat
 import mlxchat.generation
 from mlxchat.prompt_cache import common_prefix_length
+from mlxchat.testing import GREEDY, assert_matches_stateless, prompt_ids
 
 from conftest import loaded
-from session_support import GREEDY, assert_matches_stateless, prompt_ids
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
@@ -79,23 +79,3 @@ def test_tool_result_prefills_only_the_tool_turn(name: str, scripted) -> None:
     result = session.send("And tomorrow?", config={**GREEDY, "enable_thinking": False})
     assert result.report.cached_prompt_tokens > 0
     assert_matches_stateless(model, session, result, {**GREEDY, "enable_thinking": False}, TOOLS)
-
-
-@pytest.mark.parametrize("thinking", [True, False])
-@pytest.mark.parametrize("name", ARCHS)
-def test_each_turn_reuses_up_to_where_the_new_render_parts_from_the_last_prompt(name: str, thinking: bool) -> None:
-    """mlx-lm's server keeps its cache through the generation prompt's shared ``<|im_start|>assistant\\n``;
-    the session snapshots where the next render will part from the prompt, so it reuses at least as much."""
-    model = loaded(name)
-    config = {**GREEDY, "enable_thinking": thinking}
-    session = model.chat_session(system="You are terse.")
-    previous: list[int] = []
-    for question in ("Hello there", "And of Italy?", "Thanks, and Spain?", "One more"):
-        prompt = prompt_ids(model, session.messages + [mlxchat.ChatMessage(role="user", content=question)], config)
-        result = session.send(question, config=config)
-        if previous:
-            parted = common_prefix_length(previous, prompt)
-            assert result.report.cached_prompt_tokens >= min(parted, len(previous))
-            assert result.report.cached_prompt_tokens > head_length(model, session.messages[:-3])
-        assert_matches_stateless(model, session, result, config)
-        previous = prompt

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mlxchat.reply import Channel, ReasoningSplitter, ReplyParser, TextDelta, ThinkingDelta, ToolCallEvent
-from mlxchat.tools.parsing import CallBlock, JsonTagsParser
+from mlxchat.tools.parsing import CallBlock, JsonTagsParser, ParsedCall, TrailingCallParser
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}}}},
@@ -150,3 +150,43 @@ def test_channel_holds_trailing_whitespace_until_it_knows_where_it_belongs() -> 
     channel.feed(" c ")
     channel.markup()
     assert channel.feed(" d") == "d" and channel.value == "a  b\n cd"
+
+
+class WholeReplyCalls(TrailingCallParser):
+    """A trailing format: a reply that opens with ``{`` (or anything after ``<|call|>``) is one call."""
+
+    start = "<|call|>"
+    openers = ("{",)
+
+    def parse(self, body: str) -> list[ParsedCall]:
+        return [ParsedCall("get_time", {"body": body})]
+
+
+@given(st.lists(st.integers(1, 6), min_size=1, max_size=40))
+@settings(max_examples=60, deadline=None)
+def test_trailing_calls_parse_alike_however_the_reply_streams(cuts: list[int]) -> None:
+    for reply, expected in [
+        (' \n{"a": 1}', [CallBlock('{"a": 1}', [ParsedCall("get_time", {"body": '{"a": 1}'})])]),
+        ("Text first <|call|>x(1)", ["Text first ", CallBlock("<|call|>x(1)", [ParsedCall("get_time",
+                                                                                        {"body": "x(1)"})])]),
+        ("Plain text { with a brace", ["Plain text { with a brace"]),
+    ]:
+        parser, pieces, position = WholeReplyCalls(TOOLS), [], 0
+        for cut in cuts:
+            pieces += parser.feed(reply[position : position + cut])
+            position += cut
+        pieces += parser.feed(reply[position:]) + parser.finish()
+        merged: list[str | CallBlock] = []
+        for piece in pieces:
+            if isinstance(piece, str) and merged and isinstance(merged[-1], str):
+                merged[-1] += piece
+            else:
+                merged.append(piece)
+        assert merged == expected
+
+
+def test_a_trailing_call_becomes_a_tool_call_event() -> None:
+    parser = ReplyParser(None, False, WholeReplyCalls(TOOLS), lambda: "call_1")
+    events = parser.feed('{"x": 1}') + parser.finish()
+    assert [type(e) for e in events] == [ToolCallEvent] and parser.text == ""
+    assert parser.calls[0].raw == '{"x": 1}' and parser.calls[0].status == "ok"

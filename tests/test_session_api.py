@@ -12,9 +12,9 @@ import pytest
 
 import mlxchat
 from mlxchat import SessionClosedError, SessionStateError, StreamConsumedError, tool
+from mlxchat.testing import GREEDY
 
 from conftest import fixture_path, loaded
-from session_support import GREEDY
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 import mlxchat
+from mlxchat.testing import assert_matches_stateless, expected_reuse, prompt_ids
 
 from conftest import loaded
-from session_support import assert_matches_stateless, expected_reuse, prompt_ids
 
 SCRIPTS = json.loads((Path(__file__).resolve().parent / "data" / "chat_scripts.json").read_text())
 SCRIPT = {s["name"]: s for s in SCRIPTS["scripts"]}

@@ -19,9 +19,9 @@ from mlxchat.errors import ImageError
 from mlxchat.layers import MRoPE, RoPE
 from mlxchat.multimodal import ImageTokens, MultimodalPrompt, chunk_bounds, expand_images, split_image_parts
 from mlxchat.prompt_cache import PromptCache
+from mlxchat.testing import assert_close
 
 from conftest import fixture_path, loaded, reference
-from parity import assert_close
 from vision_support import VISION, cached_logits, chat, prompt, with_images
 
 GREEDY = {"temperature": 0.0, "max_tokens": 4, "prefill_step": 16}

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 import mlxchat
+from mlxchat.testing import assert_close
 
 from conftest import fixture_path, loaded, reference
-from parity import assert_close
 from vision_support import VISION, cached_logits, chat, prompt, with_images
 
 CHATS = ["one", "two"]

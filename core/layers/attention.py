@@ -5,7 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..cache import KVCache
+from ..cache import KeysValues
 from .norms import RMSNorm
 from .rope import RoPE
 
@@ -14,23 +14,29 @@ def attend(
     queries: mx.array,
     keys: mx.array,
     values: mx.array,
-    cache: KVCache | None,
+    cache: KeysValues | None,
     scale: float,
     mask: mx.array | str | None = None,
+    window: int | None = None,
 ) -> mx.array:
-    """Causal attention of ``[B, heads, L, D]`` queries over the cache plus this chunk's keys and values.
+    """Causal attention of ``[B, heads, L, D]`` queries over the cache plus this chunk's keys and values;
+    with a ``window``, each query sees only itself and the ``window - 1`` positions before it.
 
     Keys and values keep their own (fewer) heads: grouped-query attention is done by the kernel.
     """
     if cache is not None:
         keys, values = cache.update_and_fetch(keys, values)
-    if mask is None and queries.shape[2] > 1:
+    if window is not None:
+        mask = window_mask(queries.shape[2], keys.shape[2], window)
+    elif mask is None and queries.shape[2] > 1:
         mask = "causal"
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
 
 
 class Attention(nn.Module):
-    """Grouped-query attention with optional per-head q/k RMSNorm before the rotary embedding.
+    """Grouped-query attention with optional per-head q/k RMSNorm before the rotary embedding, over all
+    earlier positions or (``window``) the last few: give such a layer a
+    :class:`~mlxchat.cache.SlidingWindowCache` of that window.
 
     Attribute names are the checkpoint's (``q_proj`` ... ``o_proj``, ``q_norm``, ``k_norm``).
     """
@@ -44,12 +50,13 @@ class Attention(nn.Module):
         rope: RoPE,
         *,
         qk_norm_eps: float | None = None,
-        norm_offset: float = 0.0,
         bias: bool = False,
         scale: float | None = None,
+        window: int | None = None,
     ):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.window = window
         self.scale = head_dim**-0.5 if scale is None else scale
         self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=bias)
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
@@ -57,11 +64,11 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
         self.qk_norm = qk_norm_eps is not None
         if qk_norm_eps is not None:
-            self.q_norm = RMSNorm(head_dim, qk_norm_eps, offset=norm_offset)
-            self.k_norm = RMSNorm(head_dim, qk_norm_eps, offset=norm_offset)
+            self.q_norm = RMSNorm(head_dim, qk_norm_eps)
+            self.k_norm = RMSNorm(head_dim, qk_norm_eps)
         self.rope = rope
 
-    def __call__(self, x: mx.array, cache: KVCache | None = None) -> mx.array:
+    def __call__(self, x: mx.array, cache: KeysValues | None = None) -> mx.array:
         batch, length, _ = x.shape
         q = self.q_proj(x).reshape(batch, length, self.num_heads, self.head_dim)
         k = self.k_proj(x).reshape(batch, length, self.num_kv_heads, self.head_dim)
@@ -71,7 +78,7 @@ class Attention(nn.Module):
         q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))
         offset = cache.offset if cache is not None else 0
         q, k = self.rope(q, offset), self.rope(k, offset)
-        out = attend(q, k, v, cache, self.scale)
+        out = attend(q, k, v, cache, self.scale, window=self.window)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(batch, length, -1))
 
 

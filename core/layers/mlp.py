@@ -19,9 +19,15 @@ def gelu_tanh_gate(gate: mx.array, x: mx.array) -> mx.array:
     return nn.gelu_approx(gate) * x
 
 
+@partial(mx.compile, shapeless=True)
+def gelu_gate(gate: mx.array, x: mx.array) -> mx.array:
+    return nn.gelu(gate) * x
+
+
 # Each gate is one fused kernel: MLX's CPU elementwise ops run one pass at a time, on one thread.
 GATES: dict[str, Callable[[mx.array, mx.array], mx.array]] = {
     "silu": silu_gate,
+    "gelu": gelu_gate,
     "gelu_tanh": gelu_tanh_gate,
     "gelu_pytorch_tanh": gelu_tanh_gate,
 }
@@ -34,7 +40,8 @@ def gate_function(activation: str) -> Callable[[mx.array, mx.array], mx.array]:
 
 
 class SwiGLU(nn.Module):
-    """``down_proj(act(gate_proj(x)) * up_proj(x))``: SiLU by default (SwiGLU), ``gelu_tanh`` for GeGLU."""
+    """``down_proj(act(gate_proj(x)) * up_proj(x))``: SiLU by default (SwiGLU), ``gelu`` / ``gelu_tanh`` for
+    GeGLU (the names transformers' ``hidden_act`` uses are accepted)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, activation: str = "silu"):
         super().__init__()

@@ -117,15 +117,16 @@ class SparseMoE(nn.Module):
         *,
         norm_topk_prob: bool = True,
         shared_intermediate_size: int | None = None,
+        activation: str = "silu",
     ):
         super().__init__()
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
-        self.switch_mlp = SwitchGLU(hidden_size, intermediate_size, num_experts)
+        self.switch_mlp = SwitchGLU(hidden_size, intermediate_size, num_experts, activation)
         self.has_shared = shared_intermediate_size is not None
         if shared_intermediate_size is not None:
-            self.shared_expert = SwiGLU(hidden_size, shared_intermediate_size)
+            self.shared_expert = SwiGLU(hidden_size, shared_intermediate_size, activation=activation)
             self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
 
     def route(self, x: mx.array) -> tuple[mx.array, mx.array]:

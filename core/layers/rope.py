@@ -1,4 +1,9 @@
-"""Rotary position embeddings (rotate-half style) with the scaling types released checkpoints use."""
+"""Rotary position embeddings (rotate-half style) with the scaling types released checkpoints use.
+
+The frequencies are computed in Python when the layer is built and handed to MLX as plain numbers, so the
+layer holds no lazy array: whatever thread runs the forward, nothing built on another thread is evaluated
+there.
+"""
 
 from __future__ import annotations
 
@@ -10,24 +15,25 @@ import mlx.nn as nn
 from ..config import RopeConfig
 from ..errors import CheckpointError
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
 
 def rope_inv_freq(dims: int, rope: RopeConfig, max_position_embeddings: int) -> tuple[list[float], float]:
-    """Inverse frequencies of the ``dims`` rotated features and the factor applied to them (yarn's mscale).
+    """Inverse frequencies of the ``dims`` rotated features and the factor applied to them (yarn's
+    attention factor), as transformers' ``ROPE_INIT_FUNCTIONS`` compute them for the static types.
 
-    Follows transformers' ``ROPE_INIT_FUNCTIONS`` for the supported types.
+    ``dynamic`` starts from the plain frequencies; :class:`RoPE` rescales its base as the sequence grows.
     """
     base = rope.rope_theta
     inv = [base ** (-2 * j / dims) for j in range(dims // 2)]
     kind = rope.rope_type
-    if kind == "default":
+    if kind in ("default", "dynamic"):
         return inv, 1.0
     factor = rope.factor or 1.0
     if kind == "linear":
         return [f / factor for f in inv], 1.0
     if kind == "llama3":
-        original = rope.original_max_position_embeddings or 8192
+        original = rope.original_max_position_embeddings or max_position_embeddings
         low_wavelen = original / rope.low_freq_factor
         high_wavelen = original / rope.high_freq_factor
         out = []
@@ -42,60 +48,80 @@ def rope_inv_freq(dims: int, rope: RopeConfig, max_position_embeddings: int) -> 
                 out.append((1 - smooth) * f / factor + smooth * f)
         return out, 1.0
     if kind == "yarn":
-        original = rope.original_max_position_embeddings or max_position_embeddings
-        if rope.factor is None:
-            factor = max_position_embeddings / original
-
-        def mscale(scale: float, m: float = 1.0) -> float:
-            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
-        attention = rope.attention_factor
-        if attention is None:
-            if rope.mscale and rope.mscale_all_dim:
-                attention = mscale(factor, rope.mscale) / mscale(factor, rope.mscale_all_dim)
-            else:
-                attention = mscale(factor)
-        beta_fast, beta_slow = rope.beta_fast or 32, rope.beta_slow or 1
-
-        def correction_dim(rotations: float) -> float:
-            return dims * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
-
-        low, high = correction_dim(beta_fast), correction_dim(beta_slow)
-        if rope.truncate:
-            low, high = math.floor(low), math.ceil(high)
-        low, high = max(low, 0), min(high, dims - 1)
-        if low == high:
-            high += 0.001
-        out = []
-        for j, f in enumerate(inv):
-            ramp = min(max((j - low) / (high - low), 0.0), 1.0)
-            extrapolation = 1 - ramp
-            out.append(f / factor * (1 - extrapolation) + f * extrapolation)
-        return out, attention
+        return _yarn(inv, dims, rope, max_position_embeddings)
+    hint = " (Phi-3's long/short factors; no family mlxchat serves uses it)" if kind in ("longrope", "su") else ""
     raise CheckpointError(
-        f"rope_type {kind!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+        f"rope_type {kind!r}{hint} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)}; "
+        "Gemma 4's 'proportional' through ProportionalRoPE)"
     )
 
 
+def _yarn(inv: list[float], dims: int, rope: RopeConfig, max_position_embeddings: int) -> tuple[list[float], float]:
+    """YaRN: high frequencies kept, low ones interpolated by ``factor``, a linear ramp between; the attention
+    factor (``0.1 ln(factor) + 1`` unless the config gives one) scales the rotated features."""
+    original = rope.original_max_position_embeddings or max_position_embeddings
+    factor = rope.factor if rope.factor is not None else max_position_embeddings / original
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = rope.attention_factor
+    if attention is None:
+        if rope.mscale and rope.mscale_all_dim:
+            attention = mscale(factor, rope.mscale) / mscale(factor, rope.mscale_all_dim)
+        else:
+            attention = mscale(factor)
+    beta_fast, beta_slow = rope.beta_fast or 32, rope.beta_slow or 1
+
+    def correction_dim(rotations: float) -> float:
+        return dims * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(rope.rope_theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dims - 1)
+    if low == high:
+        high += 0.001
+    out = []
+    for j, f in enumerate(inv):
+        extrapolation = 1 - min(max((j - low) / (high - low), 0.0), 1.0)
+        out.append(f / factor * (1 - extrapolation) + f * extrapolation)
+    return out, attention
+
+
 class RoPE(nn.Module):
-    """Rotates the first ``dims`` features of each head (all of them unless a partial factor says less)."""
+    """Rotates the first ``dims`` features of each head (all of them unless a partial factor says less).
+
+    ``dynamic`` (NTK-aware) scaling raises the base once the sequence seen so far (``offset`` plus this
+    chunk) outgrows ``max_position_embeddings``, as transformers does: keys already cached keep the
+    frequencies they were rotated with, so a cached run matches transformers' cached run, not its full
+    forward.
+    """
 
     def __init__(self, dims: int, rope: RopeConfig, max_position_embeddings: int = 32768):
         super().__init__()
         self.dims = dims
         self.base = rope.rope_theta
+        self.max_positions = max_position_embeddings
+        self.dynamic_factor = (rope.factor or 1.0) if rope.rope_type == "dynamic" else None
         inv_freq, self.scale = rope_inv_freq(dims, rope, max_position_embeddings)
-        # mx.fast.rope takes wavelength divisors; the plain case keeps its `base` fast path.
-        self._freqs = None if rope.rope_type == "default" else 1.0 / mx.array(inv_freq, dtype=mx.float32)
+        # mx.fast.rope takes wavelength divisors; the plain and dynamic cases keep its `base` fast path.
+        plain = rope.rope_type in ("default", "dynamic")
+        self._freqs = None if plain else mx.array([1.0 / f for f in inv_freq], dtype=mx.float32)
 
     def __call__(self, x: mx.array, offset: int = 0) -> mx.array:
         if self.scale != 1.0:
             x = x.at[..., : self.dims].multiply(self.scale)
+        base = self.base
+        if self.dynamic_factor is not None:
+            seen = max(offset + x.shape[-2], self.max_positions)
+            growth = self.dynamic_factor * seen / self.max_positions - (self.dynamic_factor - 1)
+            base = self.base * growth ** (self.dims / (self.dims - 2))
         return mx.fast.rope(
             x,
             self.dims,
             traditional=False,
-            base=None if self._freqs is not None else self.base,
+            base=None if self._freqs is not None else base,
             scale=1.0,
             offset=offset,
             freqs=self._freqs,

@@ -1,4 +1,8 @@
-"""Incremental tool-call parsing for formats that wrap each call (or list of calls) in start/end markers.
+"""Incremental tool-call parsing. Two kinds of format:
+
+- tagged (:class:`TaggedCallParser`): each call, or list of calls, sits between a start and an end marker;
+- trailing (:class:`TrailingCallParser`): the calls open with a marker, or with the reply itself, and run to
+  the end of the reply with no closing marker (Llama 3.1's JSON calls).
 
 A parser is fed the visible text as it streams and returns plain text and whole calls; text that might
 be the beginning of a start marker is held back, so call markup never leaks into the visible text. A
@@ -44,10 +48,11 @@ def held_prefix(text: str, marker: str) -> int:
 
 
 class ToolCallParser:
-    """Base of the tagged formats: subclasses set ``start``/``end`` and implement :meth:`parse`."""
+    """Base of every tool-call format: :meth:`feed` and :meth:`finish` turn streamed text into plain text
+    and call blocks, :meth:`parse` reads the calls of one block. ``start`` opens a call (a reasoning
+    splitter also takes it as the end of reasoning)."""
 
     start: ClassVar[str]
-    end: ClassVar[str]
 
     def __init__(self, tools: Sequence[ToolSpec] = ()):
         self.tools = tool_names(tools)
@@ -55,7 +60,15 @@ class ToolCallParser:
         self._in_call = False
 
     def parse(self, body: str) -> list[ParsedCall]:
-        """The calls in the text between one start and end marker."""
+        """The calls in one block's text (between its markers)."""
+        raise NotImplementedError
+
+    def feed(self, text: str) -> list[str | CallBlock]:
+        """Plain text pieces and completed call blocks, in order."""
+        raise NotImplementedError
+
+    def finish(self) -> list[str | CallBlock]:
+        """Flush at the end of the reply."""
         raise NotImplementedError
 
     def parameters(self, name: str) -> dict[str, Any]:
@@ -83,22 +96,34 @@ class ToolCallParser:
             calls = [ParsedCall(guess_name(body), None, f"could not read the call ({type(exc).__name__}: {exc})")]
         return [self.checked(c) for c in calls]
 
+    def _text_before_start(self, out: list[str | CallBlock]) -> bool:
+        """Move buffered text up to ``start`` to ``out`` (holding back what may begin it); ``True`` when the
+        marker was found and consumed."""
+        index = self._buffer.find(self.start)
+        if index < 0:
+            cut = len(self._buffer) - held_prefix(self._buffer, self.start)
+            ready, self._buffer = self._buffer[:cut], self._buffer[cut:]
+            if ready:
+                out.append(ready)
+            return False
+        if index:
+            out.append(self._buffer[:index])
+        self._buffer = self._buffer[index + len(self.start) :]
+        return True
+
+
+class TaggedCallParser(ToolCallParser):
+    """Base of the tagged formats: subclasses set ``start``/``end`` and implement :meth:`parse`."""
+
+    end: ClassVar[str]
+
     def feed(self, text: str) -> list[str | CallBlock]:
-        """Plain text pieces and completed call blocks, in order."""
         self._buffer += text
         out: list[str | CallBlock] = []
         while True:
             if not self._in_call:
-                index = self._buffer.find(self.start)
-                if index < 0:
-                    cut = len(self._buffer) - held_prefix(self._buffer, self.start)
-                    ready, self._buffer = self._buffer[:cut], self._buffer[cut:]
-                    if ready:
-                        out.append(ready)
+                if not self._text_before_start(out):
                     return out
-                if index:
-                    out.append(self._buffer[:index])
-                self._buffer = self._buffer[index + len(self.start) :]
                 self._in_call = True
             else:
                 index = self._buffer.find(self.end)
@@ -110,12 +135,50 @@ class ToolCallParser:
                 out.append(CallBlock(self.start + body + self.end, self.read(body)))
 
     def finish(self) -> list[str | CallBlock]:
-        """Flush at the end of the reply: an unterminated call becomes invalid, held text is released."""
+        """An unterminated call becomes invalid; held text is released."""
         rest, self._buffer = self._buffer, ""
         if self._in_call:
             self._in_call = False
             name = guess_name(rest)
             return [CallBlock(self.start + rest, [ParsedCall(name, None, "unterminated tool call (output was cut)")])]
+        return [rest] if rest else []
+
+
+class TrailingCallParser(ToolCallParser):
+    """Base of the formats whose calls have no closing marker: they open at ``start`` anywhere, or where
+    the reply itself begins (after whitespace) with one of ``openers``, and run to the end of the reply.
+    The call text is held until :meth:`finish`, which parses it as one block."""
+
+    openers: ClassVar[tuple[str, ...]] = ()
+    """Texts that open the calls when a reply starts with them (e.g. ``{`` for a bare JSON call)."""
+
+    def __init__(self, tools: Sequence[ToolSpec] = ()):
+        super().__init__(tools)
+        self._at_start = True
+        self._opened_by = ""
+
+    def feed(self, text: str) -> list[str | CallBlock]:
+        self._buffer += text
+        out: list[str | CallBlock] = []
+        if self._in_call:
+            return out
+        if self._at_start:
+            head = self._buffer.lstrip()
+            if not head or any(opener.startswith(head) and opener != head for opener in self.openers):
+                return out  # whitespace so far, or what may still become an opener
+            self._at_start = False
+            if head.startswith(self.openers):
+                self._buffer, self._in_call = head, True
+                return out
+        if self._text_before_start(out):
+            self._in_call, self._opened_by = True, self.start
+        return out
+
+    def finish(self) -> list[str | CallBlock]:
+        rest, in_call, opened_by = self._buffer, self._in_call, self._opened_by
+        self._buffer, self._in_call, self._at_start, self._opened_by = "", False, True, ""
+        if in_call:
+            return [CallBlock(opened_by + rest, self.read(rest))]
         return [rest] if rest else []
 
 
@@ -127,7 +190,7 @@ def guess_name(body: str) -> str:
     return match.group(1) if match else ""
 
 
-class JsonTagsParser(ToolCallParser):
+class JsonTagsParser(TaggedCallParser):
     """Qwen3 / Hermes: ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``."""
 
     start = "<tool_call>"

@@ -1,7 +1,6 @@
 """mlxchat plugin for Gemma 4 checkpoints, served as text models (the multimodal towers are skipped)."""
 
-from mlxchat import Architecture, ChatQuirks, hookimpl
-from mlxchat.tools.parsing import ToolCallParser
+from mlxchat.plugin import Architecture, ChatQuirks, ToolCallParser, hookimpl
 
 from .model import Gemma4Config, Gemma4ForCausalLM
 from .tool_calls import Gemma4ToolParser

@@ -23,24 +23,31 @@ import mlx.core as mx
 import mlx.nn as nn
 from pydantic import model_validator
 
-from mlxchat.cache import KVCache, LayerCache, SlidingWindowCache
-from mlxchat.config import ModelConfig, RopeConfig
-from mlxchat.errors import CheckpointError, ImageError
-from mlxchat.images import Gemma4ImageProcessor, ProcessedImage
-from mlxchat.layers import (
+from mlxchat.plugin import (
     CausalLM,
+    CheckpointError,
     Decoder,
+    Gemma4ImageProcessor,
+    ImageError,
+    ImageTokens,
+    KVCache,
+    LayerCache,
+    ModelConfig,
+    MultimodalPrompt,
+    ProcessedImage,
     ProportionalRoPE,
     RMSNorm,
     RoPE,
+    RopeConfig,
+    SlidingWindowCache,
     SwiGLU,
     SwitchGLU,
+    embed_with_images,
     gelu_tanh_gate,
     softmax_top_k,
     stack_experts,
     window_mask,
 )
-from mlxchat.multimodal import ImageTokens, MultimodalPrompt, embed_with_images
 
 from .vision import Gemma4VisionConfig, Gemma4VisionModel, MultimodalEmbedder
 
@@ -79,6 +86,7 @@ class Gemma4Config(ModelConfig):
     attention_bias: bool = False
     final_logit_softcapping: float | None = None
     hidden_size_per_layer_input: int = 256
+    """Width of the per-layer inputs (PLE); 0 for none (26B-A4B and 31B write null)."""
     vocab_size_per_layer_input: int = 262_144
     num_kv_shared_layers: int = 0
     use_double_wide_mlp: bool = False
@@ -100,6 +108,8 @@ class Gemma4Config(ModelConfig):
         if not isinstance(data, dict):
             return data
         data = dict(data)
+        if "hidden_size_per_layer_input" in data and data["hidden_size_per_layer_input"] is None:
+            data["hidden_size_per_layer_input"] = 0
         layers = data.get("num_hidden_layers")
         if not isinstance(layers, int):
             return data  # the field check reports it

@@ -14,7 +14,7 @@ import json
 import re
 from typing import Any
 
-from mlxchat.tools.parsing import CallBlock, ParsedCall, ToolCallParser
+from mlxchat.plugin import CallBlock, ParsedCall, TaggedCallParser
 
 STRING = '<|"|>'
 _NAME = re.compile(r"\s*(?:call\s*:\s*)?([\w.\-]++)(?!\s*:)\s*")  # "call:" itself is no name
@@ -29,7 +29,7 @@ class Malformed(ValueError):
     """The call text does not follow the format (the message says where)."""
 
 
-class Gemma4ToolParser(ToolCallParser):
+class Gemma4ToolParser(TaggedCallParser):
     """Reads Gemma 4 call blocks; see the module docstring for the format."""
 
     start = "<|tool_call>"

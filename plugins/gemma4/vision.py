@@ -19,7 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from mlxchat.layers import AxialRoPE, RMSNorm, attend_all, gate_function
+from mlxchat.plugin import AxialRoPE, RMSNorm, attend_all, gate_function
 
 
 class Gemma4VisionConfig(BaseModel):

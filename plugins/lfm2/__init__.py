@@ -1,8 +1,7 @@
 """mlxchat plugin for LiquidAI's LFM2 / LFM2.5 (dense) and LFM2-MoE checkpoints, and their Pythonic
 tool-call format."""
 
-from mlxchat import Architecture, ChatQuirks, hookimpl
-from mlxchat.tools.parsing import ToolCallParser
+from mlxchat.plugin import Architecture, ChatQuirks, ToolCallParser, hookimpl
 
 from .model import Lfm2Config, Lfm2ForCausalLM
 from .tool_calls import PythonicCallsParser

@@ -12,16 +12,19 @@ import mlx.core as mx
 import mlx.nn as nn
 from pydantic import model_validator
 
-from mlxchat.cache import KVCache, LayerCache, StateCache
-from mlxchat.config import ModelConfig, RopeConfig
-from mlxchat.layers import (
+from mlxchat.plugin import (
     Attention,
     CausalLM,
     Decoder,
+    KVCache,
+    LayerCache,
+    ModelConfig,
     RMSNorm,
     RoPE,
+    RopeConfig,
     ShortConv,
     SparseMoE,
+    StateCache,
     SwiGLU,
     depthwise_weight,
     stack_experts,
@@ -58,6 +61,14 @@ class Lfm2Config(ModelConfig):
     def from_hf(cls, raw: dict[str, Any], *, default_theta: float = 1e6) -> ModelConfig:
         return super().from_hf(raw, default_theta=default_theta)
 
+    @classmethod
+    def default_layer_types(cls, data: dict[str, Any]) -> list[str]:
+        """Older (v1) configs list the attention layers in ``full_attn_idxs``; without it every layer attends."""
+        layers = data["num_hidden_layers"]
+        attention = data.get("full_attn_idxs")
+        attention = range(layers) if attention is None else attention
+        return ["full_attention" if i in attention else "conv" for i in range(layers)]
+
     @model_validator(mode="before")
     @classmethod
     def _aliases(cls, data: Any) -> Any:
@@ -65,7 +76,7 @@ class Lfm2Config(ModelConfig):
         if not isinstance(data, dict):
             return data
         data = dict(data)
-        hidden, heads = data.get("hidden_size"), data.get("num_attention_heads")
+        hidden = data.get("hidden_size")
         if data.get("block_dim") not in (None, hidden):
             raise ValueError(f"block_dim {data['block_dim']} differs from hidden_size {hidden}")
         if "tie_embedding" in data:
@@ -73,23 +84,7 @@ class Lfm2Config(ModelConfig):
         if data.get("block_ff_dim") is not None:
             data["intermediate_size"] = data["block_ff_dim"]
         data["rms_norm_eps"] = data.get("norm_eps", 1e-5)
-        if data.get("head_dim") is None and hidden and heads:
-            data["head_dim"] = hidden // heads
-        if data.get("num_key_value_heads") is None:
-            data["num_key_value_heads"] = heads
-        layers = data.get("num_hidden_layers")
-        if data.get("layer_types") is None and isinstance(layers, int):
-            attention = data.get("full_attn_idxs")
-            attention = range(layers) if attention is None else attention
-            data["layer_types"] = ["full_attention" if i in attention else "conv" for i in range(layers)]
         return data
-
-    @model_validator(mode="after")
-    def _layer_count(self) -> Lfm2Config:
-        if len(self.layer_types) != self.num_hidden_layers:
-            raise ValueError(f"layer_types has {len(self.layer_types)} entries for "
-                             f"{self.num_hidden_layers} layers")
-        return self
 
     def is_sparse(self, layer: int) -> bool:
         return self.model_type == "lfm2_moe" and layer >= self.num_dense_layers

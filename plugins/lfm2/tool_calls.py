@@ -15,7 +15,7 @@ import keyword
 import re
 from typing import Any
 
-from mlxchat.tools.parsing import ParsedCall, ToolCallParser, guess_name
+from mlxchat.plugin import ParsedCall, TaggedCallParser, guess_name
 
 _PARSE_ERRORS = (SyntaxError, ValueError, RecursionError, MemoryError)
 _JSON_NAMES = {"true": True, "false": False, "null": None}
@@ -113,7 +113,7 @@ def dotted_name(node: ast.expr) -> str | None:
     return None
 
 
-class PythonicCallsParser(ToolCallParser):
+class PythonicCallsParser(TaggedCallParser):
     """``<|tool_call_start|>[name(arg=value, ...), ...]<|tool_call_end|>`` (LFM2, LFM2.5)."""
 
     start = "<|tool_call_start|>"

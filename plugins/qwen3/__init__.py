@@ -1,6 +1,6 @@
 """mlxchat plugin for Qwen3 (dense) and Qwen3-MoE checkpoints."""
 
-from mlxchat import Architecture, ChatQuirks, hookimpl
+from mlxchat.plugin import Architecture, ChatQuirks, hookimpl
 
 from .model import Qwen3Config, Qwen3ForCausalLM
 

@@ -3,15 +3,24 @@ SwiGLU MLP, or a softmax top-k mixture of experts on the layers the config makes
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 import mlx.core as mx
 import mlx.nn as nn
-from pydantic import model_validator
 
-from mlxchat.cache import KVCache
-from mlxchat.config import ModelConfig, RopeConfig
-from mlxchat.layers import Attention, CausalLM, Decoder, RMSNorm, RoPE, SparseMoE, SwiGLU, stack_experts
+from mlxchat.plugin import (
+    Attention,
+    CausalLM,
+    Decoder,
+    KVCache,
+    ModelConfig,
+    RMSNorm,
+    RoPE,
+    RopeConfig,
+    SparseMoE,
+    SwiGLU,
+    stack_experts,
+)
 
 
 class Qwen3Config(ModelConfig):
@@ -29,17 +38,6 @@ class Qwen3Config(ModelConfig):
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: list[int] = []
-
-    @model_validator(mode="before")
-    @classmethod
-    def _defaults(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            data = dict(data)
-            if data.get("head_dim") is None and data.get("num_attention_heads"):
-                data["head_dim"] = data["hidden_size"] // data["num_attention_heads"]
-            if data.get("num_key_value_heads") is None:
-                data["num_key_value_heads"] = data.get("num_attention_heads")
-        return data
 
     def is_sparse(self, layer: int) -> bool:
         return (
@@ -59,9 +57,10 @@ class Qwen3Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(h, eps)
         if config.is_sparse(layer):
             self.mlp: nn.Module = SparseMoE(h, config.moe_intermediate_size, config.num_experts,
-                                            config.num_experts_per_tok, norm_topk_prob=config.norm_topk_prob)
+                                            config.num_experts_per_tok, norm_topk_prob=config.norm_topk_prob,
+                                            activation=config.hidden_act)
         else:
-            self.mlp = SwiGLU(h, config.intermediate_size)
+            self.mlp = SwiGLU(h, config.intermediate_size, activation=config.hidden_act)
 
     def __call__(self, x: mx.array, cache: KVCache | None) -> mx.array:
         h = x + self.self_attn(self.input_layernorm(x), cache)

@@ -1,7 +1,7 @@
 """mlxchat plugin for Qwen3.5 (dense) and Qwen3.5-MoE checkpoints: hybrid Gated DeltaNet + gated
 attention, and the XML tool-call format (``qwen3_xml``) that Qwen3.5, Qwen3.6 and Qwen3-Coder share."""
 
-from mlxchat import Architecture, ChatQuirks, hookimpl
+from mlxchat.plugin import Architecture, ChatQuirks, hookimpl
 
 from .model import Qwen35Config, Qwen35ForCausalLM
 from .tool_parser import XmlToolCallParser

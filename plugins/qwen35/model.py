@@ -21,23 +21,30 @@ import mlx.nn as nn
 import numpy as np
 from pydantic import model_validator
 
-from mlxchat.cache import KVCache, LayerCache, StateCache
-from mlxchat.config import ModelConfig, RopeConfig
-from mlxchat.errors import CheckpointError, ImageError
-from mlxchat.images import ProcessedImage, Qwen2VLImageProcessor
-from mlxchat.layers import (
+from mlxchat.plugin import (
     CausalLM,
+    CheckpointError,
     Decoder,
     GatedDeltaNet,
+    ImageError,
+    ImageTokens,
+    KVCache,
+    LayerCache,
+    ModelConfig,
     MRoPE,
+    MultimodalPrompt,
+    ProcessedImage,
+    Qwen2VLImageProcessor,
     RMSNorm,
     RoPE,
+    RopeConfig,
     SparseMoE,
+    StateCache,
     SwiGLU,
     attend,
+    embed_with_images,
     stack_experts,
 )
-from mlxchat.multimodal import ImageTokens, MultimodalPrompt, embed_with_images
 
 from .vision import Qwen35VisionConfig, Qwen35VisionModel
 
@@ -67,21 +74,18 @@ class Qwen35Config(ModelConfig):
     vision_config: Qwen35VisionConfig | None = None
     image_token_id: int | None = None
 
+    @classmethod
+    def default_layer_types(cls, data: dict[str, Any]) -> list[str]:
+        """transformers writes layer_types; older configs only give the interval (every n-th is full)."""
+        n = data.get("full_attention_interval") or 4
+        return ["full_attention" if (i + 1) % n == 0 else "linear_attention" for i in range(data["num_hidden_layers"])]
+
     @model_validator(mode="before")
     @classmethod
-    def _defaults(cls, data: Any) -> Any:
+    def _rope_defaults(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
         data = dict(data)
-        if data.get("head_dim") is None and data.get("num_attention_heads"):
-            data["head_dim"] = data["hidden_size"] // data["num_attention_heads"]
-        if data.get("num_key_value_heads") is None:
-            data["num_key_value_heads"] = data.get("num_attention_heads")
-        if data.get("layer_types") is None and "num_hidden_layers" in data:
-            # transformers writes layer_types; older configs only give the interval (every n-th is full).
-            n = data.get("full_attention_interval") or 4
-            data["layer_types"] = ["full_attention" if (i + 1) % n == 0 else "linear_attention"
-                                   for i in range(data["num_hidden_layers"])]
         if isinstance(data.get("rope"), dict):
             rope = dict(data["rope"])
             rope.setdefault("partial_rotary_factor", 0.25)
@@ -94,9 +98,6 @@ class Qwen35Config(ModelConfig):
 
     @model_validator(mode="after")
     def _check(self) -> Qwen35Config:
-        if len(self.layer_types) != self.num_hidden_layers:
-            raise ValueError(f"layer_types has {len(self.layer_types)} entries for "
-                             f"{self.num_hidden_layers} layers")
         if self.num_experts == 0 and self.intermediate_size == 0:
             raise ValueError("neither intermediate_size (dense) nor num_experts (MoE) is set")
         return self
@@ -157,9 +158,9 @@ class Qwen35Block(nn.Module):
             shared = config.shared_expert_intermediate_size or None
             self.mlp: nn.Module = SparseMoE(h, config.moe_intermediate_size, config.num_experts,
                                             config.num_experts_per_tok, norm_topk_prob=True,
-                                            shared_intermediate_size=shared)
+                                            shared_intermediate_size=shared, activation=config.hidden_act)
         else:
-            self.mlp = SwiGLU(h, config.intermediate_size)
+            self.mlp = SwiGLU(h, config.intermediate_size, activation=config.hidden_act)
 
     def __call__(self, x: mx.array, cache: LayerCache | None, positions: int | mx.array) -> mx.array:
         normed = self.input_layernorm(x)

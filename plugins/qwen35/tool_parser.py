@@ -25,7 +25,7 @@ import math
 import re
 from typing import Any
 
-from mlxchat.tools.parsing import ParsedCall, ToolCallParser, guess_name
+from mlxchat.plugin import ParsedCall, TaggedCallParser, guess_name
 
 _FUNCTION = re.compile(r"<function=([^>\n]*)>")
 _PARAMETER = re.compile(r"<parameter=([^>\n]*)>")
@@ -37,7 +37,7 @@ _PARAMETER_END = "</parameter>"
 _FUNCTION_CLOSE = "</function>"
 
 
-class XmlToolCallParser(ToolCallParser):
+class XmlToolCallParser(TaggedCallParser):
     """``<tool_call><function=NAME><parameter=KEY>VALUE</parameter>...</function></tool_call>``: one or
     more functions per call block, values typed by the tool's JSON schema."""
 

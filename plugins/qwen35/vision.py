@@ -16,7 +16,7 @@ import mlx.nn as nn
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from mlxchat.layers import AxialRoPE, attend_all
+from mlxchat.plugin import AxialRoPE, attend_all
 
 ACTIVATIONS = {"gelu_pytorch_tanh": nn.gelu_approx, "gelu": nn.gelu}
 

@@ -1,0 +1,117 @@
+"""Everything plugin code imports, in one place: the contract (:class:`Architecture`, :class:`ChatQuirks`,
+:data:`hookimpl`), configs, the layers blocks are built from, the layer caches and the tool-call parser
+bases. A plugin that imports only from here (and ``mlxchat``) keeps working when core's modules move.
+
+A plugin package is a module with ``@hookimpl`` functions, declared under the ``mlxchat.plugins``
+entry-point group (see :mod:`mlxchat.hookspecs` for the hooks)::
+
+    from mlxchat.plugin import Architecture, ChatQuirks, hookimpl
+
+    @hookimpl
+    def mlxchat_architectures():
+        return [Architecture("llama", ("llama",), LlamaConfig, LlamaForCausalLM,
+                             ChatQuirks(tool_format="llama3_json", stop_tokens=("<|eot_id|>",)))]
+
+``mlxchat.testing`` then checks it against transformers and the session contract.
+"""
+
+from .architecture import Architecture, ChatQuirks, ModelModule
+from .cache import KVCache, LayerCache, SlidingWindowCache, StateCache
+from .config import ModelConfig, RopeConfig
+from .errors import CheckpointError, ImageError
+from .hookspecs import hookimpl
+from .images import Gemma4ImageProcessor, ImageProcessor, ProcessedImage, Qwen2VLImageProcessor
+from .layers import (
+    Attention,
+    AxialRoPE,
+    CausalLM,
+    Decoder,
+    GatedDeltaNet,
+    MRoPE,
+    ProportionalRoPE,
+    RMSNorm,
+    RMSNormGated,
+    RoPE,
+    ShortConv,
+    SparseMoE,
+    SwiGLU,
+    SwitchGLU,
+    SwitchLinear,
+    attend,
+    attend_all,
+    depthwise_weight,
+    gate_function,
+    gated_delta_chunked,
+    gated_delta_step,
+    gelu_tanh_gate,
+    silu_gate,
+    softmax_top_k,
+    stack_experts,
+    window_mask,
+)
+from .multimodal import ImageTokens, MultimodalPrompt, VisionModule, embed_with_images
+from .tools.parsing import (
+    CallBlock,
+    JsonTagsParser,
+    ParsedCall,
+    TaggedCallParser,
+    ToolCallParser,
+    TrailingCallParser,
+    guess_name,
+)
+
+__all__ = [
+    "Architecture",
+    "Attention",
+    "AxialRoPE",
+    "Gemma4ImageProcessor",
+    "ImageError",
+    "ImageProcessor",
+    "ImageTokens",
+    "MRoPE",
+    "MultimodalPrompt",
+    "ProcessedImage",
+    "Qwen2VLImageProcessor",
+    "VisionModule",
+    "attend_all",
+    "embed_with_images",
+    "CallBlock",
+    "CausalLM",
+    "ChatQuirks",
+    "CheckpointError",
+    "Decoder",
+    "GatedDeltaNet",
+    "JsonTagsParser",
+    "KVCache",
+    "LayerCache",
+    "ModelConfig",
+    "ModelModule",
+    "ParsedCall",
+    "ProportionalRoPE",
+    "RMSNorm",
+    "RMSNormGated",
+    "RoPE",
+    "RopeConfig",
+    "ShortConv",
+    "SlidingWindowCache",
+    "SparseMoE",
+    "StateCache",
+    "SwiGLU",
+    "SwitchGLU",
+    "SwitchLinear",
+    "TaggedCallParser",
+    "ToolCallParser",
+    "TrailingCallParser",
+    "attend",
+    "depthwise_weight",
+    "gate_function",
+    "gated_delta_chunked",
+    "gated_delta_step",
+    "gelu_tanh_gate",
+    "guess_name",
+    "hookimpl",
+    "silu_gate",
+    "softmax_top_k",
+    "stack_experts",
+    "window_mask",
+]
