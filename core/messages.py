@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from .generation import GenerationReport
 from .limits import check_depth, check_strings
 
 Role = Literal["system", "user", "assistant", "tool"]
@@ -50,8 +51,27 @@ class ToolCall(BaseModel):
         return value if isinstance(value, dict) else {}
 
 
+class ReplyVersion(BaseModel):
+    """One of the replies an assistant message has had (a regenerate adds one): its text, reasoning, calls
+    and what it cost."""
+
+    content: str | None = None
+    thinking: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+    report: GenerationReport | None = None
+
+
+SESSION_FIELDS = ("id", "created_at", "versions", "selected_version")
+"""What a session keeps on a message besides the chat format (a template never sees these)."""
+
+
 class ChatMessage(BaseModel):
     """One turn. ``reasoning_content`` holds an assistant turn's reasoning, apart from its visible text.
+
+    A session gives every message an ``id`` (stable across copies and transcripts) and a ``created_at``
+    time. An assistant message it produced holds its ``versions`` (every reply a regenerate gave it,
+    ``selected_version`` the one the conversation shows); ``content``, ``reasoning_content`` and
+    ``tool_calls`` are the selected version's.
 
     Content is checked on the way in: valid Unicode only, nesting within :data:`mlxchat.limits.MAX_NESTING`.
     A list of text parts becomes one string (parts joined by newlines, as vLLM joins them), since
@@ -67,6 +87,10 @@ class ChatMessage(BaseModel):
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
     name: str | None = None
+    id: str | None = None
+    created_at: float | None = None
+    versions: list[ReplyVersion] | None = None
+    selected_version: int | None = None
 
     @field_validator("role", mode="before")
     @classmethod
@@ -83,6 +107,15 @@ class ChatMessage(BaseModel):
         return value
 
     @model_validator(mode="after")
+    def _valid_versions(self) -> ChatMessage:
+        if self.versions is not None:
+            if self.role != "assistant" or not self.versions:
+                raise ValueError("only assistant messages have reply versions, and then at least one")
+            if self.selected_version is None or not 0 <= self.selected_version < len(self.versions):
+                raise ValueError(f"selected_version must index the {len(self.versions)} versions")
+        return self
+
+    @model_validator(mode="after")
     def _valid_text(self) -> ChatMessage:
         check_strings([self.content, self.reasoning_content, self.tool_call_id, self.name,
                        [(c.id, c.function.name, c.function.arguments) for c in self.tool_calls or []],
@@ -96,8 +129,19 @@ class ChatMessage(BaseModel):
         return super().model_dump(**kwargs)
 
     def template_dict(self) -> dict[str, Any]:
-        """The dict a chat template is given (the template layer turns JSON arguments into mappings)."""
-        return self.model_dump()
+        """The dict a chat template is given: the chat format without the session's own fields (the
+        template layer turns JSON arguments into mappings)."""
+        return self.model_dump(exclude=set(SESSION_FIELDS))
+
+    def select(self, index: int) -> None:
+        """Show reply version ``index``: its text, reasoning and calls become the message's."""
+        if not self.versions or not 0 <= index < len(self.versions):
+            raise IndexError(f"no reply version {index} (this message has {len(self.versions or [])})")
+        version = self.versions[index]
+        self.selected_version = index
+        self.content = version.content
+        self.reasoning_content = version.thinking
+        self.tool_calls = [c.model_copy(deep=True) for c in version.tool_calls] or None
 
     @classmethod
     def coerce(cls, message: ChatMessage | dict[str, Any]) -> ChatMessage:

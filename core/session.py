@@ -4,19 +4,28 @@ Every turn renders the whole conversation through the checkpoint's chat template
 the session's :class:`~mlxchat.prompt_cache.PromptCache` cut back to the longest prefix it already
 holds, so only the rest is prefilled. The model therefore always sees exactly what a stateless run
 would show it (templates that drop earlier reasoning, edited history, regenerate and rewind all stay
-right), and a turn costs what changed. Snapshots for caches that cannot be cut back are taken at the
-start of the generation prompt, at the last prompt token and at the end of the reply.
+right), and a turn costs what changed. Caches that cannot be cut back take snapshots just before the last
+prompt token, where the next turn's render will part from this prompt, and at the end of the reply.
+
+Around the turn the session keeps what changes what history *is*, each costing only the tokens that
+changed: message ids and times, reply versions (a regenerate keeps the old reply), checkpoints (back to a
+message by id), and tools it calls by itself (``auto_tools``), pausing for the user's approval where a
+tool asks for it.
 
 A session owns no weights: it runs on the model's worker thread, one session at a time, in FIFO order.
+Tools run on the reader's side (the thread iterating the stream, or the event loop), never on the worker.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import queue
 import re
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -30,28 +39,45 @@ from .errors import (
     StreamConsumedError,
     TemplateError,
 )
-from .generation import FinishReason, GenerationChunk, GenerationConfig, GenerationReport
-from .limits import check_text
-from .messages import ChatMessage, ToolCall
+from .generation import GenerationChunk, GenerationConfig, GenerationReport
+from .limits import check_depth, check_strings, check_text
+from .messages import ChatMessage, FunctionCall, ReplyVersion, ToolCall
 from .prompt_cache import PromptCache, common_prefix_length
 from .reply import ReplyEvent, ReplyParser, TextDelta, ThinkingDelta, ToolCallEvent
+from .tools.context import Ask
 from .tools.parsing import ToolCallParser
-from .tools.schema import ToolSpec, tool_schemas
-from .worker import Cancelled, Worker
+from .tools.running import arun_tool, run_tool
+from .tools.schema import Tool, ToolSpec, tool_functions, tool_schemas
+from .worker import END, Cancelled, StreamJob, Worker
 
 ContextPolicy = Literal["error", "truncate_oldest"]
+TurnFinish = Literal["stop", "length", "tool_calls", "cancelled", "max_tool_rounds", "approval_required"]
+"""How a turn ended: a generation's own reasons, or where automatic tool calling stopped (too many
+rounds; a call waiting for the user's approval)."""
+DEFAULT_MAX_TOOL_ROUNDS = 8
 
 
 class ChatResult(BaseModel):
-    """One reply: visible text, reasoning (``None`` when the model did not reason), calls, and costs."""
+    """One reply: visible text, reasoning (``None`` when the model did not reason), calls, and costs. With
+    automatic tool calls it is the turn's last reply (the earlier ones and the tool results are in the
+    history)."""
 
     text: str
     thinking: str | None = None
     tool_calls: list[ToolCall] = Field(default_factory=list)
-    finish_reason: FinishReason
+    finish_reason: TurnFinish
     report: GenerationReport
     tokens: list[int] = Field(default_factory=list)
     """The reply's token ids (the stop token excluded)."""
+
+
+class ToolResultEvent(BaseModel):
+    """A tool the session ran by itself (or a call the user denied), and the result the model will see."""
+
+    type: Literal["tool_result"] = "tool_result"
+    call_id: str
+    name: str
+    content: str
 
 
 class Done(BaseModel):
@@ -61,7 +87,7 @@ class Done(BaseModel):
     result: ChatResult
 
 
-StreamEvent = TextDelta | ThinkingDelta | ToolCallEvent | Done
+StreamEvent = TextDelta | ThinkingDelta | ToolCallEvent | ToolResultEvent | Done
 
 
 @runtime_checkable
@@ -112,97 +138,206 @@ class _TurnEnd:
         self.parser, self.report, self.tokens = parser, report, tokens
 
 
+@dataclass
+class _Decision:
+    approved: bool
+    reason: str | None = None
+    arguments: dict[str, Any] | None = None
+
+
+@dataclass
+class _ToolWork:
+    """A call the session answers by itself: run ``tool`` with ``arguments``, or record ``denial``."""
+
+    call: ToolCall
+    tool: Tool
+    arguments: dict[str, Any]
+    denial: str | None = None
+
+
+@dataclass
+class _Generate:
+    """Step: run a generation on the conversation as it stands."""
+
+
+@dataclass
+class _Run:
+    """Step: answer these calls, then go on."""
+
+    works: list[_ToolWork]
+
+
+@dataclass
+class _Stop:
+    """Step: the turn ends here (``finish`` overrides the last reply's own reason when set)."""
+
+    finish: TurnFinish | None = None
+
+
+_Step = _Generate | _Run | _Stop
+
+
 class ChatStream:
     """One turn, streamed. Nothing runs until it is iterated; it is iterated once (sync or async).
 
-    Breaking out of the loop cancels the reply at the next token and keeps exactly what was streamed so
-    far as the assistant turn (``finish_reason="cancelled"``); :meth:`cancel` stops generating from
-    anywhere while the loop goes on to receive the ``Done`` event. ``result`` holds the turn's result
-    once it is done. The turn is committed here, on the reader's side, so that the history holds what the
-    reader saw.
+    Breaking out of the loop (sync or async) cancels the reply at the next token and keeps exactly what was
+    streamed so far as the assistant turn (``finish_reason="cancelled"``), before control returns to the
+    code after the loop; :meth:`cancel` stops generating from anywhere while the loop goes on to receive
+    the ``Done`` event. ``result`` holds the turn's result once it is done. The turn is committed here, on
+    the reader's side, so that the history holds what the reader saw. With automatic tool calls one stream
+    covers the whole turn: every reply's events, a :class:`ToolResultEvent` per call the session answered,
+    and one ``Done`` at the end.
     """
 
-    def __init__(self, session: ChatSession, prepare: Callable[[], None], config: GenerationConfig | None,
-                 tools: list[ToolSpec]):
+    def __init__(self, session: ChatSession, prepare: Callable[[], ChatMessage | None],
+                 config: GenerationConfig | None, tools: list[ToolSpec], functions: dict[str, Tool],
+                 auto_tools: bool, max_tool_rounds: int):
         self._session = session
         self._prepare = prepare
         self._config = config
         self._tools = tools
+        self._functions = functions
+        self._auto = auto_tools
+        self._max_rounds = max_tool_rounds
         self._cancel = Cancelled()
         self._used = False
-        self._events_seen: list[ReplyEvent] = []
+        self._finished = False
+        self._replaces: ChatMessage | None = None
+        self._replies = 0
+        self._job: StreamJob | None = None
+        self._seen: list[ReplyEvent] = []
         self._ended: _TurnEnd | None = None
         self.result: ChatResult | None = None
 
     def cancel(self) -> None:
-        """Stop generating at the next token."""
+        """Stop generating at the next token (or prefill chunk)."""
         self._cancel.set()
+
+    # -- the turn, as steps any reader loop can drive ----------------------------------------------------
 
     def _start(self) -> None:
         if self._used:
             raise StreamConsumedError("a chat stream can be iterated only once")
         self._used = True
-        self._session._begin(self._prepare)
+        self._replaces = self._session._begin(self._prepare)
+
+    def _steps(self) -> Generator[_Generate | _Run, ChatResult | None, ChatResult]:
+        """Generations, and the calls the session answers between them, until the turn ends."""
+        result: ChatResult | None = None
+        rounds = 0
+        while True:
+            step = self._session._next_step(result, self._functions, self._auto)
+            if isinstance(step, _Stop):
+                if result is None:
+                    raise SessionStateError("nothing to respond to")
+                if step.finish is not None:
+                    result = result.model_copy(update={"finish_reason": step.finish})
+                return result
+            if isinstance(step, _Run) and result is not None:
+                if rounds == self._max_rounds:
+                    return result.model_copy(update={"finish_reason": "max_tool_rounds"})
+                rounds += 1
+            sent = yield step
+            if sent is not None:
+                result = sent
 
     def _produce(self, cancel: Cancelled) -> Iterator[ReplyEvent | _TurnEnd]:
-        """On the worker: the turn's events, remembering how it ended for an abandoned reader."""
+        """On the worker: one reply's events, remembering how it ended for an abandoned reader."""
         for item in self._session._run_turn(cancel, self._config, self._tools):
             if isinstance(item, _TurnEnd):
                 self._ended = item
             yield item
 
-    def _receive(self, item: ReplyEvent | _TurnEnd) -> StreamEvent:
-        if isinstance(item, _TurnEnd):
-            self.result = self._session._commit(self._events_seen, item, abandoned=False)
-            return Done(result=self.result)
-        self._events_seen.append(item)
+    def _open_reply(self, put: Callable[[Any], Any]) -> StreamJob:
+        self._seen, self._ended = [], None
+        self._job = self._session._model.worker.start(self._produce, self._cancel, put)
+        return self._job
+
+    def _received(self, item: Any) -> Any:
+        """An item of the running reply (``END`` when it is over); a failure is raised here."""
+        assert self._job is not None
+        try:
+            item = self._job.received(item)
+        except ContextLengthError:
+            self._job = None
+            if self._replies == 0:
+                self._session._undo_turn(self._replaces)
+                self._replaces = None
+            raise
+        except BaseException:
+            self._job = None
+            raise
+        if item is not END and not isinstance(item, _TurnEnd):
+            self._seen.append(item)
         return item
 
-    def _finish(self, abandoned: bool) -> None:
-        # The worker has wound up by now (closing the inner stream waits for it).
-        if abandoned and self.result is None and self._ended is not None:
-            self.result = self._session._commit(self._events_seen, self._ended, abandoned=True)
-        self._session._end()
+    def _close_reply(self) -> ChatResult:
+        """The reply is over: commit it (the first reply of a regenerate becomes a new version)."""
+        assert self._ended is not None
+        self._job = None
+        result = self._session._commit(self._seen, self._ended, abandoned=False, replaces=self._replaces)
+        self._replaces, self._replies = None, self._replies + 1
+        return result
+
+    def _abandon(self) -> None:
+        """The reader left mid-turn: stop the reply that runs (waiting for it to wind up) and keep what the
+        reader saw of it; a reply that produced nothing leaves the turn as if it never started."""
+        job, self._job = self._job, None
+        if job is None or self._finished:
+            return
+        job.stop()
+        if self._ended is not None:
+            self._session._commit(self._seen, self._ended, abandoned=True, replaces=self._replaces)
+            self._replaces = None
+        elif self._replies == 0:
+            self._session._undo_turn(self._replaces)
+            self._replaces = None
+
+    def _finish(self) -> None:
+        if not self._finished:
+            self._finished = True
+            if self._replaces is not None:  # a regenerate that failed: the reply it replaced comes back
+                self._session._undo_turn(self._replaces)
+            self._session._end()
+
+    def _tool_result(self, work: _ToolWork, content: str) -> ToolResultEvent:
+        self._session._record(work, content)
+        return ToolResultEvent(call_id=work.call.id, name=work.call.name, content=content)
+
+    # -- sync --------------------------------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[StreamEvent]:
         self._start()
         return self._events()
 
     def _events(self) -> Iterator[StreamEvent]:
-        inner = self._session._model.worker.stream(self._produce, self._cancel)
-        abandoned = False
         try:
-            for item in inner:
-                yield self._receive(item)
+            steps, sent = self._steps(), None
+            while True:
+                try:
+                    step = steps.send(sent)
+                except StopIteration as done:
+                    self.result = done.value
+                    break
+                if isinstance(step, _Generate):
+                    items: queue.SimpleQueue[Any] = queue.SimpleQueue()
+                    self._open_reply(items.put)
+                    while (item := self._received(items.get())) is not END:
+                        if not isinstance(item, _TurnEnd):
+                            yield item
+                    sent = self._close_reply()
+                else:
+                    sent = None
+                    for work in step.works:
+                        yield self._tool_result(work, work.denial or run_tool(work.tool, work.call, work.arguments,
+                                                                              self._session.input_handler))
+            assert self.result is not None
+            yield Done(result=self.result)
         except (GeneratorExit, KeyboardInterrupt):  # the reader stopped (break, close, Ctrl-C)
-            abandoned = True
-            raise
-        except ContextLengthError:
-            self._session._undo_turn()
+            self._abandon()
             raise
         finally:
-            inner.close()
-            self._finish(abandoned)
-
-    def __aiter__(self) -> AsyncIterator[StreamEvent]:
-        self._start()
-        return self._aevents()
-
-    async def _aevents(self) -> AsyncIterator[StreamEvent]:
-        inner = self._session._model.worker.astream(self._produce, self._cancel)
-        abandoned = False
-        try:
-            async for item in inner:
-                yield self._receive(item)
-        except (GeneratorExit, asyncio.CancelledError):  # the reader stopped (aclose, task cancelled)
-            abandoned = True
-            raise
-        except ContextLengthError:
-            self._session._undo_turn()
-            raise
-        finally:
-            await inner.aclose()
-            self._finish(abandoned)
+            self._finish()
 
     def collect(self) -> ChatResult:
         """Run the turn to the end and return its result."""
@@ -211,11 +346,78 @@ class ChatStream:
         assert self.result is not None
         return self.result
 
+    # -- asyncio -----------------------------------------------------------------------------------------
+
+    def __aiter__(self) -> AsyncIterator[StreamEvent]:
+        self._start()
+        return _AsyncEvents(self, self._aevents())
+
+    async def _aevents(self) -> AsyncIterator[StreamEvent]:
+        try:
+            steps, sent = self._steps(), None
+            loop = asyncio.get_running_loop()
+            while True:
+                try:
+                    step = steps.send(sent)
+                except StopIteration as done:
+                    self.result = done.value
+                    break
+                if isinstance(step, _Generate):
+                    items: asyncio.Queue[Any] = asyncio.Queue()
+                    self._open_reply(_threadsafe_put(loop, items))
+                    while (item := self._received(await items.get())) is not END:
+                        if not isinstance(item, _TurnEnd):
+                            yield item
+                    sent = self._close_reply()
+                else:
+                    sent = None
+                    for work in step.works:
+                        content = work.denial or await arun_tool(work.tool, work.call, work.arguments,
+                                                                 self._session.input_handler)
+                        yield self._tool_result(work, content)
+            assert self.result is not None
+            yield Done(result=self.result)
+        except (GeneratorExit, asyncio.CancelledError):  # the reader stopped (aclose, task cancelled)
+            self._abandon()
+            raise
+        finally:
+            self._finish()
+
     async def acollect(self) -> ChatResult:
         async for _ in self:
             pass
         assert self.result is not None
         return self.result
+
+
+class _AsyncEvents:
+    """The async iterator of a :class:`ChatStream`. A reader that breaks out of ``async for`` drops it at
+    once, and then it ends the turn right away (an async generator would only be closed later by the event
+    loop, leaving the session busy for a moment): the reply is stopped, what was seen is committed."""
+
+    def __init__(self, stream: ChatStream, events: AsyncIterator[StreamEvent]):
+        self._stream = stream
+        self._events = events
+
+    def __aiter__(self) -> _AsyncEvents:
+        return self
+
+    async def __anext__(self) -> StreamEvent:
+        return await anext(self._events)
+
+    async def aclose(self) -> None:
+        close = getattr(self._events, "aclose", None)
+        if close is not None:
+            await close()
+
+    def __del__(self) -> None:
+        stream = self._stream
+        if not stream._finished:
+            stream._abandon()
+            stream._finish()
+
+
+ConfigArg = GenerationConfig | dict[str, Any] | None
 
 
 class ChatSession:
@@ -226,10 +428,15 @@ class ChatSession:
         model: SessionCapableModel,
         *,
         system: str | None = None,
-        default_config: GenerationConfig | dict[str, Any] | None = None,
+        default_config: ConfigArg = None,
         tools: Sequence[Any] | None = None,
         cache: PromptCache | None = None,
         context_policy: ContextPolicy = "error",
+        auto_tools: bool = False,
+        max_tool_rounds: int = DEFAULT_MAX_TOOL_ROUNDS,
+        new_id: Callable[[], str] | None = None,
+        clock: Callable[[], float] | None = None,
+        input_handler: Ask | None = None,
     ):
         """``cache``: a prompt cache of this model to start from (say, one a server keeps between requests
         that carry the whole conversation); the session takes it over.
@@ -239,17 +446,37 @@ class ChatSession:
         leaves the oldest whole turns out of the prompt (the system prompt stays; :attr:`messages` keeps
         them all) until the prompt leaves room for ``max_tokens``, or a quarter of the context if that is
         less. Either way a reply is cut at the end of the context (``finish_reason="length"``).
+
+        ``auto_tools``: when the model calls tools that have a Python function (``@tool``), run them,
+        record each result as a tool message and reply again, until a reply makes no calls or
+        ``max_tool_rounds`` rounds have run (``finish_reason="max_tool_rounds"``); a tool marked
+        ``needs_approval`` stops the turn first (``finish_reason="approval_required"``, see
+        :meth:`respond_to_approval`). Each send/respond can override both.
+
+        ``new_id`` and ``clock`` make message ids and times (by default random ids and ``time.time``);
+        ``input_handler`` answers a tool's :meth:`~mlxchat.tools.ToolContext.request_input`.
         """
         if context_policy not in ("error", "truncate_oldest"):
             raise ValueError(f"context_policy must be 'error' or 'truncate_oldest', got {context_policy!r}")
+        if max_tool_rounds < 0:
+            raise ValueError(f"max_tool_rounds must be at least 0, got {max_tool_rounds}")
         self._model = model
         self._defaults = model.defaults.merged(default_config)
+        self._new_id = new_id or (lambda: f"msg_{uuid.uuid4().hex[:24]}")
+        self._clock = clock or time.time
+        self.input_handler = input_handler
         self._system = system
         self._tools = self._offer(tools) or []
-        self._messages: list[ChatMessage] = [ChatMessage(role="system", content=system)] if system else []
+        self._functions = tool_functions(tools or [])
+        self._auto_tools = auto_tools
+        self._max_tool_rounds = max_tool_rounds
+        self._messages: list[ChatMessage] = []
+        if system:
+            self._messages.append(self._stamped(ChatMessage(role="system", content=system)))
         self._cache: PromptCache | None = cache if cache is not None else model.make_prompt_cache()
         self._report: GenerationReport | None = None
         self._tool_calls: list[ToolCall] = []
+        self._decisions: dict[str, _Decision] = {}
         self._closed = False
         self._busy = False
         self._lock = threading.Lock()
@@ -280,6 +507,29 @@ class ChatSession:
         return [c.model_copy(deep=True) for c in self._tool_calls]
 
     @property
+    def pending_tool_calls(self) -> list[ToolCall]:
+        """The last reply's calls that no tool result answers yet."""
+        return [c.model_copy(deep=True) for c in self._pending_calls()]
+
+    @property
+    def pending_approvals(self) -> list[ToolCall]:
+        """Pending calls to tools marked ``needs_approval`` that wait for :meth:`respond_to_approval`."""
+        return [c.model_copy(deep=True) for c in self._pending_calls()
+                if (tool := self._functions.get(c.name)) is not None and tool.needs_approval
+                and c.id not in self._decisions]
+
+    @property
+    def turns(self) -> int:
+        """How many user turns the conversation has."""
+        return sum(m.role == "user" for m in self._messages)
+
+    @property
+    def has_images(self) -> bool:
+        """Whether any message carries an image."""
+        return any(isinstance(m.content, list) and any(p.get("type") in ("image", "image_url") for p in m.content)
+                   for m in self._messages)
+
+    @property
     def tools(self) -> list[ToolSpec]:
         return list(self._tools)
 
@@ -297,19 +547,21 @@ class ChatSession:
 
     # -- turns ----------------------------------------------------------------------------------------
 
-    def send(self, content: str, *, config: GenerationConfig | dict[str, Any] | None = None,
-             images: Sequence[bytes] = (), tools: Sequence[Any] | None = None) -> ChatResult:
+    def send(self, content: str, *, config: ConfigArg = None, images: Sequence[bytes] = (),
+             tools: Sequence[Any] | None = None, auto_tools: bool | None = None,
+             max_tool_rounds: int | None = None) -> ChatResult:
         """Append a user turn and reply to it (blocking)."""
-        return self.send_stream(content, config=config, images=images, tools=tools).collect()
+        return self.send_stream(content, config=config, images=images, tools=tools, auto_tools=auto_tools,
+                                max_tool_rounds=max_tool_rounds).collect()
 
-    def send_stream(self, content: str, *, config: GenerationConfig | dict[str, Any] | None = None,
-                    images: Sequence[bytes] = (), tools: Sequence[Any] | None = None) -> ChatStream:
+    def send_stream(self, content: str, *, config: ConfigArg = None, images: Sequence[bytes] = (),
+                    tools: Sequence[Any] | None = None, auto_tools: bool | None = None,
+                    max_tool_rounds: int | None = None) -> ChatStream:
         """:meth:`send`, streamed: the user turn is appended when the stream is first iterated.
 
         Empty content, or content that is not valid Unicode, is an :class:`InvalidInputError` (and nothing is
         added)."""
         self._check_open()
-        offered = self._offered(tools)
         if images:
             raise ValueError(f"{self._model!r} takes no images (its plugin serves text only)")
         if not isinstance(content, str):
@@ -321,21 +573,25 @@ class ChatSession:
 
         def prepare() -> None:
             self._check_no_pending_calls()
-            self._messages.append(message)
+            self._messages.append(self._stamped(message))
 
-        return ChatStream(self, prepare, _config(config), offered)
+        return self._stream(prepare, config, tools, auto_tools, max_tool_rounds)
 
-    def respond(self, *, config: GenerationConfig | dict[str, Any] | None = None,
-                tools: Sequence[Any] | None = None) -> ChatResult:
-        """Reply to the conversation as it stands (the last turn is a user turn or a tool result)."""
-        return self.respond_stream(config=config, tools=tools).collect()
+    def respond(self, *, config: ConfigArg = None, tools: Sequence[Any] | None = None,
+                auto_tools: bool | None = None, max_tool_rounds: int | None = None) -> ChatResult:
+        """Reply to the conversation as it stands: it ends with a user turn or a tool result, or (with
+        automatic tool calls) with a reply whose calls the session can now answer itself (after
+        :meth:`respond_to_approval`)."""
+        return self.respond_stream(config=config, tools=tools, auto_tools=auto_tools,
+                                   max_tool_rounds=max_tool_rounds).collect()
 
-    def respond_stream(self, *, config: GenerationConfig | dict[str, Any] | None = None,
-                       tools: Sequence[Any] | None = None) -> ChatStream:
+    def respond_stream(self, *, config: ConfigArg = None, tools: Sequence[Any] | None = None,
+                       auto_tools: bool | None = None, max_tool_rounds: int | None = None) -> ChatStream:
         self._check_open()
-        offered = self._offered(tools)
-        self._check_can_respond()
-        return ChatStream(self, self._check_can_respond, _config(config), offered)
+        stream = self._stream(lambda: None, config, tools, auto_tools, max_tool_rounds)
+        self._check_can_respond(stream._functions, stream._auto)
+        stream._prepare = lambda: self._check_can_respond(stream._functions, stream._auto)
+        return stream
 
     def add_tool_result(self, call_id: str, content: Any, name: str = "") -> None:
         """Answer the call ``call_id`` of the last reply (non-string content is sent as JSON)."""
@@ -347,58 +603,101 @@ class ChatSession:
                 f"no unanswered tool call with id {call_id!r} (unanswered: {', '.join(pending) or 'none'})"
             )
         text = content if isinstance(content, str) else json.dumps(content, ensure_ascii=False)
-        message = ChatMessage(role="tool", tool_call_id=call_id, name=name or pending[call_id].name, content=text)
-        self._insert_tool_result(message)
+        self._answer(pending[call_id], text, name)
 
-    def send_tool_result(self, call_id: str, content: Any, name: str = "", *,
-                         config: GenerationConfig | dict[str, Any] | None = None,
+    def send_tool_result(self, call_id: str, content: Any, name: str = "", *, config: ConfigArg = None,
                          tools: Sequence[Any] | None = None) -> ChatResult:
         """:meth:`add_tool_result`, then :meth:`respond`."""
         self.add_tool_result(call_id, content, name)
         return self.respond(config=config, tools=tools)
 
-    def send_tool_result_stream(self, call_id: str, content: Any, name: str = "", *,
-                                config: GenerationConfig | dict[str, Any] | None = None,
+    def send_tool_result_stream(self, call_id: str, content: Any, name: str = "", *, config: ConfigArg = None,
                                 tools: Sequence[Any] | None = None) -> ChatStream:
         self.add_tool_result(call_id, content, name)
         return self.respond_stream(config=config, tools=tools)
 
-    def regenerate(self, *, config: GenerationConfig | dict[str, Any] | None = None,
-                   tools: Sequence[Any] | None = None) -> ChatResult:
-        """Drop the last reply and reply again to the same conversation."""
-        return self.regenerate_stream(config=config, tools=tools).collect()
-
-    def regenerate_stream(self, *, config: GenerationConfig | dict[str, Any] | None = None,
-                          tools: Sequence[Any] | None = None) -> ChatStream:
+    def respond_to_approval(self, call_id: str, approved: bool, reason: str | None = None,
+                            arguments: dict[str, Any] | None = None) -> None:
+        """Decide a call waiting for approval (:attr:`pending_approvals`). Approved, the tool runs when the
+        turn continues, with ``arguments`` if given (which the history then records as the call's);
+        denied, the model sees ``reason`` (or a plain "denied") as the tool's result. Once every waiting
+        call is decided, :meth:`respond` continues the turn."""
         self._check_open()
         self._check_idle()
-        if not self._messages or self._messages[-1].role != "assistant":
-            raise SessionStateError("regenerate() needs the conversation to end with a reply")
-        offered = self._offered(tools)
-        self._messages.pop()
-        self._tool_calls = []
-        return ChatStream(self, self._check_can_respond, _config(config), offered)
+        waiting = {c.id: c for c in self.pending_approvals}
+        if call_id not in waiting:
+            raise SessionStateError(f"no call {call_id!r} waits for approval (waiting: {', '.join(waiting) or 'none'})")
+        if arguments is not None:
+            if not approved:
+                raise ValueError("arguments edit an approved call; a denied call takes a reason")
+            if not isinstance(arguments, dict):
+                raise InvalidInputError(f"arguments must be a dict, got {type(arguments).__name__}")
+            check_strings(check_depth(arguments, what="the arguments"), "the arguments")
+            self._edit_call(call_id, arguments)
+        if reason is not None:
+            check_text(reason, "the reason")
+        self._decisions[call_id] = _Decision(approved, reason, arguments)
+
+    def regenerate(self, *, config: ConfigArg = None, tools: Sequence[Any] | None = None,
+                   auto_tools: bool | None = None, max_tool_rounds: int | None = None) -> ChatResult:
+        """Reply again to the conversation before the last reply; the old reply is kept as another version
+        of the same message (see :meth:`select_version`)."""
+        return self.regenerate_stream(config=config, tools=tools, auto_tools=auto_tools,
+                                      max_tool_rounds=max_tool_rounds).collect()
+
+    def regenerate_stream(self, *, config: ConfigArg = None, tools: Sequence[Any] | None = None,
+                          auto_tools: bool | None = None, max_tool_rounds: int | None = None) -> ChatStream:
+        self._check_open()
+        self._check_idle()
+        self._check_ends_with_reply()
+
+        def prepare() -> ChatMessage:
+            self._check_ends_with_reply()
+            self._tool_calls = []
+            return self._messages.pop()
+
+        return self._stream(prepare, config, tools, auto_tools, max_tool_rounds)
+
+    def select_version(self, message_id: str, index: int) -> None:
+        """Show reply version ``index`` of the assistant message ``message_id`` (0 is its first reply). When
+        that message is not the last one, the messages after it are dropped (they answered another
+        version); the last message switches in place. The next turn reuses the cache as far as the
+        conversation still agrees with it."""
+        self._check_open()
+        self._check_idle()
+        position = self._position(message_id)
+        message = self._messages[position]
+        if message.role != "assistant" or not message.versions:
+            raise SessionStateError(f"message {message_id!r} has no reply versions")
+        message.select(index)
+        del self._messages[position + 1 :]
+        self._after_edit()
+
+    def restore_checkpoint(self, message_id: str) -> None:
+        """Keep the conversation up to and including message ``message_id``; drop what came after. The next
+        turn reuses the cache up to there (through snapshots where layers cannot be cut back)."""
+        self._check_open()
+        self._check_idle()
+        del self._messages[self._position(message_id) + 1 :]
+        self._after_edit()
 
     def rewind(self, keep: int) -> None:
-        """Keep only the first ``keep`` messages (as :attr:`messages` lists them) and drop the rest.
-
-        The next turn reuses the cache up to where the conversations still agree.
-        """
+        """Keep only the first ``keep`` messages (as :attr:`messages` lists them) and drop the rest: the
+        positional form of :meth:`restore_checkpoint`."""
         self._check_open()
         self._check_idle()
         if not 0 <= keep <= len(self._messages):
             raise ValueError(f"keep must be between 0 and {len(self._messages)}, got {keep}")
         del self._messages[keep:]
-        self._hidden = min(self._hidden, len(self._rest()))
-        self._tool_calls = []
+        self._after_edit()
 
     def set_system(self, system: str | None) -> None:
         """Replace the system prompt (``None`` removes it); the rest of the conversation stays."""
         self._check_open()
         self._check_idle()
         self._system = system
-        rest = [m for m in self._messages[:1] if m.role != "system"] + self._messages[1:]
-        self._messages = ([ChatMessage(role="system", content=system)] if system else []) + rest
+        head = [self._stamped(ChatMessage(role="system", content=system))] if system else []
+        self._messages = head + self._rest()
 
     def reset(self, keep_system: bool = True) -> None:
         """Forget the conversation, the last report and its calls (the cache stays for prefix reuse)."""
@@ -409,6 +708,7 @@ class ChatSession:
         self._hidden = 0
         self._report = None
         self._tool_calls = []
+        self._decisions = {}
 
     def close(self) -> None:
         """End the session and free its cache; the model stays open. Later calls raise."""
@@ -419,53 +719,66 @@ class ChatSession:
     def prime_history(self, messages: Sequence[ChatMessage | dict[str, Any]]) -> None:
         """Load a stored transcript into a session that has not spoken yet (no inference runs).
 
-        The session's system prompt is put first unless the transcript has its own. Follow with
-        :meth:`start_from_history` when the transcript ends with a user turn or tool result.
+        The session's system prompt is put first unless the transcript has its own. Messages keep their
+        ids, times and reply versions; those without get new ones. Follow with :meth:`start_from_history`
+        when the transcript ends with a user turn or tool result.
         """
         self._check_open()
         self._check_idle()
         if any(m.role != "system" for m in self._messages):
             raise SessionStateError("prime_history() is for a session that has not spoken yet; reset() it first")
-        primed = [ChatMessage.coerce(m) for m in messages]
+        primed = [self._stamped(ChatMessage.coerce(m).model_copy(deep=True)) for m in messages]
         if self._system and not (primed and primed[0].role == "system"):
-            primed.insert(0, ChatMessage(role="system", content=self._system))
+            primed.insert(0, self._messages[0] if self._messages else self._stamped(
+                ChatMessage(role="system", content=self._system)))
+        ids = [m.id for m in primed]
+        if len(set(ids)) != len(ids):
+            raise InvalidInputError("the transcript repeats a message id")
         self._messages = primed
         self._hidden = 0
-        ids = [int(m.group(1)) for msg in primed for c in msg.tool_calls or []
-               if (m := re.fullmatch(r"call_(\d+)", c.id))]
-        self._calls_made = max(ids, default=0)
+        numbers = [int(m.group(1)) for msg in primed for c in msg.tool_calls or []
+                   if (m := re.fullmatch(r"call_(\d+)", c.id))]
+        self._calls_made = max(numbers, default=0)
 
-    def start_from_history(self, *, config: GenerationConfig | dict[str, Any] | None = None,
-                           tools: Sequence[Any] | None = None) -> ChatResult:
+    def start_from_history(self, *, config: ConfigArg = None, tools: Sequence[Any] | None = None) -> ChatResult:
         """Reply to a primed transcript (a cold start: the whole history is prefilled once)."""
         return self.respond(config=config, tools=tools)
 
-    def start_from_history_stream(self, *, config: GenerationConfig | dict[str, Any] | None = None,
+    def start_from_history_stream(self, *, config: ConfigArg = None,
                                   tools: Sequence[Any] | None = None) -> ChatStream:
         return self.respond_stream(config=config, tools=tools)
 
     # -- asyncio --------------------------------------------------------------------------------------
 
-    async def asend(self, content: str, *, config: GenerationConfig | dict[str, Any] | None = None,
-                    images: Sequence[bytes] = (), tools: Sequence[Any] | None = None) -> ChatResult:
-        return await self.send_stream(content, config=config, images=images, tools=tools).acollect()
+    async def asend(self, content: str, *, config: ConfigArg = None, images: Sequence[bytes] = (),
+                    tools: Sequence[Any] | None = None, auto_tools: bool | None = None,
+                    max_tool_rounds: int | None = None) -> ChatResult:
+        return await self.send_stream(content, config=config, images=images, tools=tools, auto_tools=auto_tools,
+                                      max_tool_rounds=max_tool_rounds).acollect()
 
-    def astream(self, content: str, *, config: GenerationConfig | dict[str, Any] | None = None,
-                images: Sequence[bytes] = (), tools: Sequence[Any] | None = None) -> ChatStream:
+    def astream(self, content: str, *, config: ConfigArg = None, images: Sequence[bytes] = (),
+                tools: Sequence[Any] | None = None, auto_tools: bool | None = None,
+                max_tool_rounds: int | None = None) -> ChatStream:
         """:meth:`send_stream` for ``async for`` (the same stream object supports both)."""
-        return self.send_stream(content, config=config, images=images, tools=tools)
+        return self.send_stream(content, config=config, images=images, tools=tools, auto_tools=auto_tools,
+                                max_tool_rounds=max_tool_rounds)
 
-    async def arespond(self, *, config: GenerationConfig | dict[str, Any] | None = None,
-                       tools: Sequence[Any] | None = None) -> ChatResult:
-        return await self.respond_stream(config=config, tools=tools).acollect()
+    async def arespond(self, *, config: ConfigArg = None, tools: Sequence[Any] | None = None,
+                       auto_tools: bool | None = None, max_tool_rounds: int | None = None) -> ChatResult:
+        return await self.respond_stream(config=config, tools=tools, auto_tools=auto_tools,
+                                         max_tool_rounds=max_tool_rounds).acollect()
 
-    async def asend_tool_result(self, call_id: str, content: Any, name: str = "", *,
-                                config: GenerationConfig | dict[str, Any] | None = None,
+    async def aregenerate(self, *, config: ConfigArg = None, tools: Sequence[Any] | None = None,
+                          auto_tools: bool | None = None, max_tool_rounds: int | None = None) -> ChatResult:
+        return await self.regenerate_stream(config=config, tools=tools, auto_tools=auto_tools,
+                                            max_tool_rounds=max_tool_rounds).acollect()
+
+    async def asend_tool_result(self, call_id: str, content: Any, name: str = "", *, config: ConfigArg = None,
                                 tools: Sequence[Any] | None = None) -> ChatResult:
         self.add_tool_result(call_id, content, name)
         return await self.arespond(config=config, tools=tools)
 
-    async def astart_from_history(self, *, config: GenerationConfig | dict[str, Any] | None = None,
+    async def astart_from_history(self, *, config: ConfigArg = None,
                                   tools: Sequence[Any] | None = None) -> ChatResult:
         return await self.arespond(config=config, tools=tools)
 
@@ -544,10 +857,6 @@ class ChatSession:
         """The conversation after the system prompt."""
         return self._messages[1:] if self._messages and self._messages[0].role == "system" else self._messages
 
-    def _undo_turn(self) -> None:
-        """Take back what the failed turn's start added (a turn that cannot fit the context)."""
-        del self._messages[self._turn_start:]
-
     def _reply_starts(self, history: list[dict[str, Any]], tools: list[ToolSpec], kwargs: dict[str, Any],
                       prompt: list[int]) -> set[int]:
         """Where the turns before earlier replies end in ``prompt``, beyond what the cache holds (a primed
@@ -580,14 +889,16 @@ class ChatSession:
             starts.add(min(common_prefix_length(*probes), common_prefix_length(probes[0], prompt)))
         return starts
 
-    def _commit(self, events: list[ReplyEvent], end: _TurnEnd, abandoned: bool) -> ChatResult:
-        """Append the reply as the reader received it, and record its report and calls."""
+    def _commit(self, events: list[ReplyEvent], end: _TurnEnd, abandoned: bool,
+                replaces: ChatMessage | None = None) -> ChatResult:
+        """Add the reply as the reader received it (as a new version of ``replaces``, for a regenerate),
+        and record its report and calls."""
         parser, report = end.parser, end.report
         text = "".join(e.text for e in events if isinstance(e, TextDelta))
         thinking = "".join(e.text for e in events if isinstance(e, ThinkingDelta)) if parser.saw_reasoning else None
         calls = [e.call for e in events if isinstance(e, ToolCallEvent)]
         ok_calls = [c for c in calls if c.status == "ok"]
-        finish: FinishReason = "cancelled" if abandoned else report.finish_reason
+        finish: TurnFinish = "cancelled" if abandoned else report.finish_reason
         if ok_calls and finish == "stop":
             finish = "tool_calls"
         report = report.model_copy(update={"finish_reason": finish})
@@ -597,23 +908,108 @@ class ChatSession:
             content = text + "".join(dict.fromkeys(kept))
         else:
             content = parser.content(with_calls)
-        self._messages.append(ChatMessage(role="assistant", content=content, reasoning_content=thinking,
-                                          tool_calls=ok_calls or None))
+        version = ReplyVersion(content=content, thinking=thinking, tool_calls=ok_calls, report=report)
+        if replaces is not None:
+            message = replaces
+            message.versions = (message.versions or [_version_of(message)]) + [version]
+        else:
+            message = self._stamped(ChatMessage(role="assistant", versions=[version], selected_version=0))
+        message.select(len(message.versions or []) - 1)
+        self._messages.append(message)
         self._report = report
         self._tool_calls = calls
         return ChatResult(text=text, thinking=thinking, tool_calls=calls, finish_reason=finish, report=report,
                           tokens=end.tokens)
 
+    # -- tools the session answers itself ---------------------------------------------------------------
+
+    def _next_step(self, result: ChatResult | None, functions: dict[str, Tool], auto: bool) -> _Step:
+        """What a turn does next, after ``result`` (``None``: it has just started)."""
+        if result is not None and (not auto or result.finish_reason == "cancelled"):
+            return _Stop()
+        pending = self._pending_calls()
+        if not pending:
+            return _Generate() if self._messages and self._messages[-1].role != "assistant" else _Stop()
+        works, waiting = [], False
+        for call in pending:
+            tool, decision = functions.get(call.name), self._decisions.get(call.id)
+            if tool is None:
+                continue  # the application answers it
+            if decision is not None:
+                denial = None if decision.approved else (decision.reason or "The user denied this call.")
+                works.append(_ToolWork(call, tool, decision.arguments or call.arguments, denial))
+            elif tool.needs_approval:
+                waiting = True
+            elif auto:
+                works.append(_ToolWork(call, tool, call.arguments))
+        if waiting:
+            return _Stop("approval_required")  # nothing runs before every waiting call is decided
+        return _Run(works) if works else _Stop("tool_calls")
+
+    def _record(self, work: _ToolWork, content: str) -> None:
+        self._answer(work.call, content, work.call.name)
+
+    def _answer(self, call: ToolCall, content: str, name: str) -> None:
+        self._decisions.pop(call.id, None)
+        self._insert_tool_result(self._stamped(ChatMessage(role="tool", tool_call_id=call.id, name=name or call.name,
+                                                           content=content)))
+
+    def _edit_call(self, call_id: str, arguments: dict[str, Any]) -> None:
+        """Give a pending call other arguments, in the history and in the version it belongs to."""
+        message = next(m for m in reversed(self._messages) if m.role == "assistant")
+        text = json.dumps(arguments, ensure_ascii=False)
+        versions = message.versions or []
+        selected = versions[message.selected_version or 0].tool_calls if versions else []
+        for call in (*(message.tool_calls or []), *selected):
+            if call.id == call_id:
+                call.function = FunctionCall(name=call.name, arguments=text)
+
     # -- bookkeeping ----------------------------------------------------------------------------------
 
-    def _begin(self, prepare: Callable[[], None]) -> None:
+    def _stream(self, prepare: Callable[[], ChatMessage | None], config: ConfigArg, tools: Sequence[Any] | None,
+                auto_tools: bool | None, max_tool_rounds: int | None) -> ChatStream:
+        rounds = self._max_tool_rounds if max_tool_rounds is None else max_tool_rounds
+        if rounds < 0:
+            raise ValueError(f"max_tool_rounds must be at least 0, got {rounds}")
+        functions = self._functions if tools is None else tool_functions(tools)
+        auto = self._auto_tools if auto_tools is None else auto_tools
+        return ChatStream(self, prepare, _config(config), self._offered(tools), functions, auto, rounds)
+
+    def _stamped(self, message: ChatMessage) -> ChatMessage:
+        """``message`` with an id and a time (kept if it has them)."""
+        if message.id is None:
+            message.id = self._new_id()
+        if message.created_at is None:
+            message.created_at = self._clock()
+        return message
+
+    def _position(self, message_id: str) -> int:
+        for index, message in enumerate(self._messages):
+            if message.id == message_id:
+                return index
+        raise SessionStateError(f"no message with id {message_id!r} in this conversation")
+
+    def _after_edit(self) -> None:
+        """The history was cut back: what referred to its old end goes."""
+        self._hidden = min(self._hidden, len(self._rest()))
+        self._tool_calls = []
+        self._decisions = {}
+
+    def _begin(self, prepare: Callable[[], ChatMessage | None]) -> ChatMessage | None:
         with self._lock:
             self._check_open()
             if self._busy:
                 raise SessionStateError("a turn of this session is in progress; finish or cancel it first")
             self._turn_start = len(self._messages)
-            prepare()
+            replaced = prepare()
             self._busy = True
+            return replaced
+
+    def _undo_turn(self, replaced: ChatMessage | None) -> None:
+        """Take back what a turn's start did (a turn that cannot fit the context, or that never ran)."""
+        del self._messages[self._turn_start :]
+        if replaced is not None:
+            self._messages.append(replaced)
 
     def _end(self) -> None:
         with self._lock:
@@ -653,17 +1049,25 @@ class ChatSession:
                 return []
         return []
 
+    def _check_ends_with_reply(self) -> None:
+        if not self._messages or self._messages[-1].role != "assistant":
+            raise SessionStateError("regenerate() needs the conversation to end with a reply")
+
     def _check_no_pending_calls(self) -> None:
         pending = self._pending_calls()
         if pending:
             raise SessionStateError(
                 f"the last reply's tool calls {', '.join(c.id for c in pending)} are unanswered: answer each "
-                "with add_tool_result() and then respond()"
+                "with add_tool_result() (or respond_to_approval()) and then respond()"
             )
 
-    def _check_can_respond(self) -> None:
-        self._check_no_pending_calls()
-        if not self._messages or self._messages[-1].role not in ("user", "tool"):
+    def _check_can_respond(self, functions: dict[str, Tool], auto: bool) -> None:
+        """A reply needs a user turn or tool results to answer, or calls the session can answer itself."""
+        if self._pending_calls():
+            step = self._next_step(None, functions, auto)
+            if not isinstance(step, _Run):
+                self._check_no_pending_calls()
+        elif not self._messages or self._messages[-1].role not in ("user", "tool"):
             raise SessionStateError("respond() needs the conversation to end with a user turn or a tool result")
 
     def _insert_tool_result(self, message: ChatMessage) -> None:
@@ -678,7 +1082,18 @@ class ChatSession:
         self._messages.insert(position, message)
 
 
-def _config(config: GenerationConfig | dict[str, Any] | None) -> GenerationConfig | None:
+def _threadsafe_put(loop: asyncio.AbstractEventLoop, items: asyncio.Queue[Any]) -> Callable[[Any], object]:
+    """Put into an event loop's queue from another thread."""
+    return lambda item: loop.call_soon_threadsafe(items.put_nowait, item)
+
+
+def _version_of(message: ChatMessage) -> ReplyVersion:
+    """The reply a message shows, as a version (for a message that has no versions yet: a primed one)."""
+    return ReplyVersion(content=message.content if isinstance(message.content, str) else None,
+                        thinking=message.reasoning_content, tool_calls=message.tool_calls or [])
+
+
+def _config(config: ConfigArg) -> GenerationConfig | None:
     if isinstance(config, dict):
         return GenerationConfig.model_validate(config)
     return config

@@ -23,7 +23,8 @@ from .errors import MlxchatError
 
 T = TypeVar("T")
 
-_DONE = object()
+END = object()
+"""The last item a :class:`StreamJob` hands over."""
 _live: weakref.WeakSet[Worker] = weakref.WeakSet()
 
 
@@ -115,6 +116,12 @@ class Worker:
     async def arun(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.wrap_future(self.submit(fn, *args))
 
+    def start(self, produce: Callable[[Cancelled], Iterator[Any]], cancel: Cancelled,
+              put: Callable[[Any], Any]) -> StreamJob:
+        """Run the generator ``produce(cancel)`` on the worker, handing its items to ``put`` one at a time
+        (see :class:`StreamJob`); for readers that need the job itself (to stop it from a finalizer)."""
+        return StreamJob(self, produce, cancel, put)
+
     def stream(self, produce: Callable[[Cancelled], Iterator[T]],
                cancel: Cancelled | None = None) -> Generator[T, None, None]:
         """Run the generator ``produce(cancel)`` on the worker; yield its items here as they come.
@@ -129,21 +136,12 @@ class Worker:
             yield from produce(cancel)
             return
         items: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        handoff = _Handoff(items.put, self._stalled)
-        job = self.submit(_pump, produce, cancel, handoff)
+        job = self.start(produce, cancel, items.put)
         try:
-            while True:
-                item = items.get()
-                handoff.taken()
-                if item is _DONE:
-                    return
-                if isinstance(item, _Failure):
-                    raise item.error
+            while (item := job.received(items.get())) is not END:
                 yield item
         finally:
-            handoff.abandon()
-            cancel.set()
-            job.result()
+            job.stop()
 
     async def astream(
         self, produce: Callable[[Cancelled], Iterator[T]], cancel: Cancelled | None = None
@@ -151,22 +149,13 @@ class Worker:
         """:meth:`stream` for asyncio: items arrive through the event loop, which never blocks."""
         loop = asyncio.get_running_loop()
         items: asyncio.Queue[Any] = asyncio.Queue()
-        cancel = Cancelled() if cancel is None else cancel
-        handoff = _Handoff(lambda item: loop.call_soon_threadsafe(items.put_nowait, item), self._stalled)
-        job = self.submit(_pump, produce, cancel, handoff)
+        job = self.start(produce, Cancelled() if cancel is None else cancel,
+                         lambda item: loop.call_soon_threadsafe(items.put_nowait, item))
         try:
-            while True:
-                item = await items.get()
-                handoff.taken()
-                if item is _DONE:
-                    return
-                if isinstance(item, _Failure):
-                    raise item.error
+            while (item := job.received(await items.get())) is not END:
                 yield item
         finally:
-            handoff.abandon()
-            cancel.set()
-            await asyncio.wrap_future(job)
+            await job.astop()
 
     def _stalled(self, waited: float) -> bool:
         """Whether a job whose reader has taken nothing for ``waited`` seconds should give up the worker."""
@@ -179,6 +168,41 @@ class Worker:
             self._jobs.put(None)
             if not self.on_worker:
                 self._thread.join()
+
+
+class StreamJob:
+    """A generator job on the worker whose items go to one reader, at most one item ahead of it.
+
+    The reader passes every item it takes through :meth:`received` (which re-raises the job's failure) until
+    it gets :data:`END`; a reader that stops early calls :meth:`stop` (blocking, for finalizers and sync
+    code) or :meth:`astop`, which cancels the job and waits for it to wind up, or drops it if it has not
+    started."""
+
+    def __init__(self, worker: Worker, produce: Callable[[Cancelled], Iterator[Any]], cancel: Cancelled,
+                 put: Callable[[Any], Any]):
+        self.cancel = cancel
+        self._handoff = _Handoff(put, worker._stalled)
+        self._future = worker.submit(_pump, produce, cancel, self._handoff)
+
+    def received(self, item: Any) -> Any:
+        self._handoff.taken()
+        if isinstance(item, _Failure):
+            raise item.error
+        return item
+
+    def _abandon(self) -> bool:
+        """Tell the job its reader has gone; True when it never started (nothing to wait for)."""
+        self._handoff.abandon()
+        self.cancel.set()
+        return self._future.cancel()
+
+    def stop(self) -> None:
+        if not self._abandon():
+            self._future.result()
+
+    async def astop(self) -> None:
+        if not self._abandon():
+            await asyncio.wrap_future(self._future)
 
 
 class _Handoff:
@@ -225,4 +249,4 @@ def _pump(produce: Callable[[Cancelled], Iterator[Any]], cancel: Cancelled, hand
     except BaseException as exc:  # delivered to the consumer, never lost on the worker
         handoff.put(_Failure(exc))
     finally:
-        handoff.put(_DONE)
+        handoff.put(END)

@@ -125,8 +125,9 @@ def test_unanswered_calls_must_be_answered_in_any_order(model) -> None:
 def test_messages_dump_to_openai_dicts(model) -> None:
     session = model.chat_session(system="s", tools=TOOLS)
     session.prime_history(TWO_CALLS)
-    dumped = [m.model_dump() for m in session.messages]
+    dumped = [m.template_dict() for m in session.messages]
     assert dumped[0] == {"role": "system", "content": "s"}
+    assert session.messages[0].model_dump()["id"] == session.messages[0].id  # model_dump keeps the session's
     assert dumped[2]["tool_calls"][0] == {"id": "call_1", "type": "function",
                                           "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
 

@@ -80,7 +80,7 @@ def create_app(model: GenerativeModel, settings: ServerSettings | None = None, *
         def release() -> None:
             """Return the cache to the pool, remembering the conversation it now holds."""
             state.queued -= 1
-            state.pool.give_back(messages + [m.model_dump() for m in session.messages[len(messages):]], cache)
+            state.pool.give_back(messages + [m.template_dict() for m in session.messages[len(messages):]], cache)
 
         completion = Completion(state.name, bool(parsed.stream_options and parsed.stream_options.include_usage))
         events = aiter(stream)

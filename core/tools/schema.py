@@ -9,21 +9,32 @@ from typing import Any, get_type_hints
 
 from pydantic import Field, create_model
 
+from .context import ToolContext
+
 ToolSpec = dict[str, Any]
 
 
 class Tool:
-    """A Python function with its OpenAI tool schema (``Tool.schema``); calling it calls the function."""
+    """A Python function with its OpenAI tool schema (``Tool.schema``); calling it calls the function.
 
-    def __init__(self, fn: Callable[..., Any], name: str | None = None, description: str | None = None):
+    ``needs_approval``: a session running tools automatically stops before calling it until the user
+    approves the call (see :meth:`mlxchat.ChatSession.respond_to_approval`). A parameter annotated
+    :class:`~mlxchat.tools.running.ToolContext` is not part of the schema: the session passes the context.
+    """
+
+    def __init__(self, fn: Callable[..., Any], name: str | None = None, description: str | None = None, *,
+                 needs_approval: bool = False):
         self.fn = fn
         self.name = name or fn.__name__
+        self.needs_approval = needs_approval
         summary, params = _parse_docstring(inspect.getdoc(fn) or "")
         self.description = description if description is not None else summary
+        self.context_parameter = _context_parameter(fn)
+        """The name of the parameter that receives a ToolContext, if the function declares one."""
         self.schema: ToolSpec = {
             "type": "function",
             "function": {"name": self.name, "description": self.description,
-                         "parameters": _parameters_schema(fn, params)},
+                         "parameters": _parameters_schema(fn, params, skip=self.context_parameter)},
         }
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -33,16 +44,28 @@ class Tool:
         return f"Tool({self.name})"
 
 
-def tool(fn: Callable[..., Any] | None = None, *, name: str | None = None,
-         description: str | None = None) -> Any:
-    """Decorator: ``@tool`` or ``@tool(name=...)`` turns a typed, documented function into a :class:`Tool`.
+def tool(fn: Callable[..., Any] | None = None, *, name: str | None = None, description: str | None = None,
+         needs_approval: bool = False) -> Any:
+    """Decorator: ``@tool`` or ``@tool(name=..., needs_approval=True)`` turns a typed, documented function
+    (sync or ``async def``) into a :class:`Tool`.
 
     Parameter types come from the type hints (through pydantic), descriptions from a Google-style
     ``Args:`` section of the docstring, and the tool's description from the docstring's first part.
     """
     if fn is None:
-        return lambda f: Tool(f, name, description)
-    return Tool(fn, name, description)
+        return lambda f: Tool(f, name, description, needs_approval=needs_approval)
+    return Tool(fn, name, description, needs_approval=needs_approval)
+
+
+def tool_functions(tools: Sequence[Any]) -> dict[str, Tool]:
+    """The tools among ``tools`` that have a Python function (``@tool`` objects and plain functions), by
+    name: the ones a session can call by itself."""
+    found = {}
+    for item in tools:
+        if isinstance(item, Tool) or (callable(item) and not isinstance(item, dict)):
+            runnable = item if isinstance(item, Tool) else Tool(item)
+            found[runnable.name] = runnable
+    return found
 
 
 def tool_schemas(tools: Sequence[Any]) -> list[ToolSpec]:
@@ -89,11 +112,16 @@ def _parse_docstring(doc: str) -> tuple[str, dict[str, str]]:
     return summary, params
 
 
-def _parameters_schema(fn: Callable[..., Any], descriptions: dict[str, str]) -> dict[str, Any]:
+def _context_parameter(fn: Callable[..., Any]) -> str | None:
+    hints = get_type_hints(fn)
+    return next((name for name, hint in hints.items() if hint is ToolContext and name != "return"), None)
+
+
+def _parameters_schema(fn: Callable[..., Any], descriptions: dict[str, str], skip: str | None = None) -> dict[str, Any]:
     hints = get_type_hints(fn)
     fields: dict[str, Any] = {}
     for param in inspect.signature(fn).parameters.values():
-        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD) or param.name == skip:
             continue
         if param.name not in hints:
             raise TypeError(f"tool {fn.__name__}: parameter {param.name!r} needs a type hint")
