@@ -13,6 +13,7 @@ from . import configs  # noqa: E402  (a module: mlxchat.configs.list(), .get(nam
 from .architecture import Architecture, ChatQuirks, ModelModule  # noqa: E402
 from .cache import KVCache, LayerCache, StateCache  # noqa: E402
 from .config import ModelConfig, RopeConfig  # noqa: E402
+from .controller import ChatController, ChatState, InputRequest, QueuedPrompt  # noqa: E402
 from .errors import (  # noqa: E402
     CheckpointError,
     ContextLengthError,
@@ -32,24 +33,34 @@ from .generation import GenerationChunk, GenerationConfig, GenerationReport, Gen
 from .hookspecs import hookimpl  # noqa: E402
 from .images import ImageProcessor, ProcessedImage, load_image  # noqa: E402
 from .loading import build_model, load_model, load_session  # noqa: E402
-from .messages import ChatMessage, FunctionCall, ToolCall  # noqa: E402
+from .messages import ChatMessage, FunctionCall, ReplyVersion, ToolCall  # noqa: E402
 from .model import Capabilities, GenerativeModel  # noqa: E402
 from .multimodal import ImageSpan, MultimodalPrompt, VisionModule  # noqa: E402
 from .prompt_cache import PromptCache  # noqa: E402
 from .registry import detect_model_type, registry  # noqa: E402
 from .reply import TextDelta, ThinkingDelta, ToolCallEvent  # noqa: E402
 from .runtime import runtime_info  # noqa: E402
-from .session import ChatResult, ChatSession, ChatStream, Done, SessionCapableModel, StreamEvent  # noqa: E402
-from .tools import Tool, tool  # noqa: E402
+from .session import (  # noqa: E402
+    ChatResult,
+    ChatSession,
+    ChatStream,
+    Done,
+    SessionCapableModel,
+    StreamEvent,
+    ToolResultEvent,
+)
+from .tools import Tool, ToolContext, tool  # noqa: E402
 
 __all__ = [
     "Architecture",
     "Capabilities",
+    "ChatController",
     "ChatMessage",
+    "ChatQuirks",
     "ChatResult",
     "ChatSession",
+    "ChatState",
     "ChatStream",
-    "ChatQuirks",
     "CheckpointError",
     "ContextLengthError",
     "Done",
@@ -60,19 +71,22 @@ __all__ = [
     "GenerationReport",
     "GenerationResult",
     "GenerativeModel",
-    "InvalidInputError",
     "ImageError",
     "ImageProcessor",
     "ImageSpan",
+    "InputRequest",
+    "InvalidInputError",
     "KVCache",
     "LayerCache",
     "MlxchatError",
     "ModelConfig",
     "ModelModule",
     "MultimodalPrompt",
-    "ProcessedImage",
     "PluginError",
+    "ProcessedImage",
     "PromptCache",
+    "QueuedPrompt",
+    "ReplyVersion",
     "RopeConfig",
     "SessionCapableModel",
     "SessionClosedError",
@@ -86,10 +100,12 @@ __all__ = [
     "Tool",
     "ToolCall",
     "ToolCallEvent",
+    "ToolContext",
+    "ToolResultEvent",
     "UnknownModelTypeError",
     "UnsupportedQuantizationError",
-    "__version__",
     "VisionModule",
+    "__version__",
     "build_model",
     "configs",
     "detect_model_type",

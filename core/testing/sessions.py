@@ -152,6 +152,42 @@ class SessionContract:
         result = send_checked(model, session, "Something else entirely")
         assert result.report.cached_prompt_tokens > 0
 
+    def test_restore_checkpoint_then_a_turn_equals_a_fresh_session_and_reuses_the_cache(
+            self, model: GenerativeModel) -> None:
+        session = model.chat_session(system=SYSTEM)
+        for question in QUESTIONS[:3]:
+            send_checked(model, session, question)
+        kept = session.messages[2]  # the first reply
+        session.restore_checkpoint(kept.id)
+        assert [m.id for m in session.messages] == [m.id for m in session.messages[:3]]
+        result = send_checked(model, session, "Something else entirely")  # reuse == what the cache held
+        assert result.report.cached_prompt_tokens > 0
+        fresh = model.chat_session()
+        fresh.prime_history(session.messages[:-2])
+        again = fresh.send("Something else entirely", config=GREEDY)
+        assert again.tokens == result.tokens
+
+    def test_versions_survive_round_trips_and_switching_back_reuses_the_cache(self, model: GenerativeModel) -> None:
+        session = model.chat_session(system=SYSTEM)
+        send_checked(model, session, QUESTIONS[0])
+        send_checked(model, session, QUESTIONS[1])
+        before = session.messages[-1]
+        other = session.regenerate(config={**GREEDY, "temperature": 1.0, "seed": 7})
+        message = session.messages[-1]
+        assert message.id == before.id and message.selected_version == 1
+        assert [v.content for v in message.versions or []] == [before.content, message.content]
+        assert (message.versions or [])[1].report == other.report
+        copy = model.chat_session()
+        copy.prime_history([m.model_dump() for m in session.messages])
+        assert copy.messages == session.messages  # ids, times and versions come back from plain dicts
+        session.select_version(before.id, 0)
+        assert session.messages[-1].content == before.content
+        asked = prompt_ids(model, session.messages[:-1], GREEDY)
+        result = send_checked(model, session, QUESTIONS[2])  # reuse == what the cache held
+        now = prompt_ids(model, session.messages[:-1], GREEDY)
+        # switching back costs only what differs from the turn both versions answered (snapshots there)
+        assert result.report.cached_prompt_tokens >= min(common_prefix_length(asked, now), len(asked) - 1)
+
     def test_hybrid_state_returns_through_snapshots(self, model: GenerativeModel) -> None:
         """Layer state that cannot be cut back (conv, recurrent, sliding window) comes back from snapshots
         taken at turn boundaries: a later turn, a regenerate and a rewind all reuse the cache."""

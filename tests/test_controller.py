@@ -1,0 +1,234 @@
+"""ChatController: queue order, stop pausing the queue, coalesced publishing, errors, approvals and input
+requests surfaced as state, a model switch mid-conversation, and asyncio."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import pytest
+
+import mlxchat
+from mlxchat import ChatController, ChatState, ToolContext, tool
+from mlxchat.demo.world import get_time, weather_report
+
+from conftest import fixture_path, loaded
+
+
+def wait_for(controller: ChatController, check, timeout: float = 60.0) -> ChatState:
+    """The first state (now or published later) that passes ``check``."""
+    seen = threading.Event()
+    found: list[ChatState] = []
+
+    def look(state: ChatState) -> None:
+        if not found and check(state):
+            found.append(state)
+            seen.set()
+
+    unsubscribe = controller.subscribe(look)
+    try:
+        assert seen.wait(timeout), f"no such state; the last was {controller.state!r}"
+    finally:
+        unsubscribe()
+    return found[0]
+
+
+def idle(state: ChatState) -> bool:
+    return state.status == "idle" and not state.queue
+
+
+def long_replies(model: mlxchat.GenerativeModel, tokens: int = 200) -> mlxchat.GenerativeModel:
+    """The model, with replies that run to ``tokens`` (no end of turn)."""
+    model.defaults = model.defaults.merged({"max_tokens": tokens, "temperature": 0.0,
+                                            "logit_bias": {e: -100.0 for e in model.eos_ids}})
+    return model
+
+
+@pytest.fixture
+def long_model():
+    model = long_replies(mlxchat.load_model(fixture_path("qwen3"), dtype="float32"))
+    yield model
+    model.close()
+
+
+def test_prompts_sent_while_streaming_queue_and_go_in_order(long_model) -> None:
+    controller = ChatController(long_model, publish_interval=0)
+    assert controller.send("first") and controller.send("second") and controller.send("third")
+    assert [p.text for p in controller.state.queue][-2:] == ["second", "third"]
+    done = wait_for(controller, lambda s: idle(s) and len(s.messages) == 6)
+    assert [m.content for m in done.messages if m.role == "user"] == ["first", "second", "third"]
+    assert not controller.send("   ")
+    controller.close()
+
+
+def test_stop_keeps_what_streamed_and_pauses_the_queue(long_model) -> None:
+    long_model.defaults = long_model.defaults.merged({"max_tokens": 3000})
+    controller = ChatController(long_model, publish_interval=0)
+    controller.send("first")
+    controller.send("second")
+    wait_for(controller, lambda s: s.streaming_message is not None and len(s.streaming_message.content or "") > 5)
+    controller.stop()
+    stopped = wait_for(controller, lambda s: s.status == "idle")
+    assert [p.text for p in stopped.queue] == ["second"]  # paused, not sent
+    assert stopped.messages[-1].role == "assistant" and stopped.messages[-1].content
+    assert controller.session.report.finish_reason == "cancelled"
+    time.sleep(0.2)
+    assert [p.text for p in controller.state.queue] == ["second"]
+    long_model.defaults = long_model.defaults.merged({"max_tokens": 20})
+    assert controller.send_queued_now(stopped.queue[0].id)
+    done = wait_for(controller, lambda s: idle(s) and len(s.messages) == 4)
+    assert [m.content for m in done.messages if m.role == "user"] == ["first", "second"]
+    controller.close()
+
+
+def test_deltas_are_coalesced_and_the_last_state_holds_the_whole_reply(long_model) -> None:
+    controller = ChatController(long_model, publish_interval=0.05)
+    states: list[ChatState] = []
+    controller.subscribe(states.append)
+    started = time.monotonic()
+    controller.send("Tell me a long story")
+    done = wait_for(controller, lambda s: idle(s) and len(s.messages) == 2)
+    elapsed = time.monotonic() - started
+    streaming = [s for s in states if s.status == "streaming"]
+    assert controller.session.report.generated_tokens == 200
+    assert len(streaming) < 100 and len(streaming) <= elapsed / 0.05 + 10  # far fewer states than tokens
+    assert done.messages[-1].content == controller.session.messages[-1].content and done.streaming_message is None
+    controller.close()
+
+
+def test_publish_interval_zero_publishes_every_delta(long_model) -> None:
+    long_model.defaults = long_model.defaults.merged({"max_tokens": 30})
+    controller = ChatController(long_model, publish_interval=0)
+    states: list[ChatState] = []
+    controller.subscribe(states.append)
+    controller.send("hi")
+    wait_for(controller, lambda s: idle(s) and len(s.messages) == 2)
+    texts = [s.streaming_message.content for s in states if s.streaming_message is not None]
+    assert len(set(texts)) > 10
+    controller.close()
+
+
+def test_a_failing_turn_is_an_error_state_that_pauses_the_queue_until_dismissed(monkeypatch) -> None:
+    model = mlxchat.load_model(fixture_path("qwen3"), dtype="float32")
+    original = type(model.module.model).__call__
+    fail = {"on": True}
+
+    def failing(self, *args, **kwargs):
+        if fail["on"]:
+            raise RuntimeError("the model fell over")
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(model.module.model), "__call__", failing)
+    controller = ChatController(model, publish_interval=0)
+    controller.send("hi")
+    errored = wait_for(controller, lambda s: s.status == "error")
+    assert "the model fell over" in errored.error
+    fail["on"] = False
+    controller.dismiss_error()
+    assert controller.state.status == "idle" and controller.state.error is None
+    controller.send("again")
+    done = wait_for(controller, lambda s: idle(s) and s.messages[-1].role == "assistant")
+    assert [m.role for m in done.messages] == ["user", "user", "assistant"]  # the failed turn's question stays
+    controller.close()
+    model.close()
+
+
+def test_approvals_surface_as_state_and_the_turn_goes_on_by_itself() -> None:
+    received: list[str] = []
+
+    @tool(needs_approval=True)
+    def get_weather(city: str) -> str:
+        """Get the current weather in a city.
+
+        Args:
+            city: Name of the city.
+        """
+        received.append(city)
+        return json.dumps(weather_report(city))
+
+    controller = ChatController(mlxchat.load_model(), tools=[get_weather, get_time], publish_interval=0)
+    controller.send("What's the weather in Paris?")
+    waiting = wait_for(controller, lambda s: s.status == "awaiting_approval")
+    (call,) = waiting.pending_approvals
+    controller.respond_to_approval(call.id, approved=True, arguments={"city": "Lima"})
+    done = wait_for(controller, lambda s: s.status == "idle" and s.messages[-1].role == "assistant"
+                    and not s.messages[-1].tool_calls)
+    assert received == ["Lima"] and "Lima" in done.messages[-1].content
+    controller.close()
+
+
+def test_a_tool_asks_the_user_and_respond_to_input_resumes_it() -> None:
+    @tool
+    def get_weather(city: str, ctx: ToolContext) -> str:
+        """Get the current weather in a city.
+
+        Args:
+            city: Name of the city.
+        """
+        unit = ctx.request_input("Celsius or Fahrenheit?")
+        return json.dumps({**weather_report(city), "unit": unit})
+
+    controller = ChatController(mlxchat.load_model(), tools=[get_weather], publish_interval=0)
+    controller.send("What's the weather in Rome?")
+    asking = wait_for(controller, lambda s: s.status == "awaiting_input")
+    (request,) = asking.input_requests
+    assert request.prompt == "Celsius or Fahrenheit?" and request.name == "get_weather"
+    controller.respond_to_input(request.id, "Fahrenheit")
+    done = wait_for(controller, lambda s: s.status == "idle" and s.messages[-1].role == "assistant"
+                    and not s.messages[-1].tool_calls)
+    assert json.loads([m for m in done.messages if m.role == "tool"][0].content)["unit"] == "Fahrenheit"
+    controller.close()
+
+
+def test_the_model_is_resolved_at_every_turn_and_a_switch_keeps_the_conversation() -> None:
+    first, second = loaded("qwen3"), mlxchat.load_model(fixture_path("qwen3"), dtype="float32")
+    current = [first]
+    controller = ChatController(lambda: current[0], system="Be brief.", publish_interval=0)
+    controller.send("Hello")
+    before = wait_for(controller, lambda s: idle(s) and len(s.messages) == 3)
+    current[0] = second
+    controller.send("And again")
+    after = wait_for(controller, lambda s: idle(s) and len(s.messages) == 5)
+    assert [m.id for m in after.messages[:3]] == [m.id for m in before.messages]
+    assert controller.session.model is second
+    assert controller.session.report.cached_prompt_tokens == 0  # the new model prefilled it all once
+    controller.close()
+    second.close()
+
+
+def test_checkpoints_versions_and_load_delegate_to_the_session() -> None:
+    controller = ChatController(loaded("qwen3"), publish_interval=0)
+    controller.session._defaults = controller.session._defaults.merged({"max_tokens": 6, "temperature": 0.0})
+    controller.send("Hello")
+    wait_for(controller, lambda s: idle(s) and len(s.messages) == 2)
+    controller.regenerate()
+    regenerated = wait_for(controller, lambda s: idle(s) and s.messages[-1].selected_version == 1)
+    reply = regenerated.messages[-1]
+    controller.select_version(reply.id, 0)
+    assert controller.state.messages[-1].selected_version == 0
+    controller.restore_checkpoint(regenerated.messages[0].id)
+    assert [m.role for m in controller.state.messages] == ["user"]
+    controller.load([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}])
+    assert [m.content for m in controller.state.messages] == ["a", "b"]
+    controller.close()
+
+
+def test_states_for_asyncio() -> None:
+    controller = ChatController(loaded("qwen3"), publish_interval=0.01)
+    controller.session._defaults = controller.session._defaults.merged({"max_tokens": 8, "temperature": 0.0})
+
+    async def run() -> list[ChatState]:
+        seen = []
+        async for state in controller.states():
+            seen.append(state)
+            if len(seen) == 1:
+                assert controller.send("Hello")
+            elif idle(state) and len(state.messages) == 2:
+                return seen
+        return seen
+
+    seen = asyncio.run(asyncio.wait_for(run(), 60))
+    assert seen[0].messages == [] and seen[-1].messages[-1].role == "assistant"
+    controller.close()
