@@ -158,6 +158,7 @@ class SessionContract:
         for question in QUESTIONS[:3]:
             send_checked(model, session, question)
         kept = session.messages[2]  # the first reply
+        assert kept.id is not None
         session.restore_checkpoint(kept.id)
         assert [m.id for m in session.messages] == [m.id for m in session.messages[:3]]
         result = send_checked(model, session, "Something else entirely")  # reuse == what the cache held
@@ -172,6 +173,7 @@ class SessionContract:
         send_checked(model, session, QUESTIONS[0])
         send_checked(model, session, QUESTIONS[1])
         before = session.messages[-1]
+        assert before.id is not None
         other = session.regenerate(config={**GREEDY, "temperature": 1.0, "seed": 7})
         message = session.messages[-1]
         assert message.id == before.id and message.selected_version == 1
