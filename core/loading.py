@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
@@ -27,7 +27,7 @@ from .tokenizer import NoTokenizer, Tokenizer
 from .worker import Worker
 
 if TYPE_CHECKING:
-    from .session import ChatSession, ContextPolicy
+    from .session import ChatSession
 
 _DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 _QUANT_MODES = ("affine", "mxfp4", "nvfp4", "mxfp8")
@@ -166,19 +166,18 @@ def build_model(
     )
 
 
-def load_session(
-    path_or_repo: str | os.PathLike[str] | None = None,
-    *,
-    system: str | None = None,
-    default_config: GenerationConfig | dict[str, Any] | None = None,
-    tools: Sequence[Any] | None = None,
-    context_policy: ContextPolicy = "error",
-    **load_kwargs: Any,
-) -> ChatSession:
-    """Load a model and open a chat session over it in one step (``load_kwargs`` go to :func:`load_model`)."""
-    model = load_model(path_or_repo, **load_kwargs)
-    return model.chat_session(system=system, default_config=default_config, tools=tools,
-                              context_policy=context_policy)
+def load_session(path_or_repo: str | os.PathLike[str] | None = None, **options: Any) -> ChatSession:
+    """Load a model and open a chat session over it in one step. ``options`` are
+    :class:`~mlxchat.session.ChatSession`'s where it takes them (``system``, ``tools``, ``auto_tools``,
+    ``context_policy``, ...) and :func:`load_model`'s otherwise (``dtype``, ``context_length``, ...)."""
+    import inspect
+
+    from .session import ChatSession
+
+    session_names = set(inspect.signature(ChatSession.__init__).parameters) - {"self", "model"}
+    session_options = {k: v for k, v in options.items() if k in session_names}
+    model = load_model(path_or_repo, **{k: v for k, v in options.items() if k not in session_names})
+    return model.chat_session(**session_options)
 
 
 def _image_processor(module: Any, folder: Path) -> ImageProcessor | None:
