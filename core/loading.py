@@ -16,6 +16,7 @@ from .chat_template import ChatTemplate, read_template_source
 from .checkpoint import read_json, read_weights, resolve_checkpoint
 from .errors import CheckpointError, UnsupportedQuantizationError
 from .generation import GenerationConfig
+from .layers.quantized import quantize
 from .model import GenerativeModel
 from .registry import registry
 from .runtime import default_dtype
@@ -144,7 +145,7 @@ def _quantize(module: nn.Module, weights: dict[str, mx.array], quantization: dic
             )
         return {"group_size": group_size, "bits": bits, "mode": mode}
 
-    nn.quantize(module, class_predicate=predicate)
+    quantize(module, predicate)
 
 
 def _check_tensors(module: nn.Module, weights: dict[str, mx.array], folder: Path) -> None:

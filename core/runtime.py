@@ -137,6 +137,7 @@ def runtime_info() -> dict[str, Any]:
     """MLX version, device, BLAS and plugins: what ``mlxchat info`` prints."""
     import mlx.core as mx
 
+    from .quantized import kernel_info
     from .registry import registry
 
     state = configure_blas()
@@ -150,6 +151,7 @@ def runtime_info() -> dict[str, Any]:
         "blas_path": state.path,
         "gemv_route": state.gemv_route,
         "blas_note": state.note,
+        **kernel_info(),
         "cpu_count": os.cpu_count(),
         "plugins": {name: sorted(arch.model_types) for name, arch in registry().architectures().items()},
     }

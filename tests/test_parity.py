@@ -16,6 +16,10 @@ LAYOUTS = {"qwen3_5_mlx": "qwen3_5"}
 QUANTIZED = ["qwen3_q4", "qwen3_moe_q4", "qwen3_5_q4", "qwen3_5_moe_q4", "lfm2_q4", "lfm2_moe_q4", "gemma4_q4",
              "gemma4_moe_q4"]
 CHUNKINGS = [[24], [5, 11, 1, 7, 13], [3, 14, 2, 9, 1, 5], [20, 17, 3], [1, 1, 2, 30], [39]]
+# mlx-lm's quantized references come from MLX's own kernel; mlxchat's CPU kernels (mlxchat.quantized) add up
+# the same products in another order, and so does plain float32 `x @ mx.dequantize(w).T`: both land 1.2e-4 from
+# the reference on gemma4_q4's logits (of up to 6.3), the most sensitive fixture.
+QUANTIZED_TOLERANCE = 3e-4
 
 
 @pytest.mark.parametrize("name", ARCHS)
@@ -50,7 +54,7 @@ def test_mlx_lm_quantized_checkpoint_loads_and_matches_mlx_lm(name: str) -> None
     ref = reference(name)
     model = loaded(name)
     assert model.quantization is not None and model.quantization["bits"] == 4
-    assert_close(full_logits(model, ref["input_ids"]), ref["logits"])
-    assert_close(chunked_logits(model, ref["input_ids"], [5, 11, 1, 7, 13]), ref["logits"])
+    assert_close(full_logits(model, ref["input_ids"]), ref["logits"], QUANTIZED_TOLERANCE)
+    assert_close(chunked_logits(model, ref["input_ids"], [5, 11, 1, 7, 13]), ref["logits"], QUANTIZED_TOLERANCE)
     result = model.generate(ref["input_ids"][:8].tolist(), {"max_tokens": 10, "temperature": 0.0})
     assert len(result.tokens) == 10 or result.finish_reason == "stop"
