@@ -98,7 +98,9 @@ class Pool {
     return int(workers_.size()) + 1;
   }
 
-  void run(int tasks, Task task, const void* ctx) {
+  /* `linger`: whether workers spin for the next job afterwards (not when the caller runs sgemm next, whose
+   * own threads need the cores). */
+  void run(int tasks, Task task, const void* ctx, bool linger = true) {
     // one job at a time: a second CPU stream that finds the pool busy runs its tasks itself
     std::unique_lock<std::mutex> lock(busy_, std::try_to_lock);
     if (workers_.empty() || tasks <= 1 || !lock.owns_lock()) {
@@ -111,6 +113,7 @@ class Pool {
     slot.ctx.store(ctx, std::memory_order_relaxed);
     slot.tasks.store(tasks, std::memory_order_relaxed);
     slot.done.store(0, std::memory_order_relaxed);
+    linger_.store(linger, std::memory_order_relaxed);
     claim_.store(uint64_t(job) << 32, std::memory_order_release);
     posted_.fetch_add(1, std::memory_order_release);
     posted_.notify_all();
@@ -156,7 +159,8 @@ class Pool {
     uint32_t seen = posted_.load(std::memory_order_acquire);
     while (true) {
       uint32_t now = posted_.load(std::memory_order_acquire);
-      const auto until = std::chrono::steady_clock::now() + spin;
+      const auto patience = linger_.load(std::memory_order_relaxed) ? spin : std::chrono::microseconds(0);
+      const auto until = std::chrono::steady_clock::now() + patience;
       for (int i = 1; now == seen; ++i) {
         pause();
         now = posted_.load(std::memory_order_acquire);
@@ -177,6 +181,7 @@ class Pool {
   std::atomic<uint64_t> claim_{0};
   std::atomic<uint32_t> posted_{0};
   std::atomic<bool> stop_{false};
+  std::atomic<bool> linger_{true};
   std::mutex busy_;
   uint32_t job_ = 0;  // guarded by busy_
 };
@@ -221,7 +226,7 @@ struct Product {
   std::vector<long> out_at;    // where each ordered row's output starts in out
   const float* natural;        // ordered rows of x, natural layout [rows, K]
   std::vector<float> storage;  // holds them when x had to be copied or reordered
-  std::vector<float> x, xsum;  // the same rows prepared for the ISA's kernel (see prepare_x)
+  std::vector<float> x, xsum;  // the same rows prepared for the ISA's kernels (see prepare_x)
 };
 
 bool goes_to_gemm(const Segment& s) {
@@ -237,29 +242,51 @@ struct SmallJob {
   std::vector<Chunk> chunks;
 };
 
+Panel panel_of(const Product& p, const Segment& s);
+
 void run_chunk(const void* ctx, int index) {
   const auto& job = *static_cast<const SmallJob*>(ctx);
   const Product& p = *job.product;
   const Chunk& c = job.chunks[index];
-  const Segment& s = p.segments[c.segment];
-  const Panel panel{p.x.data() + (size_t)s.row0 * p.K, p.xsum.data() + (size_t)s.row0 * p.G, p.out_at.data() + s.row0,
-                    s.rows, p.K, p.G, p.gs, p.bits, s.w, s.scales, s.biases, p.out};
-  mlxchat_q::rows(panel, p.isa, c.n0, c.n1);
+  mlxchat_q::rows(panel_of(p, p.segments[c.segment]), p.isa, c.n0, c.n1);
 }
 
-/* Many rows of x: dequantize 128 weight rows at a time into a buffer that stays in cache, then sgemm. */
+Panel panel_of(const Product& p, const Segment& s) {
+  return Panel{p.x.data() + (size_t)s.row0 * p.K, p.xsum.data() + (size_t)s.row0 * p.G, p.out_at.data() + s.row0,
+               s.rows, p.K, p.G, p.gs, p.bits, s.w, s.scales, s.biases, p.out};
+}
+
+struct DequantizeJob {
+  Panel panel;
+  Isa isa;
+  int n0, n1, step;
+  float* tile;
+};
+
+void run_dequantize(const void* ctx, int index) {
+  const auto& job = *static_cast<const DequantizeJob*>(ctx);
+  const int n0 = job.n0 + index * job.step, n1 = std::min(n0 + job.step, job.n1);
+  mlxchat_q::dequantize_rows(job.panel, job.isa, n0, n1, job.tile + (size_t)(n0 - job.n0) * job.panel.K);
+}
+
+/*
+ * Many rows of x: dequantize a tile of weight rows (about 1 MiB of float32, so it stays in cache; all
+ * threads), then sgemm it against the rows of x (the BLAS's threads). x and the tile share the ISA's order.
+ */
 void gemm_segment(const Product& p, const Segment& s) {
-  constexpr int TILE = 128;
-  std::vector<float> tile((size_t)std::min(TILE, p.N) * p.K);
+  const int tile_rows = std::min(p.N, std::max(32, (1 << 18) / p.K));
+  std::vector<float> tile((size_t)tile_rows * p.K);
   bool direct = true;  // the segment's output rows are consecutive (always so for a plain product)
   for (int r = 1; r < s.rows && direct; ++r) direct = p.out_at[s.row0 + r] == p.out_at[s.row0] + long(r) * p.N;
   std::vector<float> staged(direct ? 0 : (size_t)s.rows * p.N);
   float* out = direct ? p.out + p.out_at[s.row0] : staged.data();
-  const float* x = p.natural + (size_t)s.row0 * p.K;
-  for (int n0 = 0; n0 < p.N; n0 += TILE) {
-    const int n1 = std::min(n0 + TILE, p.N);
-    mlxchat_q::dequantize_rows(s.w, s.scales, s.biases, p.K, p.gs, p.bits, n0, n1, tile.data());
-    process_sgemm()(101, 111, 112, s.rows, n1 - n0, p.K, 1.0f, x, p.K, tile.data(), p.K, 0.0f, out + n0, p.N);
+  const Panel panel = panel_of(p, s);
+  const int pieces = 2 * pool().threads();
+  for (int n0 = 0; n0 < p.N; n0 += tile_rows) {
+    const int n1 = std::min(n0 + tile_rows, p.N), step = (n1 - n0 + pieces - 1) / pieces;
+    const DequantizeJob job{panel, p.isa, n0, n1, step, tile.data()};
+    pool().run((n1 - n0 + step - 1) / step, run_dequantize, &job, false);
+    process_sgemm()(101, 111, 112, s.rows, n1 - n0, p.K, 1.0f, panel.x, p.K, tile.data(), p.K, 0.0f, out + n0, p.N);
   }
   if (!direct)
     for (int r = 0; r < s.rows; ++r)
@@ -316,12 +343,10 @@ void compute(Product& p, const mx::array& x, const std::vector<int>& order) {
     const int step = ((p.N + pieces - 1) / pieces + 3) / 4 * 4;  // whole tiles of 4 weight rows
     for (int n0 = 0; n0 < p.N; n0 += step) job.chunks.push_back({i, n0, std::min(n0 + step, p.N)});
   }
-  if (!job.chunks.empty()) {
-    p.x.resize((size_t)count * p.K);
-    p.xsum.resize((size_t)count * p.G);
-    mlxchat_q::prepare_x(p.natural, count, p.K, p.gs, p.bits, p.isa, p.x.data(), p.xsum.data());
-    pool().run(int(job.chunks.size()), run_chunk, &job);
-  }
+  p.x.resize((size_t)count * p.K);
+  p.xsum.resize((size_t)count * p.G);
+  mlxchat_q::prepare_x(p.natural, count, p.K, p.gs, p.bits, p.isa, p.x.data(), p.xsum.data());
+  if (!job.chunks.empty()) pool().run(int(job.chunks.size()), run_chunk, &job);
   for (const Segment& s : p.segments)
     if (goes_to_gemm(s)) gemm_segment(p, s);
 }
