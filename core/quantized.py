@@ -13,6 +13,9 @@ and MLX's ``quantized_matmul`` / ``gather_qmm`` otherwise (on a GPU always):
 - float32 activations, scales and biases (mlxchat computes in float32 on a CPU by default).
 
 ``MLXCHAT_QUANT=off`` keeps MLX's kernels. Results equal MLX's up to the order of float32 additions.
+Tuning (rarely needed): ``MLXCHAT_QUANT_THREADS`` (default: the cores this process may use),
+``MLXCHAT_QUANT_SPIN_US`` (how long idle workers spin before sleeping, default 200) and
+``MLXCHAT_QUANT_TILE`` (float32 values dequantized per sgemm call for many rows, default 2**20).
 """
 
 from __future__ import annotations

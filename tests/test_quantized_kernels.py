@@ -93,9 +93,18 @@ def test_strided_and_broadcast_inputs_are_read_correctly() -> None:
                         _bound(x, packed, scales, biases, 64, 4))
 
 
+@pytest.fixture(params=["row kernel", "sgemm"])
+def rows_limit(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
+    """Experts with more rows than the limit go through sgemm: also check that path with few rows."""
+    default = native.small_rows()
+    native.set_small_rows(default if request.param == "row kernel" else 1)
+    yield request.param
+    native.set_small_rows(default)
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("tokens", [1, 3, 40])
-def test_gathered_experts_equal_mlx_gather_qmm(isa: str, bits: int, tokens: int) -> None:
+def test_gathered_experts_equal_mlx_gather_qmm(isa: str, rows_limit: str, bits: int, tokens: int) -> None:
     experts, top_k, n, k = 6, 3, 72, 192
     packed, scales, biases = _quantized(n, k, 64, bits, experts=experts)
     rng = np.random.default_rng(tokens)

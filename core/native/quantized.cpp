@@ -58,8 +58,9 @@ Isa best_isa() {
 const Isa detected_isa = best_isa();
 std::atomic<Isa> active_isa{detected_isa};
 
-/* Up to this many rows of x share one pass over the packed weights; more rows go through sgemm. */
-std::atomic<int> small_rows{8};
+/* Up to this many rows of x share one pass over the packed weights; more go through sgemm (measured
+ * crossover on a 2-core AVX-512 machine: between 48 and 64 rows at 4 bits). */
+std::atomic<int> small_rows{48};
 
 const char* isa_name(Isa isa) {
   return isa == Isa::avx512 ? "avx512" : isa == Isa::avx2 ? "avx2" : "scalar";
@@ -202,6 +203,11 @@ Pool& pool() {
 using sgemm_fn = void (*)(int, int, int, int, int, int, float, const float*, int, const float*, int, float, float*,
                           int);
 
+int tile_floats() {
+  static const int floats = env_int("MLXCHAT_QUANT_TILE", 1 << 20);
+  return floats;
+}
+
 /* The cblas_sgemm MLX itself resolves to (mlxchat's route or OpenBLAS when loaded globally); may be null. */
 sgemm_fn process_sgemm() {
   static const sgemm_fn fn = reinterpret_cast<sgemm_fn>(dlsym(RTLD_DEFAULT, "cblas_sgemm"));
@@ -270,11 +276,12 @@ void run_dequantize(const void* ctx, int index) {
 }
 
 /*
- * Many rows of x: dequantize a tile of weight rows (about 1 MiB of float32, so it stays in cache; all
- * threads), then sgemm it against the rows of x (the BLAS's threads). x and the tile share the ISA's order.
+ * Many rows of x: dequantize a tile of weight rows (4 MiB of float32 by default: large enough for sgemm to
+ * run near its peak, small enough to stay in cache; all threads), then sgemm it against the rows of x (the
+ * BLAS's threads). x and the tile share the ISA's order.
  */
 void gemm_segment(const Product& p, const Segment& s) {
-  const int tile_rows = std::min(p.N, std::max(32, (1 << 18) / p.K));
+  const int tile_rows = std::min(p.N, std::max(32, tile_floats() / p.K));
   std::vector<float> tile((size_t)tile_rows * p.K);
   bool direct = true;  // the segment's output rows are consecutive (always so for a plain product)
   for (int r = 1; r < s.rows && direct; ++r) direct = p.out_at[s.row0 + r] == p.out_at[s.row0] + long(r) * p.N;
