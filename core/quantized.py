@@ -9,7 +9,7 @@ and MLX's ``quantized_matmul`` / ``gather_qmm`` otherwise (on a GPU always):
 
 - the extension was built, for the MLX version that runs (its C++ interface is not stable across versions);
 - the default device is the CPU;
-- affine mode, 4 or 8 bits, a group size that is a multiple of 32;
+- affine mode, 4 or 8 bits, group size 32, 64 or 128 (MLX's own choices);
 - float32 activations, scales and biases (mlxchat computes in float32 on a CPU by default).
 
 ``MLXCHAT_QUANT=off`` keeps MLX's kernels. Results equal MLX's up to the order of float32 additions.
@@ -29,6 +29,7 @@ from typing import Any
 import mlx.core as mx
 
 _BITS = (4, 8)
+_GROUP_SIZES = (32, 64, 128)
 
 
 @cache
@@ -60,7 +61,7 @@ def _applies(x: mx.array, scales: mx.array, biases: mx.array | None, group_size:
         or biases is None
         or mode != "affine"
         or bits not in _BITS
-        or group_size % 32
+        or group_size not in _GROUP_SIZES
         or not x.dtype == scales.dtype == biases.dtype == mx.float32
         or mx.default_device().type != mx.DeviceType.cpu
     ):

@@ -118,6 +118,21 @@ void rows_scalar(const Panel& p, int n0, int n1) {
 
 #if defined(__x86_64__)
 
+/*
+ * The SIMD kernels take the group size as a template parameter (MLX's affine modes use 32, 64 or 128): the
+ * blocks of a group then unroll completely and every accumulator stays in a register.
+ */
+
+/* Prefetches the bytes of weight row `w` that this group covers, `ahead` bytes further on, a line at a time. */
+template <int GROUP_BYTES>
+inline void prefetch_group(const uint8_t* w, size_t ahead, int g) {
+  if constexpr (GROUP_BYTES >= 64) {
+    for (int off = 0; off < GROUP_BYTES; off += 64) _mm_prefetch(reinterpret_cast<const char*>(w + ahead + off), _MM_HINT_T0);
+  } else {
+    if ((g * GROUP_BYTES) % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(w + ahead), _MM_HINT_T0);
+  }
+}
+
 // -- AVX-512: 16 floats per register; a 16-byte block holds 32 values at 4 bits, 16 at 8 bits ----------
 
 /*
@@ -125,9 +140,10 @@ void rows_scalar(const Panel& p, int n0, int n1) {
  * vpermps looks each nibble up in it (it reads only the low 4 bits of every lane, so the low nibbles need
  * no mask): no conversions, and no per-group sums. At 8 bits the bytes are converted and summed per group.
  */
-template <int MT, int R>
+template <int GS, int MT, int R>
 MLXQ_AVX512 void tile_avx512_4bit(const Panel& p, int m0, int n0) {
-  const int K = p.K, G = p.G, blocks = p.gs / 32;
+  constexpr int BLOCKS = GS / 32, GROUP_BYTES = GS / 2;
+  const int K = p.K, G = p.G;
   const size_t row_bytes = (size_t)K / 2;
   const uint8_t* w[R];
   for (int r = 0; r < R; ++r) w[r] = p.w + (size_t)(n0 + r) * row_bytes;
@@ -140,20 +156,19 @@ MLXQ_AVX512 void tile_avx512_4bit(const Panel& p, int m0, int n0) {
   for (int g = 0; g < G; ++g) {
     __m512 table[R];
     for (int r = 0; r < R; ++r) {
-      if (g % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(w[r] + ahead), _MM_HINT_T0);
+      prefetch_group<GROUP_BYTES>(w[r], ahead, g);
       const size_t at = (size_t)(n0 + r) * G + g;
       table[r] = _mm512_fmadd_ps(iota, _mm512_set1_ps(p.scales[at]), _mm512_set1_ps(p.biases[at]));
     }
-    for (int b = 0; b < blocks; ++b) {
-      const float* xb = x + (size_t)(g * blocks + b) * 32;
+    const float* xg = x + (size_t)g * GS;
+    for (int b = 0; b < BLOCKS; ++b) {
       __m512 even[MT], odd[MT];
       for (int m = 0; m < MT; ++m) {
-        even[m] = _mm512_loadu_ps(xb + (size_t)m * K);
-        odd[m] = _mm512_loadu_ps(xb + (size_t)m * K + 16);
+        even[m] = _mm512_loadu_ps(xg + (size_t)m * K + b * 32);
+        odd[m] = _mm512_loadu_ps(xg + (size_t)m * K + b * 32 + 16);
       }
       for (int r = 0; r < R; ++r) {
-        const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w[r])));
-        w[r] += 16;
+        const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w[r] + b * 16)));
         const __m512 lo = _mm512_permutexvar_ps(q, table[r]);
         const __m512 hi = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table[r]);
         for (int m = 0; m < MT; ++m) {
@@ -162,15 +177,17 @@ MLXQ_AVX512 void tile_avx512_4bit(const Panel& p, int m0, int n0) {
         }
       }
     }
+    for (int r = 0; r < R; ++r) w[r] += GROUP_BYTES;
   }
   for (int m = 0; m < MT; ++m)
     for (int r = 0; r < R; ++r)
       p.out[p.out_at[m0 + m] + n0 + r] = _mm512_reduce_add_ps(_mm512_add_ps(a0[m][r], a1[m][r]));
 }
 
-template <int MT, int R>
+template <int GS, int MT, int R>
 MLXQ_AVX512 void tile_avx512_8bit(const Panel& p, int m0, int n0) {
-  const int K = p.K, G = p.G, blocks = p.gs / 16;
+  constexpr int BLOCKS = GS / 16;
+  const int K = p.K, G = p.G;
   const uint8_t* w[R];
   for (int r = 0; r < R; ++r) w[r] = p.w + (size_t)(n0 + r) * K;
   const float* x = p.x + (size_t)m0 * K;
@@ -182,17 +199,16 @@ MLXQ_AVX512 void tile_avx512_8bit(const Panel& p, int m0, int n0) {
     __m512 a0[MT][R], a1[MT][R];
     for (int m = 0; m < MT; ++m)
       for (int r = 0; r < R; ++r) a0[m][r] = a1[m][r] = _mm512_setzero_ps();
-    for (int b = 0; b < blocks; ++b) {
-      const float* xb = x + (size_t)(g * blocks + b) * 16;
+    for (int r = 0; r < R; ++r) prefetch_group<GS>(w[r], ahead, g);
+    const float* xg = x + (size_t)g * GS;
+    for (int b = 0; b < BLOCKS; ++b) {
       __m512 xv[MT];
-      for (int m = 0; m < MT; ++m) xv[m] = _mm512_loadu_ps(xb + (size_t)m * K);
+      for (int m = 0; m < MT; ++m) xv[m] = _mm512_loadu_ps(xg + (size_t)m * K + b * 16);
       for (int r = 0; r < R; ++r) {
-        if (b % 4 == 0) _mm_prefetch(reinterpret_cast<const char*>(w[r] + ahead), _MM_HINT_T0);
-        const __m512 q =
-            _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w[r]))));
-        w[r] += 16;
+        const __m512 q = _mm512_cvtepi32_ps(
+            _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w[r] + b * 16))));
         for (int m = 0; m < MT; ++m) {
-          if (b & 1)
+          if (b % 2)
             a1[m][r] = _mm512_fmadd_ps(q, xv[m], a1[m][r]);
           else
             a0[m][r] = _mm512_fmadd_ps(q, xv[m], a0[m][r]);
@@ -200,6 +216,7 @@ MLXQ_AVX512 void tile_avx512_8bit(const Panel& p, int m0, int n0) {
       }
     }
     for (int r = 0; r < R; ++r) {
+      w[r] += GS;
       const __m512 scale = _mm512_set1_ps(p.scales[(size_t)(n0 + r) * G + g]);
       for (int m = 0; m < MT; ++m)
         total[m][r] = _mm512_fmadd_ps(_mm512_add_ps(a0[m][r], a1[m][r]), scale, total[m][r]);
@@ -210,12 +227,12 @@ MLXQ_AVX512 void tile_avx512_8bit(const Panel& p, int m0, int n0) {
       p.out[p.out_at[m0 + m] + n0 + r] = _mm512_reduce_add_ps(total[m][r]) + bias_term(p, m0 + m, n0 + r);
 }
 
-template <int BITS, int MT, int R>
+template <int BITS, int GS, int MT, int R>
 MLXQ_AVX512 void tile_avx512(const Panel& p, int m0, int n0) {
   if constexpr (BITS == 4)
-    tile_avx512_4bit<MT, R>(p, m0, n0);
+    tile_avx512_4bit<GS, MT, R>(p, m0, n0);
   else
-    tile_avx512_8bit<MT, R>(p, m0, n0);
+    tile_avx512_8bit<GS, MT, R>(p, m0, n0);
 }
 
 // -- AVX2: 8 floats per register; an 8-byte block holds 16 values at 4 bits, 8 at 8 bits ---------------
@@ -227,10 +244,10 @@ MLXQ_AVX2 inline float hsum256(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-template <int BITS, int MT, int R>
+template <int BITS, int GS, int MT, int R>
 MLXQ_AVX2 void tile_avx2(const Panel& p, int m0, int n0) {
-  constexpr int VALS = BITS == 4 ? 16 : 8;
-  const int K = p.K, G = p.G, blocks = p.gs / VALS;
+  constexpr int VALS = BITS == 4 ? 16 : 8, BLOCKS = GS / VALS, GROUP_BYTES = GS * BITS / 8;
+  const int K = p.K, G = p.G;
   const size_t row_bytes = (size_t)K * BITS / 8;
   const uint8_t* w[R];
   for (int r = 0; r < R; ++r) w[r] = p.w + (size_t)(n0 + r) * row_bytes;
@@ -244,19 +261,17 @@ MLXQ_AVX2 void tile_avx2(const Panel& p, int m0, int n0) {
     __m256 a0[MT][R], a1[MT][R];
     for (int m = 0; m < MT; ++m)
       for (int r = 0; r < R; ++r) a0[m][r] = a1[m][r] = _mm256_setzero_ps();
-    for (int b = 0; b < blocks; ++b) {
-      const float* xb = x + (size_t)(g * blocks + b) * VALS;
-      if (b % 8 == 0)  // 8-byte blocks: a prefetch every group or every 64 bytes
-        for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(w[r] + ahead), _MM_HINT_T0);
+    for (int r = 0; r < R; ++r) prefetch_group<GROUP_BYTES>(w[r], ahead, g);
+    const float* xg = x + (size_t)g * GS;
+    for (int b = 0; b < BLOCKS; ++b) {
       if constexpr (BITS == 4) {
         __m256 even[MT], odd[MT];
         for (int m = 0; m < MT; ++m) {
-          even[m] = _mm256_loadu_ps(xb + (size_t)m * K);
-          odd[m] = _mm256_loadu_ps(xb + (size_t)m * K + 8);
+          even[m] = _mm256_loadu_ps(xg + (size_t)m * K + b * 16);
+          odd[m] = _mm256_loadu_ps(xg + (size_t)m * K + b * 16 + 8);
         }
         for (int r = 0; r < R; ++r) {
-          const __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w[r])));
-          w[r] += 8;
+          const __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w[r] + b * 8)));
           const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(q, low));
           const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4));
           for (int m = 0; m < MT; ++m) {
@@ -266,13 +281,12 @@ MLXQ_AVX2 void tile_avx2(const Panel& p, int m0, int n0) {
         }
       } else {
         __m256 xv[MT];
-        for (int m = 0; m < MT; ++m) xv[m] = _mm256_loadu_ps(xb + (size_t)m * K);
+        for (int m = 0; m < MT; ++m) xv[m] = _mm256_loadu_ps(xg + (size_t)m * K + b * 8);
         for (int r = 0; r < R; ++r) {
           const __m256 q = _mm256_cvtepi32_ps(
-              _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w[r]))));
-          w[r] += 8;
+              _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w[r] + b * 8))));
           for (int m = 0; m < MT; ++m) {
-            if (b & 1)
+            if (b % 2)
               a1[m][r] = _mm256_fmadd_ps(q, xv[m], a1[m][r]);
             else
               a0[m][r] = _mm256_fmadd_ps(q, xv[m], a0[m][r]);
@@ -281,6 +295,7 @@ MLXQ_AVX2 void tile_avx2(const Panel& p, int m0, int n0) {
       }
     }
     for (int r = 0; r < R; ++r) {
+      w[r] += GROUP_BYTES;
       const __m256 scale = _mm256_set1_ps(p.scales[(size_t)(n0 + r) * G + g]);
       for (int m = 0; m < MT; ++m)
         total[m][r] = _mm256_fmadd_ps(_mm256_add_ps(a0[m][r], a1[m][r]), scale, total[m][r]);
@@ -296,7 +311,7 @@ MLXQ_AVX2 void tile_avx2(const Panel& p, int m0, int n0) {
  * every tile of x rows passes over them), each tile of MT x rows times R weight rows in registers.
  * AVX-512 has 32 registers: up to 4 x rows or 4 weight rows at once; AVX2 has 16: up to 2.
  */
-template <int BITS, bool WIDE>
+template <int BITS, int GS, bool WIDE>
 void rows_simd(const Panel& p, int n0, int n1) {
   constexpr int RMAX = WIDE ? 4 : 2;
   for (int nb = n0; nb < n1; nb += 64) {
@@ -306,26 +321,33 @@ void rows_simd(const Panel& p, int n0, int n1) {
       int n = nb;
       if constexpr (WIDE) {
         if (mt == 1)
-          for (; n + 4 <= ne; n += 4) tile_avx512<BITS, 1, 4>(p, m0, n);
+          for (; n + 4 <= ne; n += 4) tile_avx512<BITS, GS, 1, 4>(p, m0, n);
         else if (mt == 2)
-          for (; n + 2 <= ne; n += 2) tile_avx512<BITS, 2, 2>(p, m0, n);
+          for (; n + 2 <= ne; n += 2) tile_avx512<BITS, GS, 2, 2>(p, m0, n);
         for (; n < ne; ++n) {
-          if (mt == 1) tile_avx512<BITS, 1, 1>(p, m0, n);
-          else if (mt == 2) tile_avx512<BITS, 2, 1>(p, m0, n);
-          else if (mt == 3) tile_avx512<BITS, 3, 1>(p, m0, n);
-          else tile_avx512<BITS, 4, 1>(p, m0, n);
+          if (mt == 1) tile_avx512<BITS, GS, 1, 1>(p, m0, n);
+          else if (mt == 2) tile_avx512<BITS, GS, 2, 1>(p, m0, n);
+          else if (mt == 3) tile_avx512<BITS, GS, 3, 1>(p, m0, n);
+          else tile_avx512<BITS, GS, 4, 1>(p, m0, n);
         }
       } else {
         if (mt == 1)
-          for (; n + 2 <= ne; n += 2) tile_avx2<BITS, 1, 2>(p, m0, n);
+          for (; n + 2 <= ne; n += 2) tile_avx2<BITS, GS, 1, 2>(p, m0, n);
         for (; n < ne; ++n) {
-          if (mt == 1) tile_avx2<BITS, 1, 1>(p, m0, n);
-          else tile_avx2<BITS, 2, 1>(p, m0, n);
+          if (mt == 1) tile_avx2<BITS, GS, 1, 1>(p, m0, n);
+          else tile_avx2<BITS, GS, 2, 1>(p, m0, n);
         }
       }
       m0 += mt;
     }
   }
+}
+
+template <int BITS, bool WIDE>
+void rows_simd(const Panel& p, int n0, int n1) {
+  if (p.gs == 32) rows_simd<BITS, 32, WIDE>(p, n0, n1);
+  else if (p.gs == 64) rows_simd<BITS, 64, WIDE>(p, n0, n1);
+  else rows_simd<BITS, 128, WIDE>(p, n0, n1);
 }
 
 #endif  // __x86_64__

@@ -522,7 +522,8 @@ class GatherQuantizedMatmul : public mx::UnaryPrimitive {
 void check_common(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
                   int group_size, int bits) {
   if (bits != 4 && bits != 8) throw std::invalid_argument("bits must be 4 or 8");
-  if (group_size <= 0 || group_size % 32 != 0) throw std::invalid_argument("group_size must be a multiple of 32");
+  if (group_size != 32 && group_size != 64 && group_size != 128)
+    throw std::invalid_argument("group_size must be 32, 64 or 128");
   if (x.dtype() != mx::float32 || scales.dtype() != mx::float32 || biases.dtype() != mx::float32)
     throw std::invalid_argument("x, scales and biases must be float32");
   if (w.dtype() != mx::uint32) throw std::invalid_argument("w must be uint32 (packed)");
