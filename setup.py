@@ -3,7 +3,8 @@
 - ``mlxchat._blas_route``: the BLAS single-row route (see mlxchat.runtime).
 - ``mlxchat._quantized``: quantized matmuls on the CPU as MLX primitives (see mlxchat.quantized). It is
   compiled against the MLX headers of the build environment and with nanobind, the binding library MLX's
-  own Python module is built with; mlxchat uses it only when the MLX it runs with is that same version.
+  own Python module is built with; mlxchat uses it only when the MLX it runs with is that same version
+  (``pip install --no-build-isolation -e .`` builds against the MLX already installed).
 """
 
 import sys

@@ -368,6 +368,7 @@ class Run:
                     "blas_path",
                     "gemv_route",
                     "blas_note",
+                    "quantized_kernels",
                     "compute_dtype",
                     "model_types",
                 )

@@ -128,6 +128,8 @@ class Mlxchat(MlxEngine):
         self.dtype = f"{quantization['bits']}-bit" if quantization else _mlx_dtype_name(self.model.dtype)
         where = f" ({info['blas_path']})" if info["blas_path"] else ""
         self.blas = info["blas"] + where + (" + single-row gemv route" if info["gemv_route"] else "")
+        if quantization:
+            self.blas = f"quantized products on {info['quantized_kernels']}, the rest on {self.blas}"
 
     def stream(self, ids: list[int], max_tokens: int) -> Iterator[int]:
         from mlxchat import GenerationConfig

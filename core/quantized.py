@@ -44,7 +44,8 @@ def _native() -> tuple[ModuleType | None, str]:
     running = ".".join(mx.__version__.split(".")[:3])  # type: ignore[attr-defined]
     built = module.mlx_version()
     if built != running:
-        return None, f"native kernels built for MLX {built}, running {running} (reinstall mlxchat to rebuild)"
+        return None, (f"native kernels built for MLX {built}, running {running} "
+                      "(pip install --no-build-isolation -e . rebuilds them against it)")
     try:  # builds a graph node only: proves that mx.array crosses into the extension
         module.quantized_matmul(mx.zeros((1, 32)), mx.zeros((1, 4), mx.uint32), mx.zeros((1, 1)), mx.zeros((1, 1)),
                                 32, 4)
@@ -95,7 +96,4 @@ def kernel_info() -> dict[str, Any]:
     module, why = _native()
     if module is None:
         return {"quantized_kernels": f"MLX's own ({why})"}
-    return {
-        "quantized_kernels": f"mlxchat native ({module.isa()}, {module.threads()} threads) on the CPU, "
-        "for affine 4/8-bit float32; MLX's own otherwise",
-    }
+    return {"quantized_kernels": f"mlxchat native ({module.isa()}, {module.threads()} threads)"}

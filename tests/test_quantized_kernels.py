@@ -128,16 +128,20 @@ def test_gathered_experts_equal_mlx_gather_qmm(isa: str, rows_limit: str, bits: 
 
 def test_works_under_mx_compile_including_shapeless() -> None:
     packed, scales, biases = _quantized(80, 256, 64, 4)
+    experts = _quantized(24, 256, 64, 8, experts=4, seed=1)
 
-    def f(x: mx.array) -> mx.array:
-        return mx.sum(mq.quantized_matmul(x, packed, scales, biases, 64, 4) * 2.0, axis=-1)
+    def f(x: mx.array, indices: mx.array) -> mx.array:
+        dense = mq.quantized_matmul(x, packed, scales, biases, 64, 4) * 2.0
+        routed = mq.gather_quantized_matmul(x[:, None, None], *experts, indices, 64, 8)
+        return mx.concatenate([dense.sum(-1), routed.sum((-3, -2, -1))])
 
-    eager, compiled, shapeless = f, mx.compile(f), mx.compile(f, shapeless=True)
+    compiled, shapeless = mx.compile(f), mx.compile(f, shapeless=True)
     for rows in (1, 5, 1):
         x = mx.random.normal((rows, 256))
-        expected = np.array(eager(x))
-        np.testing.assert_array_equal(np.array(compiled(x)), expected)
-        np.testing.assert_array_equal(np.array(shapeless(x)), expected)
+        indices = mx.random.randint(0, 4, (rows, 2)).astype(mx.uint32)
+        expected = np.array(f(x, indices))
+        np.testing.assert_array_equal(np.array(compiled(x, indices)), expected)
+        np.testing.assert_array_equal(np.array(shapeless(x, indices)), expected)
 
 
 def test_gradient_for_x_equals_mlx() -> None:

@@ -57,11 +57,11 @@ struct Panel {
   float* out;
 };
 
-/* Copies x rows [M, K] into `xp` in the order the ISA's kernel reads them, and their group sums. */
-inline void prepare_x(const float* x, int M, int K, int gs, int bits, Isa isa, float* xp, float* xsum) {
+/* Copies M rows of x (K values each) into `xp` in the order the ISA's kernel reads them, and their group sums. */
+inline void prepare_x(const float* const* rows, int M, int K, int gs, int bits, Isa isa, float* xp, float* xsum) {
   const int width = simd_width(isa), G = K / gs;
   for (int m = 0; m < M; ++m) {
-    const float* row = x + (size_t)m * K;
+    const float* row = rows[m];
     float* dst = xp + (size_t)m * K;
     if (bits == 4 && width > 0) {
       for (int b = 0; b < K; b += 2 * width)

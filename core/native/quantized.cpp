@@ -230,9 +230,7 @@ struct Product {
   float* out;
   std::vector<Segment> segments;
   std::vector<long> out_at;    // where each ordered row's output starts in out
-  const float* natural;        // ordered rows of x, natural layout [rows, K]
-  std::vector<float> storage;  // holds them when x had to be copied or reordered
-  std::vector<float> x, xsum;  // the same rows prepared for the ISA's kernels (see prepare_x)
+  std::vector<float> x, xsum;  // the ordered rows of x, prepared for the ISA's kernels (see prepare_x)
 };
 
 bool goes_to_gemm(const Segment& s) {
@@ -316,30 +314,27 @@ void copy_contiguous(const mx::array& a, float* out) {
 }
 
 /*
- * Computes the product: x's rows are taken in `order` (order[i]: the row of x that is ordered row i, whose
- * output goes to output row order[i]); the segments say which weights each run of ordered rows uses.
+ * Computes the product over the ordered rows: ordered row i is row source[i] of x (x's last dimension being
+ * K) and its output goes to row target[i] of out; the segments say which weights each run of ordered rows uses.
  */
-void compute(Product& p, const mx::array& x, const std::vector<int>& order) {
-  const int count = int(order.size());
-  bool identity = x.flags().row_contiguous;
-  for (int i = 0; i < count && identity; ++i) identity = order[i] == i;
-  if (identity) {
-    p.natural = x.data<float>();
-  } else {
-    std::vector<float> rows;
-    const float* data = x.data<float>();
-    if (!x.flags().row_contiguous) {
-      rows.resize(x.size());
-      copy_contiguous(x, rows.data());
-      data = rows.data();
-    }
-    p.storage.resize((size_t)count * p.K);
-    for (int i = 0; i < count; ++i)
-      std::memcpy(p.storage.data() + (size_t)i * p.K, data + (size_t)order[i] * p.K, sizeof(float) * p.K);
-    p.natural = p.storage.data();
+void compute(Product& p, const mx::array& x, const std::vector<int>& source, const std::vector<int>& target) {
+  const int count = int(source.size());
+  std::vector<float> copy;
+  const float* data = x.data<float>();
+  if (!x.flags().row_contiguous) {
+    copy.resize(x.size());
+    copy_contiguous(x, copy.data());
+    data = copy.data();
   }
+  std::vector<const float*> rows(count);
   p.out_at.resize(count);
-  for (int i = 0; i < count; ++i) p.out_at[i] = long(order[i]) * p.N;
+  for (int i = 0; i < count; ++i) {
+    rows[i] = data + (size_t)source[i] * p.K;
+    p.out_at[i] = long(target[i]) * p.N;
+  }
+  p.x.resize((size_t)count * p.K);
+  p.xsum.resize((size_t)count * p.G);
+  mlxchat_q::prepare_x(rows.data(), count, p.K, p.gs, p.bits, p.isa, p.x.data(), p.xsum.data());
 
   SmallJob job{&p, {}};
   const int threads = pool().threads();
@@ -350,9 +345,6 @@ void compute(Product& p, const mx::array& x, const std::vector<int>& order) {
     const int step = ((p.N + pieces - 1) / pieces + 3) / 4 * 4;  // whole tiles of 4 weight rows
     for (int n0 = 0; n0 < p.N; n0 += step) job.chunks.push_back({i, n0, std::min(n0 + step, p.N)});
   }
-  p.x.resize((size_t)count * p.K);
-  p.xsum.resize((size_t)count * p.G);
-  mlxchat_q::prepare_x(p.natural, count, p.K, p.gs, p.bits, p.isa, p.x.data(), p.xsum.data());
   if (!job.chunks.empty()) pool().run(int(job.chunks.size()), run_chunk, &job);
   for (const Segment& s : p.segments)
     if (goes_to_gemm(s)) gemm_segment(p, s);
@@ -396,7 +388,7 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
       std::vector<int> order(rows);
       for (int i = 0; i < rows; ++i) order[i] = i;
       p.segments.push_back({0, rows, w.data<uint8_t>(), scales.data<float>(), biases.data<float>()});
-      compute(p, x, order);
+      compute(p, x, order, order);
     });
   }
 
@@ -435,26 +427,41 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
 };
 
 /* Offset of the i-th element (row-major order) of a possibly strided array. */
-int64_t element_offset(const mx::array& a, size_t i) {
-  if (a.flags().row_contiguous) return int64_t(i);
+int64_t element_offset(const mx::array& a, int64_t i) {
+  if (a.flags().row_contiguous) return i;
   int64_t offset = 0;
   for (int d = int(a.ndim()) - 1; d >= 0; --d) {
-    offset += int64_t(i % a.shape(d)) * a.strides()[d];
+    offset += (i % a.shape(d)) * a.strides()[d];
     i /= a.shape(d);
   }
   return offset;
 }
 
-/* Expert of each index, or -1 where it is out of range [0, experts). */
-std::vector<int> expert_indices(const mx::array& indices, int experts) {
-  std::vector<int> out(indices.size());
-  for (size_t i = 0; i < out.size(); ++i) {
-    const int64_t at = element_offset(indices, i);
-    const int64_t e = indices.dtype() == mx::uint32 ? int64_t(indices.data<uint32_t>()[at])
-                                                    : int64_t(indices.data<int32_t>()[at]);
-    out[i] = e >= 0 && e < experts ? int(e) : -1;
+/* The element of an array of shape `from` (broadcast against `to`, right-aligned) that element t of `to` reads. */
+int64_t broadcast_index(int64_t t, const mx::Shape& to, const mx::Shape& from) {
+  int64_t index = 0, stride = 1;
+  for (int d = int(to.size()) - 1, f = int(from.size()) - 1; d >= 0; --d, --f) {
+    const int64_t coordinate = t % to[d];
+    t /= to[d];
+    if (f >= 0) {
+      if (from[f] != 1) index += coordinate * stride;
+      stride *= from[f];
+    }
   }
-  return out;
+  return index;
+}
+
+int64_t index_at(const mx::array& indices, int64_t i) {
+  const int64_t at = element_offset(indices, i);
+  return indices.dtype() == mx::uint32 ? int64_t(indices.data<uint32_t>()[at]) : int64_t(indices.data<int32_t>()[at]);
+}
+
+/* x [..., M, K] against indices [...] and w [E, N, K']: [broadcast(x's batch, indices), M, N]. */
+mx::Shape gathered_shape(const mx::array& x, const mx::array& w, const mx::array& indices) {
+  auto shape = mx::broadcast_shapes(mx::Shape(x.shape().begin(), x.shape().end() - 2), indices.shape());
+  shape.push_back(x.shape(-2));
+  shape.push_back(w.shape(1));
+  return shape;
 }
 
 class GatherQuantizedMatmul : public mx::UnaryPrimitive {
@@ -475,21 +482,34 @@ class GatherQuantizedMatmul : public mx::UnaryPrimitive {
       require_contiguous(biases, "biases");
       Product p = product_for(x, scales, w.shape(1), gs, bits, out);
       const int experts = w.shape(0), per_index = x.shape(-2);
-      const std::vector<int> expert = expert_indices(indices, experts);
+      // out's batch shape is x's batch shape broadcast with indices' shape (see output_shapes)
+      const mx::Shape batch(out.shape().begin(), out.shape().end() - 2);
+      const mx::Shape x_batch(x.shape().begin(), x.shape().end() - 2);
+      const int64_t count = int64_t(out.size() / ((size_t)per_index * p.N));
+      std::vector<int> expert(count), x_row(count);
+      for (int64_t t = 0; t < count; ++t) {
+        const int64_t e = index_at(indices, broadcast_index(t, batch, indices.shape()));
+        expert[t] = e >= 0 && e < experts ? int(e) : experts;  // out of range: zeros, below
+        x_row[t] = int(broadcast_index(t, batch, x_batch));
+      }
       // order rows by expert (a counting sort; invalid indices last), so each expert's weights are read once
       std::vector<int> start(experts + 2, 0);
-      for (int e : expert) start[(e < 0 ? experts : e) + 1] += per_index;
+      for (int e : expert) start[e + 1] += per_index;
       for (int e = 0; e <= experts; ++e) start[e + 1] += start[e];
-      std::vector<int> order(start[experts + 1]), fill(start.begin(), start.end() - 1);
-      for (size_t b = 0; b < expert.size(); ++b)
-        for (int m = 0; m < per_index; ++m) order[fill[expert[b] < 0 ? experts : expert[b]]++] = int(b) * per_index + m;
+      std::vector<int> source(start[experts + 1]), target(source.size()), fill(start.begin(), start.end() - 1);
+      for (int64_t t = 0; t < count; ++t)
+        for (int m = 0; m < per_index; ++m) {
+          const int at = fill[expert[t]]++;
+          source[at] = x_row[t] * per_index + m;
+          target[at] = int(t) * per_index + m;
+        }
       const size_t w_stride = (size_t)p.N * p.K * bits / 8, s_stride = (size_t)p.N * p.G;
       for (int e = 0; e < experts; ++e)
         if (start[e + 1] > start[e])
           p.segments.push_back({start[e], start[e + 1] - start[e], w.data<uint8_t>() + e * w_stride,
                                 scales.data<float>() + e * s_stride, biases.data<float>() + e * s_stride});
-      compute(p, x, order);
-      for (int i = start[experts]; i < start[experts + 1]; ++i)  // an index out of range gives zeros
+      compute(p, x, source, target);
+      for (int i = start[experts]; i < start[experts + 1]; ++i)
         std::fill(p.out + p.out_at[i], p.out + p.out_at[i] + p.N, 0.0f);
     });
   }
@@ -508,9 +528,7 @@ class GatherQuantizedMatmul : public mx::UnaryPrimitive {
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    auto shape = inputs[0].shape();
-    shape.back() = inputs[1].shape(1);
-    return {shape};
+    return {gathered_shape(inputs[0], inputs[1], inputs[4])};
   }
 
  private:
@@ -558,17 +576,9 @@ mx::array gather_quantized_matmul(const mx::array& x, const mx::array& w, const 
   if (indices.dtype() != mx::uint32 && indices.dtype() != mx::int32)
     throw std::invalid_argument("indices must be int32 or uint32");
   check_common(x, w, scales, biases, group_size, bits);
-  auto batch = mx::broadcast_shapes(mx::Shape(x.shape().begin(), x.shape().end() - 2), indices.shape());
-  auto x_shape = batch;
-  x_shape.push_back(x.shape(-2));
-  x_shape.push_back(x.shape(-1));
-  auto s = cpu_stream();
-  auto xb = mx::broadcast_to(x, x_shape, s);
-  auto ib = mx::broadcast_to(indices, batch, s);
-  auto shape = x_shape;
-  shape.back() = w.shape(1);
-  return mx::array(shape, mx::float32, std::make_shared<GatherQuantizedMatmul>(s, group_size, bits),
-                   {xb, w, scales, biases, ib});
+  return mx::array(gathered_shape(x, w, indices), mx::float32,
+                   std::make_shared<GatherQuantizedMatmul>(cpu_stream(), group_size, bits),
+                   {x, w, scales, biases, indices});
 }
 
 }  // namespace
