@@ -91,6 +91,12 @@ def test_strided_and_broadcast_inputs_are_read_correctly() -> None:
         theirs = mx.quantized_matmul(x, packed, scales, biases, transpose=True, group_size=64, bits=4)
         _assert_matches(native.quantized_matmul(x, packed, scales, biases, 64, 4), theirs,
                         _bound(x, packed, scales, biases, 64, 4))
+    # every other row of a larger quantized matrix: strided weights, scales and biases
+    packed, scales, biases = (a[::2] for a in _quantized(192, 256, 64, 4))
+    x = mx.random.normal((2, 256))
+    theirs = mx.quantized_matmul(x, packed, scales, biases, transpose=True, group_size=64, bits=4)
+    _assert_matches(native.quantized_matmul(x, packed, scales, biases, 64, 4), theirs,
+                    _bound(x, packed, scales, biases, 64, 4))
 
 
 @pytest.fixture(params=["row kernel", "sgemm"])

@@ -350,13 +350,7 @@ void compute(Product& p, const mx::array& x, const std::vector<int>& source, con
     if (goes_to_gemm(s)) gemm_segment(p, s);
 }
 
-void require_contiguous(const mx::array& a, const char* what) {
-  if (!a.flags().row_contiguous)
-    throw std::invalid_argument(std::string("mlxchat quantized matmul: ") + what + " must be row-contiguous");
-}
-
-Product product_for(const mx::array& x, const mx::array& scales, int n, int gs, int bits, mx::array& out) {
-  require_contiguous(scales, "scales");
+Product product_for(const mx::array& x, int n, int gs, int bits, mx::array& out) {
   Product p;
   p.K = x.shape(-1);
   p.N = n;
@@ -381,9 +375,7 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
     encoder.dispatch([x = mx::array::unsafe_weak_copy(inputs[0]), w = mx::array::unsafe_weak_copy(inputs[1]),
                       scales = mx::array::unsafe_weak_copy(inputs[2]), biases = mx::array::unsafe_weak_copy(inputs[3]),
                       out = mx::array::unsafe_weak_copy(out), gs = group_size_, bits = bits_]() mutable {
-      require_contiguous(w, "weight");
-      require_contiguous(biases, "biases");
-      Product p = product_for(x, scales, w.shape(0), gs, bits, out);
+      Product p = product_for(x, w.shape(0), gs, bits, out);
       const int rows = int(x.size() / p.K);
       std::vector<int> order(rows);
       for (int i = 0; i < rows; ++i) order[i] = i;
@@ -478,9 +470,7 @@ class GatherQuantizedMatmul : public mx::UnaryPrimitive {
                       scales = mx::array::unsafe_weak_copy(inputs[2]), biases = mx::array::unsafe_weak_copy(inputs[3]),
                       indices = mx::array::unsafe_weak_copy(inputs[4]), out = mx::array::unsafe_weak_copy(out),
                       gs = group_size_, bits = bits_]() mutable {
-      require_contiguous(w, "weight");
-      require_contiguous(biases, "biases");
-      Product p = product_for(x, scales, w.shape(1), gs, bits, out);
+      Product p = product_for(x, w.shape(1), gs, bits, out);
       const int experts = w.shape(0), per_index = x.shape(-2);
       // out's batch shape is x's batch shape broadcast with indices' shape (see output_shapes)
       const mx::Shape batch(out.shape().begin(), out.shape().end() - 2);
@@ -558,6 +548,12 @@ mx::Stream cpu_stream() {
   return mx::default_stream(mx::Device::cpu);
 }
 
+/* The kernels read weights, scales and biases in place: an evaluated contiguous array (a model's parameter)
+ * as it is, anything else through MLX's contiguous (a no-op at evaluation when it already is). */
+mx::array row_contiguous(const mx::array& a) {
+  return a.is_available() && a.flags().row_contiguous ? a : mx::contiguous(a, false, cpu_stream());
+}
+
 mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
                            int group_size, int bits) {
   if (w.ndim() != 2) throw std::invalid_argument("w must be 2-dimensional");
@@ -565,7 +561,7 @@ mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::arr
   auto shape = x.shape();
   shape.back() = w.shape(0);
   return mx::array(shape, mx::float32, std::make_shared<QuantizedMatmul>(cpu_stream(), group_size, bits),
-                   {x, w, scales, biases});
+                   {x, row_contiguous(w), row_contiguous(scales), row_contiguous(biases)});
 }
 
 /* x [..., M, K] times expert indices[...] of w [E, N, K*bits/32]: out [..., M, N] (batch shapes broadcast). */
@@ -578,7 +574,7 @@ mx::array gather_quantized_matmul(const mx::array& x, const mx::array& w, const 
   check_common(x, w, scales, biases, group_size, bits);
   return mx::array(gathered_shape(x, w, indices), mx::float32,
                    std::make_shared<GatherQuantizedMatmul>(cpu_stream(), group_size, bits),
-                   {x, w, scales, biases, indices});
+                   {x, row_contiguous(w), row_contiguous(scales), row_contiguous(biases), indices});
 }
 
 }  // namespace
