@@ -14,7 +14,8 @@ and MLX's ``quantized_matmul`` / ``gather_qmm`` otherwise (on a GPU always):
 
 ``MLXCHAT_QUANT=off`` keeps MLX's kernels. Results equal MLX's up to the order of float32 additions.
 Tuning (rarely needed): ``MLXCHAT_QUANT_THREADS`` (default: the cores this process may use),
-``MLXCHAT_QUANT_SPIN_US`` (how long idle workers spin before sleeping, default 200) and
+``MLXCHAT_QUANT_SPIN_US`` (how long idle workers spin before sleeping, default 50: longer helps a quiet
+machine a little and hurts a shared one a lot) and
 ``MLXCHAT_QUANT_TILE`` (float32 values dequantized per sgemm call for many rows, default 2**20).
 """
 

@@ -156,7 +156,7 @@ class Pool {
   }
 
   void work() {
-    const auto spin = std::chrono::microseconds(env_int("MLXCHAT_QUANT_SPIN_US", 200));
+    const auto spin = std::chrono::microseconds(env_int("MLXCHAT_QUANT_SPIN_US", 50));
     uint32_t seen = posted_.load(std::memory_order_acquire);
     while (true) {
       uint32_t now = posted_.load(std::memory_order_acquire);
