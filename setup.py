@@ -26,6 +26,7 @@ def quantized_extension() -> Extension | None:
     return Extension(
         "mlxchat._quantized",
         sources=["core/native/quantized.cpp", str(nb_dir / "src" / "nb_combined.cpp")],
+        depends=["core/native/qmatmul_kernels.h"],
         include_dirs=[
             "core/native",
             str(mlx_dir / "include"),
