@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import resource
 import subprocess
@@ -22,7 +23,7 @@ from typing import Any
 
 from . import host, report, summary
 from .checkpoints import DEFAULT_DIR, HERE, MARKER, MODELS, folder_of, is_built
-from .engines import ENGINES
+from .engines import ENGINES, QUANTIZED_BITS
 from .limits import token_work
 from .sessions import document_words
 from .worker import RESULT_MARK
@@ -31,7 +32,8 @@ RESULTS = HERE / "results"
 SHORT = ("mlx-lm-default",)
 """Engines measured once, on the shortest prompt with a short decode (bfloat16 on the reference BLAS
 runs at a few tokens per second on a CPU)."""
-ROW_DTYPES = {"mlx-lm-default": "bfloat16", "llama.cpp-f32": "f32", "llama.cpp-q8_0": "q8_0"}
+ROW_DTYPES = {"mlx-lm-default": "bfloat16", "mlxchat-8bit": "8-bit", "mlxchat-4bit": "4-bit", "llama.cpp-f32": "f32",
+              "llama.cpp-f16": "f16", "llama.cpp-q8_0": "q8_0", "llama.cpp-q4_0": "q4_0"}
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -200,6 +202,9 @@ class Run:
         if self.info["llama_cpp"] and any(name.startswith("llama.cpp") for name in wanted):
             self.not_measured.append(f"llama.cpp rows: {self.info['llama_cpp']}")
             wanted = [name for name in wanted if not name.startswith("llama.cpp")]
+        if importlib.util.find_spec("mlx_lm") is None and any(name in QUANTIZED_BITS for name in wanted):
+            self.not_measured.append("mlxchat 8-bit / 4-bit rows: mlx-lm (its converter makes them) is not installed")
+            wanted = [name for name in wanted if name not in QUANTIZED_BITS]
         return wanted
 
     def checkpoint(self, key: str) -> Path:
@@ -221,6 +226,10 @@ class Run:
         for kind in (e.split("-")[-1] for e in self.engines if e.startswith("llama.cpp")):
             self.log(f"converting {key} to GGUF {kind}")
             subprocess.run([sys.executable, "-m", "benchmarks.gguf", str(folder), kind], cwd=HERE.parent, check=False)
+        for bits in (QUANTIZED_BITS[e] for e in self.engines if e in QUANTIZED_BITS):
+            self.log(f"quantizing {key} to {bits} bits with mlx-lm's converter")
+            command = [sys.executable, "-m", "benchmarks.mlx_quantized", str(folder), str(bits)]
+            subprocess.run(command, cwd=HERE.parent, check=False, stdout=subprocess.DEVNULL)
         self.folders[key], self.works[key] = folder, token_work(folder)
         return folder
 
@@ -336,7 +345,7 @@ class Run:
                 "checkpoint": json.loads((self.folders[key] / MARKER).read_text()),
                 "work": self.works[key],
                 "engines": rows,
-                "ratios": {e: summary.ratios(rows, e) for e in rows if e != "mlxchat" and summary.ratios(rows, e)},
+                "ratios": summary.comparisons(rows),
                 "sessions": summary.session_rows(sessions) if sessions else None,
             }
         notes: dict[str, str] = {}
@@ -359,6 +368,7 @@ class Run:
                     "blas_path",
                     "gemv_route",
                     "blas_note",
+                    "quantized_kernels",
                     "compute_dtype",
                     "model_types",
                 )

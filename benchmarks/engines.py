@@ -4,8 +4,9 @@ Each engine runs in its own process (see :mod:`benchmarks.worker`), because what
 decides which BLAS MLX calls: mlxchat puts OpenBLAS and its single-row gemv route under MLX when it is
 imported; "mlx-lm" preloads the same OpenBLAS itself before importing MLX (its best CPU setting) and
 computes in the dtype mlxchat uses; "mlx-lm-default" is mlx-lm as installed: the stored bfloat16 on
-MLX's bundled reference BLAS. llama.cpp (llama-cpp-python, optional) runs GGUF conversions of the same
-checkpoint.
+MLX's bundled reference BLAS. "mlxchat-8bit" / "mlxchat-4bit" run MLX-quantized copies of the checkpoint
+(:mod:`benchmarks.mlx_quantized`). llama.cpp (llama-cpp-python, optional) runs GGUF conversions of the same
+checkpoint at F32, F16, Q8_0 and Q4_0 (:mod:`benchmarks.gguf`).
 """
 
 from __future__ import annotations
@@ -19,14 +20,26 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any, cast
 
-ENGINES = ("mlxchat", "mlx-lm", "mlx-lm-default", "llama.cpp-f32", "llama.cpp-q8_0")
+ENGINES = ("mlxchat", "mlxchat-8bit", "mlxchat-4bit", "mlx-lm", "mlx-lm-default", "llama.cpp-f32", "llama.cpp-f16",
+           "llama.cpp-q8_0", "llama.cpp-q4_0")
 LABELS = {
     "mlxchat": "mlxchat",
+    "mlxchat-8bit": "mlxchat 8-bit",
+    "mlxchat-4bit": "mlxchat 4-bit",
     "mlx-lm": "mlx-lm (same dtype, OpenBLAS)",
     "mlx-lm-default": "mlx-lm (defaults)",
     "llama.cpp-f32": "llama.cpp F32",
+    "llama.cpp-f16": "llama.cpp F16",
     "llama.cpp-q8_0": "llama.cpp Q8_0",
+    "llama.cpp-q4_0": "llama.cpp Q4_0",
 }
+QUANTIZED_BITS = {"mlxchat-8bit": 8, "mlxchat-4bit": 4}
+COMPARISONS = {
+    "mlxchat": ("mlx-lm", "mlx-lm-default", "llama.cpp-f32", "llama.cpp-f16", "llama.cpp-q8_0", "llama.cpp-q4_0"),
+    "mlxchat-8bit": ("llama.cpp-q8_0", "mlxchat"),
+    "mlxchat-4bit": ("llama.cpp-q4_0", "mlxchat"),
+}
+"""The ratio rows of the table: each mlxchat row over the engines it is held against (same bits first)."""
 
 
 def peak_rss_bytes() -> int:
@@ -102,17 +115,21 @@ class MlxEngine(Engine):
 
 
 class Mlxchat(MlxEngine):
-    name = "mlxchat"
+    """mlxchat with its defaults; on an MLX-quantized checkpoint the dtype column says the bits."""
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, name: str = "mlxchat"):
         import mlxchat
 
+        self.name = name
         self.model = mlxchat.load_model(folder)
         info = mlxchat.runtime_info()
         self.info = info
-        self.dtype = _mlx_dtype_name(self.model.dtype)
+        quantization = self.model.quantization
+        self.dtype = f"{quantization['bits']}-bit" if quantization else _mlx_dtype_name(self.model.dtype)
         where = f" ({info['blas_path']})" if info["blas_path"] else ""
         self.blas = info["blas"] + where + (" + single-row gemv route" if info["gemv_route"] else "")
+        if quantization:
+            self.blas = f"quantized products on {info['quantized_kernels']}, the rest on {self.blas}"
 
     def stream(self, ids: list[int], max_tokens: int) -> Iterator[int]:
         from mlxchat import GenerationConfig
@@ -129,6 +146,7 @@ class Mlxchat(MlxEngine):
             "blas_path": self.info["blas_path"],
             "gemv_route": self.info["gemv_route"],
             "blas_note": self.info["blas_note"],
+            "quantized_kernels": self.info.get("quantized_kernels"),
         }
 
 
@@ -188,7 +206,10 @@ class LlamaCpp(Engine):
                 return
 
     def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "llama_cpp_python": version("llama-cpp-python")}
+        import llama_cpp
+
+        features = llama_cpp.llama_print_system_info().decode(errors="replace").strip()
+        return {**super().describe(), "llama_cpp_python": version("llama-cpp-python"), "ggml_features": features}
 
 
 def open_engine(name: str, folder: Path, *, blas_path: str | None, dtype: str | None, context: int) -> Engine:
@@ -196,6 +217,10 @@ def open_engine(name: str, folder: Path, *, blas_path: str | None, dtype: str | 
     mlxchat found (None off Linux-CPU)."""
     if name == "mlxchat":
         return Mlxchat(folder)
+    if name in QUANTIZED_BITS:
+        from .mlx_quantized import folder_for
+
+        return Mlxchat(folder_for(folder, QUANTIZED_BITS[name]), name)
     if name == "mlx-lm":
         return MlxLm(folder, blas_path=blas_path, dtype=dtype, name=name)
     if name == "mlx-lm-default":

@@ -17,7 +17,17 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
-BYTES_PER_PARAM = {"float32": 4.0, "f32": 4.0, "bfloat16": 2.0, "float16": 2.0, "f16": 2.0, "q8_0": 34 / 32}
+BYTES_PER_PARAM = {
+    "float32": 4.0,
+    "f32": 4.0,
+    "bfloat16": 2.0,
+    "float16": 2.0,
+    "f16": 2.0,
+    "q8_0": 34 / 32,  # llama.cpp: 32 int8 and one float16 scale
+    "q4_0": 18 / 32,  # 32 nibbles and one float16 scale
+    "8-bit": 1 + 8 / 64,  # MLX affine, group 64: a float32 scale and bias each (mlxchat computes in float32)
+    "4-bit": 0.5 + 8 / 64,
+}
 
 
 def _best_seconds(run: Any, repeats: int) -> float:

@@ -100,9 +100,9 @@ def speed_table(model: dict[str, Any], prefill: list[int], decode: int) -> list[
             str(row["reps"]),
         ]
         lines.append(_row(cells))
-    for other, ratios in model["ratios"].items():
+    for ratios in model["ratios"]:
         cells = [
-            f"**mlxchat ÷ {LABELS[other]}**",
+            f"**{LABELS[ratios['engine']]} ÷ {LABELS[ratios['versus']]}**",
             "",
             *(_ratio(ratios.get(f"prefill_{n}")) for n in lengths),
             _ratio(ratios.get("ttft_speedup")),

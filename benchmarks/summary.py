@@ -6,6 +6,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
+from .engines import COMPARISONS
 from .limits import bounds
 
 
@@ -49,20 +50,31 @@ def speed_row(jobs: list[dict[str, Any]], work: dict[str, Any], limits: dict[str
     }
 
 
-def ratios(rows: dict[str, Any], other: str) -> dict[str, float | None]:
-    """mlxchat's throughput over another engine's, per metric (above 1: mlxchat is faster)."""
-    mine, theirs = rows.get("mlxchat", {}), rows.get(other, {})
-    if "prefill" not in mine or "prefill" not in theirs:
+def ratios(rows: dict[str, Any], mine: str, other: str) -> dict[str, float | None]:
+    """One mlxchat row's throughput over another engine's, per metric (above 1: mlxchat is faster)."""
+    ours, theirs = rows.get(mine, {}), rows.get(other, {})
+    if "prefill" not in ours or "prefill" not in theirs:
         return {}
 
     def over(a: float | None, b: float | None) -> float | None:
         return a / b if a and b else None
 
-    out = {f"prefill_{n}": over(p["tps"], theirs["prefill"].get(n, {}).get("tps")) for n, p in mine["prefill"].items()}
-    first = next(iter(mine["prefill"]))
+    out = {f"prefill_{n}": over(p["tps"], theirs["prefill"].get(n, {}).get("tps")) for n, p in ours["prefill"].items()}
+    first = next(iter(ours["prefill"]))
     if first in theirs["prefill"]:
-        out["ttft_speedup"] = over(theirs["prefill"][first]["ttft_s"], mine["prefill"][first]["ttft_s"])
-    out["decode"] = over(mine.get("decode_tps"), theirs.get("decode_tps"))
+        out["ttft_speedup"] = over(theirs["prefill"][first]["ttft_s"], ours["prefill"][first]["ttft_s"])
+    out["decode"] = over(ours.get("decode_tps"), theirs.get("decode_tps"))
+    return out
+
+
+def comparisons(rows: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every measured (mlxchat row, engine it is held against) pair of COMPARISONS with its ratios."""
+    out = []
+    for mine, others in COMPARISONS.items():
+        for other in others:
+            found = ratios(rows, mine, other)
+            if found:
+                out.append({"engine": mine, "versus": other, **found})
     return out
 
 

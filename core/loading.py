@@ -19,6 +19,7 @@ from .config import ModelConfig
 from .errors import CheckpointError, UnsupportedQuantizationError
 from .generation import GenerationConfig
 from .images import ImageProcessor
+from .layers.quantized import quantize
 from .model import GenerativeModel
 from .multimodal import VisionModule
 from .registry import registry
@@ -235,7 +236,7 @@ def _quantize(module: nn.Module, weights: dict[str, mx.array], quantization: dic
             )
         return {"group_size": group_size, "bits": bits, "mode": mode}
 
-    nn.quantize(module, class_predicate=predicate)
+    quantize(module, predicate)
 
 
 def _check_tensors(module: nn.Module, weights: dict[str, mx.array], source: str) -> None:

@@ -1,13 +1,21 @@
 """What MLX runs on here: the BLAS behind its CPU backend, the device, and the compute dtype policy.
 
 MLX's Linux CPU wheel links the reference (netlib) BLAS, which multiplies float32 matrices at a few
-GFLOP/s. Symbols resolve through the global scope first, so loading OpenBLAS with RTLD_GLOBAL *before*
-``mlx.core`` is imported makes MLX call OpenBLAS instead (~50-100x faster GEMM). On top of that the
-``mlxchat._blas_route`` shim sends one-row products (all of decode) to ``sgemv``, which reads weights
-several times faster than ``sgemm`` with M == 1. :func:`configure_blas` does both; ``mlxchat`` calls it
-on import. Environment:
+GFLOP/s. Symbols resolve through the global scope first, so a ``cblas_sgemm`` loaded with RTLD_GLOBAL
+*before* ``mlx.core`` is imported is the one MLX calls. :func:`configure_blas` (run when ``mlxchat`` is
+imported) loads the ``mlxchat._blas_route`` shim that way: it sends one-row products (all of decode) to
+``sgemv``, which reads weights several times faster than ``sgemm`` with M == 1, and everything else to
+OpenBLAS. Which OpenBLAS, in order:
 
-- ``MLXCHAT_BLAS``: path of the BLAS library to load, or ``off`` to keep MLX's bundled one.
+1. the system's (Debian/Ubuntu ``libopenblas0-pthread``, Fedora ``openblas``...), loaded globally as well;
+2. the one inside numpy's wheel (scipy-openblas, a 64-bit-integer build whose symbols carry a
+   ``scipy_``/``64_`` affix, reachable only through the shim): measured as fast as the system's, so
+   ``pip install`` alone gives fast CPU math.
+
+Environment:
+
+- ``MLXCHAT_BLAS``: ``system`` or ``numpy`` to pick one of the above, a path to a CBLAS library, or ``off``
+  to keep MLX's bundled one.
 - ``MLXCHAT_GEMV``: ``0`` disables the single-row route.
 """
 
@@ -21,6 +29,7 @@ import platform
 import sys
 import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 _OPENBLAS_CANDIDATES = (
@@ -30,8 +39,8 @@ _OPENBLAS_CANDIDATES = (
     "/usr/lib/libopenblas.so.0",
     "/usr/local/lib/libopenblas.so.0",
 )
-
-INSTALL_HINT = "apt-get install libopenblas0-pthread"
+# The CBLAS entry points of a library, by integer width, and its configuration string (version, build).
+_INTERFACES = {32: ("cblas_sgemm", "openblas_get_config"), 64: ("scipy_cblas_sgemm64_", "scipy_openblas_get_config64_")}
 
 
 @dataclass
@@ -56,14 +65,49 @@ class BlasState:
 _state: BlasState | None = None
 
 
-def _find_openblas() -> str | None:
-    requested = os.environ.get("MLXCHAT_BLAS")
-    if requested:
-        return requested
+def _system_openblas() -> str | None:
     for candidate in _OPENBLAS_CANDIDATES:
         if os.path.exists(candidate):
             return candidate
     return ctypes.util.find_library("openblas")
+
+
+def _numpy_openblas() -> str | None:
+    """The OpenBLAS numpy's wheel bundles (``site-packages/numpy.libs/libscipy_openblas*.so``), if any."""
+    spec = importlib.util.find_spec("numpy")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    libs = Path(next(iter(spec.submodule_search_locations))).parent / "numpy.libs"
+    found = sorted(libs.glob("libscipy_openblas*.so*"))
+    return str(found[0]) if found else None
+
+
+def _candidates() -> list[tuple[str, str]]:
+    """(path, where it comes from) in the order to try."""
+    requested = os.environ.get("MLXCHAT_BLAS", "")
+    if requested not in ("", "system", "numpy"):
+        return [(requested, "MLXCHAT_BLAS")]
+    found = []
+    if requested != "numpy" and (system := _system_openblas()):
+        found.append((system, "system"))
+    if requested != "system" and (bundled := _numpy_openblas()):
+        found.append((bundled, "numpy's wheel"))
+    return found
+
+
+def _interface(path: str) -> tuple[int, str]:
+    """(integer width of its CBLAS: 32, 64, or 0 for none, its version) of a BLAS library; OSError if it
+    cannot be loaded."""
+    library = ctypes.CDLL(path, mode=ctypes.RTLD_LOCAL)
+    for width, (sgemm, config) in _INTERFACES.items():
+        if hasattr(library, sgemm):
+            name = "BLAS"
+            if hasattr(library, config):
+                getter = getattr(library, config)
+                getter.restype = ctypes.c_char_p
+                name = " ".join(getter().decode(errors="replace").split()[:2])  # e.g. "OpenBLAS 0.3.31"
+            return width, name
+    return 0, ""
 
 
 def _load_route(blas_path: str) -> Any:
@@ -72,7 +116,8 @@ def _load_route(blas_path: str) -> Any:
         return None
     route = ctypes.CDLL(spec.origin, mode=ctypes.RTLD_GLOBAL)
     route.mlxchat_blas_route_init.argtypes = [ctypes.c_char_p]
-    if route.mlxchat_blas_route_init(blas_path.encode()) != 0:
+    route.mlxchat_blas_route_set_gemv.argtypes = [ctypes.c_int]
+    if route.mlxchat_blas_route_init(blas_path.encode()) not in (32, 64):
         return None
     return route
 
@@ -98,22 +143,41 @@ def configure_blas() -> BlasState:
         warnings.warn(f"mlxchat: {_state.note} (float32 matmuls now run on MLX's slow reference BLAS)",
                       RuntimeWarning, stacklevel=3)
         return _state
-    path = _find_openblas()
-    if path is None:
-        _state.note = f"no OpenBLAS found; float32 matmuls run on the slow reference BLAS ({INSTALL_HINT})"
-        return _state
-    try:
-        route = None if os.environ.get("MLXCHAT_GEMV") == "0" else _load_route(path)
-        # The route must come first in the global scope so that its cblas_sgemm is the one MLX binds to.
-        ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
-    except OSError as exc:
-        _state.note = f"could not load {path}: {exc}"
-        return _state
-    _state.library = "OpenBLAS"
-    _state.path = path
-    _state.gemv_route = route is not None
-    _state._route = route
+    problems = []
+    for path, origin in _candidates():
+        try:
+            if _use(path, origin):
+                return _state
+        except OSError as exc:
+            problems.append(f"could not load {path}: {exc}")
+            continue
+        problems.append(f"{path} ({origin}) is not usable here")
+    _state.note = "; ".join(problems) or (
+        "no OpenBLAS found (neither the system's nor numpy's); float32 matmuls run on the slow reference BLAS"
+    )
     return _state
+
+
+def _use(path: str, origin: str) -> bool:
+    """Puts the BLAS at ``path`` under MLX; False if it has no usable interface (or needs the route, absent)."""
+    assert _state is not None
+    width, version = _interface(path)
+    gemv = os.environ.get("MLXCHAT_GEMV") != "0"
+    if width == 0:
+        return False
+    route = _load_route(path) if gemv or width == 64 else None
+    if width == 64 and route is None:
+        return False  # its symbols carry an affix: only the route can call it
+    if route is not None:
+        route.mlxchat_blas_route_set_gemv(int(gemv))
+    if width == 32:
+        # after the route, so that the route's cblas_sgemm comes first; cblas_dgemm etc. resolve here
+        ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+    _state.library = f"{version} ({origin}{', 64-bit integers' if width == 64 else ''})"
+    _state.path = path
+    _state.gemv_route = route is not None and gemv
+    _state._route = route
+    return True
 
 
 def on_gpu() -> bool:
@@ -137,6 +201,7 @@ def runtime_info() -> dict[str, Any]:
     """MLX version, device, BLAS and plugins: what ``mlxchat info`` prints."""
     import mlx.core as mx
 
+    from .quantized import kernel_info
     from .registry import registry
 
     state = configure_blas()
@@ -150,6 +215,7 @@ def runtime_info() -> dict[str, Any]:
         "blas_path": state.path,
         "gemv_route": state.gemv_route,
         "blas_note": state.note,
+        **kernel_info(),
         "cpu_count": os.cpu_count(),
         "plugins": {name: sorted(arch.model_types) for name, arch in registry().architectures().items()},
     }

@@ -13,6 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import CheckpointError
+from ..quantized import gather_quantized_matmul
 from .mlp import SwiGLU, gate_function
 
 # Below this many (token, expert) pairs, sorting tokens by expert costs more than it saves.
@@ -35,7 +36,8 @@ class SwitchLinear(nn.Module):
 
 
 class QuantizedSwitchLinear(nn.Module):
-    """:class:`SwitchLinear` with quantized expert weights (``weight``/``scales``/``biases``)."""
+    """:class:`SwitchLinear` with quantized expert weights (``weight``/``scales``/``biases``); the products go
+    through :func:`mlxchat.quantized.gather_quantized_matmul`."""
 
     def __init__(self, weight: mx.array, scales: mx.array, biases: mx.array | None, group_size: int, bits: int,
                  mode: str):
@@ -52,18 +54,8 @@ class QuantizedSwitchLinear(nn.Module):
         return cls(quantized, scales, biases[0] if biases else None, group_size, bits, mode)
 
     def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
-        return mx.gather_qmm(
-            x,
-            self["weight"],
-            self["scales"],
-            self.get("biases"),
-            rhs_indices=indices,
-            transpose=True,
-            group_size=self.group_size,
-            bits=self.bits,
-            mode=self.mode,
-            sorted_indices=sorted_indices,
-        )
+        return gather_quantized_matmul(x, self["weight"], self["scales"], self.get("biases"), indices,
+                                       self.group_size, self.bits, self.mode, sorted_indices)
 
 
 class SwitchGLU(nn.Module):

@@ -117,11 +117,14 @@ def write_reference(folder: Path, model: Any, vocab_size: int, *, variant_of: st
                        f"(torch {torch.__version__})", variant_of)
 
 
-def write_fixture_info(folder: Path, oracle: str, variant_of: str | None = None, kind: str = "text") -> None:
-    """fixture.json: what the reference came from, for a variant of another fixture which one, and the
-    kind of reference ("vision": prompts with images, which :func:`assert_parity` does not read)."""
+def write_fixture_info(folder: Path, oracle: str, variant_of: str | None = None, kind: str = "text",
+                       tolerance: float | None = None, tolerance_note: str | None = None) -> None:
+    """fixture.json: what the reference came from, for a variant of another fixture which one, the kind of
+    reference ("vision": prompts with images, which :func:`assert_parity` does not read), and a tolerance
+    other than the default, with why."""
     info = {"oracle": oracle, **({"variant_of": variant_of} if variant_of else {}),
-            **({"kind": kind} if kind != "text" else {})}
+            **({"kind": kind} if kind != "text" else {}),
+            **({"tolerance": tolerance, "tolerance_note": tolerance_note} if tolerance is not None else {})}
     (folder / "fixture.json").write_text(json.dumps(info, indent=1) + "\n")
 
 

@@ -28,7 +28,7 @@ from ..generation import decode_tokens
 from ..model import GenerativeModel
 from ..prompt_cache import PromptCache
 from ..sampling import make_sampler
-from .fixtures import load_fixture
+from .fixtures import fixture_info, load_fixture
 
 TOLERANCE = 1e-4
 """Max abs logit error accepted in float32 (logits of a few units: a wrong layer shows far above it)."""
@@ -100,12 +100,15 @@ def assert_parity(
     folder: str | os.PathLike[str],
     *,
     model: GenerativeModel | None = None,
-    tolerance: float = TOLERANCE,
+    tolerance: float | None = None,
     chunkings: Sequence[Sequence[int]] = CHUNKINGS,
 ) -> None:
     """Check the model loaded from ``folder`` (or ``model``) against the reference stored there; raise an
-    ``AssertionError`` listing every check that failed."""
+    ``AssertionError`` listing every check that failed. ``tolerance``: by default the fixture's own
+    (``fixture.json``, say for an oracle that sums in another order), else :data:`TOLERANCE`."""
     folder = Path(folder)
+    if tolerance is None:
+        tolerance = float(fixture_info(folder).get("tolerance", TOLERANCE))
     model = model if model is not None else load_fixture(folder)
     ref = reference(folder)
     ids = ref["input_ids"]

@@ -1,0 +1,123 @@
+"""``python -m benchmarks.kernels``: the matrix kernels under mlxchat on a CPU, one at a time, through MLX.
+
+- **BLAS**: float32 matmuls as MLX issues them (weights stored [out, in], as checkpoints store them), on
+  each OpenBLAS mlxchat can load (``MLXCHAT_BLAS=system`` / ``numpy``): GEMM GFLOP/s at prefill shapes and
+  single-row GB/s of weights read at decode shapes (through the sgemv route).
+- **Quantized**: GB/s of packed weights (with their scales and biases) that the native 4- and 8-bit
+  kernels read at decode shapes, for one row and for a few, and numpy's own float32 sgemv beside them as
+  the bandwidth reference of the moment.
+
+Every library runs in its own process (the BLAS is chosen at import); rounds alternate and the table shows
+medians over rounds of the best of a few calls. Each call evaluates 16 products at once, as a decode step
+evaluates a whole forward: one evaluation alone costs tens of microseconds of scheduling, which would hide
+the kernels. A shared machine distorts all of it: compare rows taken in one run only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+GEMM_SHAPES = [(512, 3072, 1024), (512, 1024, 3072), (2048, 2048, 2048)]
+"""(rows of x, outputs, inputs): a prefill chunk through Qwen3-0.6B's up and down projections, and a square."""
+GEMV_SHAPES = [(3072, 1024), (1024, 3072), (151936, 1024), (16384, 4096)]
+"""(outputs, inputs): Qwen3-0.6B's up, down and lm_head; a 256 MiB matrix (float32) that no cache holds."""
+QUANT_ROWS = (1, 4)
+PER_EVAL = 16
+
+
+def _best(run: Any, repeats: int = 5) -> float:
+    run()
+    return min(_timed(run) for _ in range(repeats))
+
+
+def _timed(run: Any) -> float:
+    start = time.perf_counter()
+    run()
+    return time.perf_counter() - start
+
+
+def measure_blas() -> dict[str, Any]:
+    import mlxchat  # noqa: I001  (before mlx.core: it puts the BLAS under MLX)
+    import mlx.core as mx
+
+    out: dict[str, Any] = {"library": mlxchat.runtime_info()["blas"]}
+    for m, n, k in GEMM_SHAPES:
+        x, w = mx.random.normal((m, k)), mx.random.normal((n, k))
+        mx.eval(x, w)
+        out[f"gemm {m}x{n}x{k}"] = 2 * m * n * k / _best(lambda x=x, w=w: mx.eval(x @ w.T)) / 1e9
+    for n, k in GEMV_SHAPES:
+        xs, w = [mx.random.normal((1, k)) for _ in range(PER_EVAL)], mx.random.normal((n, k))
+        mx.eval(xs, w)
+        out[f"gemv {n}x{k}"] = PER_EVAL * w.nbytes / _best(lambda xs=xs, w=w: mx.eval([x @ w.T for x in xs]), 5) / 1e9
+    return out
+
+
+def measure_quantized() -> dict[str, Any]:
+    import mlxchat.quantized as mq  # noqa: I001  (before mlx.core: mlxchat puts the BLAS under MLX)
+    import mlx.core as mx
+    import numpy as np
+
+    native, why = mq._native()
+    out: dict[str, Any] = {"kernels": why or f"{native.isa()}, {native.threads()} threads"}
+    for n, k in GEMV_SHAPES:
+        w = mx.random.normal((n, k))
+        for bits in (4, 8):
+            packed, scales, biases = mx.quantize(w, 64, bits)
+            mx.eval(packed, scales, biases)
+            size = packed.nbytes + scales.nbytes + biases.nbytes
+            for rows in QUANT_ROWS:
+                xs = [mx.random.normal((rows, k)) for _ in range(PER_EVAL)]
+                mx.eval(xs)
+
+                def run(xs: list[mx.array] = xs, p: mx.array = packed, s: mx.array = scales, b: mx.array = biases,
+                        bits: int = bits) -> None:
+                    mx.eval([mq.quantized_matmul(x, p, s, b, 64, bits) for x in xs])
+
+                out[f"{bits}-bit x{rows} {n}x{k}"] = PER_EVAL * size / _best(run, 5) / 1e9
+        matrix = np.asarray(w)
+        vector = np.ones(k, dtype=np.float32)
+        out[f"numpy sgemv {n}x{k}"] = matrix.nbytes / _best(lambda m=matrix, v=vector: m @ v, 10) / 1e9
+    return out
+
+
+def _child(kind: str, blas: str) -> dict[str, Any]:
+    env = {**__import__("os").environ, "MLXCHAT_BLAS": blas}
+    done = subprocess.run([sys.executable, "-m", "benchmarks.kernels", "--child", kind], env=env, check=True,
+                          capture_output=True, text=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.kernels", description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=3, help="rounds, engines alternating (default 3)")
+    parser.add_argument("--only", choices=["blas", "quantized"], help="one of the two tables")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        print(json.dumps(measure_blas() if args.child == "blas" else measure_quantized()))
+        return
+    jobs = [("blas", "system"), ("blas", "numpy")] if args.only != "quantized" else []
+    jobs += [("quantized", "")] if args.only != "blas" else []
+    rounds: dict[tuple[str, str], list[dict[str, Any]]] = {job: [] for job in jobs}
+    for index in range(args.rounds):
+        for job in jobs if index % 2 == 0 else jobs[::-1]:
+            rounds[job].append(_child(*job))
+            print(f"round {index + 1}: {job[0]} {job[1]} done", file=sys.stderr, flush=True)
+    for (kind, _), results in rounds.items():
+        title = results[0]["library"] if kind == "blas" else f"native quantized kernels ({results[0]['kernels']})"
+        unit = "GFLOP/s (gemm), GB/s of weights (gemv)" if kind == "blas" else "GB/s of packed weights"
+        print(f"\n{title}: medians of {len(results)} rounds, {unit}")
+        for key in results[0]:
+            if key in ("library", "kernels"):
+                continue
+            print(f"  {key:<28} {statistics.median(r[key] for r in results):8.1f}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,607 @@
+/*
+ * mlxchat._quantized: MLX primitives for affine-quantized matmuls on the CPU (see mlxchat.quantized).
+ *
+ * MLX's own CPU kernel for quantized_matmul runs on one thread and reads packed weights at 1-2 GB/s, so a
+ * quantized checkpoint decodes slower than float32 there. These primitives compute the same product with
+ * SIMD kernels (qmatmul_kernels.h) split over all cores: for a few rows of x (decode, small batches) the
+ * packed weights are read once, at close to memory bandwidth; for many rows (prefill) each block of weight
+ * rows is dequantized to float32 and handed to the process's cblas_sgemm (OpenBLAS when mlxchat loaded it).
+ *
+ * They are ordinary nodes of MLX's lazy graph (evaluated on the CPU stream, usable under mx.compile, with a
+ * gradient for x), built only on Linux and used by mlxchat only on the CPU device; everything else stays
+ * on MLX's own ops.
+ */
+#include <dlfcn.h>
+#include <sched.h>
+
+#include <atomic>
+#include <chrono>
+#include <mutex>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/mlx.h"
+#include "mlx/primitives.h"
+#include "mlx/version.h"
+#include "qmatmul_kernels.h"
+
+namespace nb = nanobind;
+namespace mx = mlx::core;
+using mlxchat_q::Isa;
+using mlxchat_q::Panel;
+
+namespace {
+
+// -- settings -----------------------------------------------------------------------------------------
+
+Isa best_isa() {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("avx512dq"))
+    return Isa::avx512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::avx2;
+#endif
+  return Isa::scalar;
+}
+
+const Isa detected_isa = best_isa();
+std::atomic<Isa> active_isa{detected_isa};
+
+/* Up to this many rows of x share one pass over the packed weights; more go through sgemm (measured
+ * crossover on a 2-core AVX-512 machine: between 48 and 64 rows at 4 bits). */
+std::atomic<int> small_rows{48};
+
+const char* isa_name(Isa isa) {
+  return isa == Isa::avx512 ? "avx512" : isa == Isa::avx2 ? "avx2" : "scalar";
+}
+
+int env_int(const char* name, int fallback) {
+  const char* value = std::getenv(name);
+  return value && *value ? std::atoi(value) : fallback;
+}
+
+// -- a small thread pool --------------------------------------------------------------------------------
+
+/*
+ * Runs task(0..n-1) on the calling thread and (threads - 1) workers. A job is claimed task by task with a
+ * compare-and-swap on one word holding (job number, next task), so a worker that wakes late can never run
+ * a task of a job it did not read; jobs alternate between two slots for the same reason. Workers spin a
+ * short while after a job (decode issues one every few tens of microseconds; MLXCHAT_QUANT_SPIN_US), then
+ * sleep on a futex.
+ */
+class Pool {
+ public:
+  using Task = void (*)(const void* ctx, int index);
+
+  explicit Pool(int threads) {
+    for (int i = 1; i < threads; ++i) workers_.emplace_back([this] { work(); });
+  }
+
+  ~Pool() {
+    stop_.store(true);
+    posted_.fetch_add(1, std::memory_order_release);
+    posted_.notify_all();
+    for (auto& t : workers_) t.join();
+  }
+
+  int threads() const {
+    return int(workers_.size()) + 1;
+  }
+
+  /* `linger`: whether workers spin for the next job afterwards (not when the caller runs sgemm next, whose
+   * own threads need the cores). */
+  void run(int tasks, Task task, const void* ctx, bool linger = true) {
+    // one job at a time: a second CPU stream that finds the pool busy runs its tasks itself
+    std::unique_lock<std::mutex> lock(busy_, std::try_to_lock);
+    if (workers_.empty() || tasks <= 1 || !lock.owns_lock()) {
+      for (int i = 0; i < tasks; ++i) task(ctx, i);
+      return;
+    }
+    const uint32_t job = ++job_;
+    Slot& slot = slots_[job & 1];
+    slot.task.store(task, std::memory_order_relaxed);
+    slot.ctx.store(ctx, std::memory_order_relaxed);
+    slot.tasks.store(tasks, std::memory_order_relaxed);
+    slot.done.store(0, std::memory_order_relaxed);
+    linger_.store(linger, std::memory_order_relaxed);
+    claim_.store(uint64_t(job) << 32, std::memory_order_release);
+    posted_.fetch_add(1, std::memory_order_release);
+    posted_.notify_all();
+    help(job);
+    while (slot.done.load(std::memory_order_acquire) < tasks) pause();
+  }
+
+ private:
+  struct Slot {
+    std::atomic<Task> task{nullptr};
+    std::atomic<const void*> ctx{nullptr};
+    std::atomic<int> tasks{0};
+    std::atomic<int> done{0};
+  };
+
+  static void pause() {
+#if defined(__x86_64__)
+    _mm_pause();
+#endif
+  }
+
+  /* Claims and runs tasks of `job` until none is left (or a newer job was posted). */
+  void help(uint32_t job) {
+    Slot& slot = slots_[job & 1];
+    uint64_t word = claim_.load(std::memory_order_acquire);
+    while (true) {
+      if (uint32_t(word >> 32) != job) return;
+      const Task task = slot.task.load(std::memory_order_relaxed);
+      const void* ctx = slot.ctx.load(std::memory_order_relaxed);
+      const int tasks = slot.tasks.load(std::memory_order_relaxed);
+      const int index = int(word & 0xffffffffu);
+      if (index >= tasks) return;
+      if (claim_.compare_exchange_weak(word, word + 1, std::memory_order_acq_rel)) {
+        task(ctx, index);
+        slot.done.fetch_add(1, std::memory_order_release);
+        word = claim_.load(std::memory_order_acquire);
+      }
+    }
+  }
+
+  void work() {
+    const auto spin = std::chrono::microseconds(env_int("MLXCHAT_QUANT_SPIN_US", 50));
+    uint32_t seen = posted_.load(std::memory_order_acquire);
+    while (true) {
+      uint32_t now = posted_.load(std::memory_order_acquire);
+      const auto patience = linger_.load(std::memory_order_relaxed) ? spin : std::chrono::microseconds(0);
+      const auto until = std::chrono::steady_clock::now() + patience;
+      for (int i = 1; now == seen; ++i) {
+        pause();
+        now = posted_.load(std::memory_order_acquire);
+        if (i % 64 == 0 && std::chrono::steady_clock::now() > until) break;
+      }
+      if (now == seen) {
+        posted_.wait(seen, std::memory_order_acquire);
+        continue;
+      }
+      seen = now;
+      if (stop_.load()) return;
+      help(uint32_t(claim_.load(std::memory_order_acquire) >> 32));
+    }
+  }
+
+  std::vector<std::thread> workers_;
+  Slot slots_[2];
+  std::atomic<uint64_t> claim_{0};
+  std::atomic<uint32_t> posted_{0};
+  std::atomic<bool> stop_{false};
+  std::atomic<bool> linger_{true};
+  std::mutex busy_;
+  uint32_t job_ = 0;  // guarded by busy_
+};
+
+int default_threads() {
+  cpu_set_t set;
+  const int cores = sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : 1;
+  return std::max(1, env_int("MLXCHAT_QUANT_THREADS", cores));
+}
+
+Pool& pool() {
+  static Pool instance(default_threads());
+  return instance;
+}
+
+// -- the BLAS for many rows -----------------------------------------------------------------------------
+
+using sgemm_fn = void (*)(int, int, int, int, int, int, float, const float*, int, const float*, int, float, float*,
+                          int);
+
+int tile_floats() {
+  static const int floats = env_int("MLXCHAT_QUANT_TILE", 1 << 20);
+  return floats;
+}
+
+/* The cblas_sgemm MLX itself resolves to (mlxchat's route or OpenBLAS when loaded globally); may be null. */
+sgemm_fn process_sgemm() {
+  static const sgemm_fn fn = reinterpret_cast<sgemm_fn>(dlsym(RTLD_DEFAULT, "cblas_sgemm"));
+  return fn;
+}
+
+// -- computing one product ------------------------------------------------------------------------------
+
+/* Rows of x that go through one weight matrix (one expert of a gathered product, or the whole of a plain one). */
+struct Segment {
+  int row0, rows;  // rows [row0, row0 + rows) of the ordered x
+  const uint8_t* w;
+  const float* scales;
+  const float* biases;
+};
+
+struct Product {
+  int K, N, G, gs, bits;
+  Isa isa;
+  float* out;
+  std::vector<Segment> segments;
+  std::vector<long> out_at;    // where each ordered row's output starts in out
+  std::vector<float> x, xsum;  // the ordered rows of x, prepared for the ISA's kernels (see prepare_x)
+};
+
+bool goes_to_gemm(const Segment& s) {
+  return process_sgemm() != nullptr && s.rows > small_rows.load();
+}
+
+struct Chunk {
+  int segment, n0, n1;
+};
+
+struct SmallJob {
+  const Product* product;
+  std::vector<Chunk> chunks;
+};
+
+Panel panel_of(const Product& p, const Segment& s);
+
+void run_chunk(const void* ctx, int index) {
+  const auto& job = *static_cast<const SmallJob*>(ctx);
+  const Product& p = *job.product;
+  const Chunk& c = job.chunks[index];
+  mlxchat_q::rows(panel_of(p, p.segments[c.segment]), p.isa, c.n0, c.n1);
+}
+
+Panel panel_of(const Product& p, const Segment& s) {
+  return Panel{p.x.data() + (size_t)s.row0 * p.K, p.xsum.data() + (size_t)s.row0 * p.G, p.out_at.data() + s.row0,
+               s.rows, p.K, p.G, p.gs, p.bits, s.w, s.scales, s.biases, p.out};
+}
+
+struct DequantizeJob {
+  Panel panel;
+  Isa isa;
+  int n0, n1, step;
+  float* tile;
+};
+
+void run_dequantize(const void* ctx, int index) {
+  const auto& job = *static_cast<const DequantizeJob*>(ctx);
+  const int n0 = job.n0 + index * job.step, n1 = std::min(n0 + job.step, job.n1);
+  mlxchat_q::dequantize_rows(job.panel, job.isa, n0, n1, job.tile + (size_t)(n0 - job.n0) * job.panel.K);
+}
+
+/*
+ * Many rows of x: dequantize a tile of weight rows (4 MiB of float32 by default: large enough for sgemm to
+ * run near its peak, small enough to stay in cache; all threads), then sgemm it against the rows of x (the
+ * BLAS's threads). x and the tile share the ISA's order.
+ */
+void gemm_segment(const Product& p, const Segment& s) {
+  const int tile_rows = std::min(p.N, std::max(32, tile_floats() / p.K));
+  std::vector<float> tile((size_t)tile_rows * p.K);
+  bool direct = true;  // the segment's output rows are consecutive (always so for a plain product)
+  for (int r = 1; r < s.rows && direct; ++r) direct = p.out_at[s.row0 + r] == p.out_at[s.row0] + long(r) * p.N;
+  std::vector<float> staged(direct ? 0 : (size_t)s.rows * p.N);
+  float* out = direct ? p.out + p.out_at[s.row0] : staged.data();
+  const Panel panel = panel_of(p, s);
+  const int pieces = 2 * pool().threads();
+  for (int n0 = 0; n0 < p.N; n0 += tile_rows) {
+    const int n1 = std::min(n0 + tile_rows, p.N), step = (n1 - n0 + pieces - 1) / pieces;
+    const DequantizeJob job{panel, p.isa, n0, n1, step, tile.data()};
+    pool().run((n1 - n0 + step - 1) / step, run_dequantize, &job, false);
+    process_sgemm()(101, 111, 112, s.rows, n1 - n0, p.K, 1.0f, panel.x, p.K, tile.data(), p.K, 0.0f, out + n0, p.N);
+  }
+  if (!direct)
+    for (int r = 0; r < s.rows; ++r)
+      std::memcpy(p.out + p.out_at[s.row0 + r], staged.data() + (size_t)r * p.N, sizeof(float) * p.N);
+}
+
+/* Copies any float32 array into contiguous row-major order. */
+void copy_contiguous(const mx::array& a, float* out) {
+  const float* src = a.data<float>();
+  std::vector<int> index(a.ndim(), 0);
+  for (size_t i = 0; i < a.size(); ++i) {
+    int64_t offset = 0;
+    for (size_t d = 0; d < a.ndim(); ++d) offset += int64_t(index[d]) * a.strides()[d];
+    out[i] = src[offset];
+    for (int d = int(a.ndim()) - 1; d >= 0; --d) {
+      if (++index[d] < a.shape(d)) break;
+      index[d] = 0;
+    }
+  }
+}
+
+/*
+ * Computes the product over the ordered rows: ordered row i is row source[i] of x (x's last dimension being
+ * K) and its output goes to row target[i] of out; the segments say which weights each run of ordered rows uses.
+ */
+void compute(Product& p, const mx::array& x, const std::vector<int>& source, const std::vector<int>& target) {
+  const int count = int(source.size());
+  std::vector<float> copy;
+  const float* data = x.data<float>();
+  if (!x.flags().row_contiguous) {
+    copy.resize(x.size());
+    copy_contiguous(x, copy.data());
+    data = copy.data();
+  }
+  std::vector<const float*> rows(count);
+  p.out_at.resize(count);
+  for (int i = 0; i < count; ++i) {
+    rows[i] = data + (size_t)source[i] * p.K;
+    p.out_at[i] = long(target[i]) * p.N;
+  }
+  p.x.resize((size_t)count * p.K);
+  p.xsum.resize((size_t)count * p.G);
+  mlxchat_q::prepare_x(rows.data(), count, p.K, p.gs, p.bits, p.isa, p.x.data(), p.xsum.data());
+
+  SmallJob job{&p, {}};
+  const int threads = pool().threads();
+  const bool small_weight = (size_t)p.N * p.K * p.bits / 8 < (1u << 16);  // not worth waking other threads
+  for (int i = 0; i < int(p.segments.size()); ++i) {
+    if (goes_to_gemm(p.segments[i])) continue;
+    const int pieces = small_weight ? 1 : std::min(4 * threads, std::max(1, p.N / 16));
+    const int step = ((p.N + pieces - 1) / pieces + 3) / 4 * 4;  // whole tiles of 4 weight rows
+    for (int n0 = 0; n0 < p.N; n0 += step) job.chunks.push_back({i, n0, std::min(n0 + step, p.N)});
+  }
+  if (!job.chunks.empty()) pool().run(int(job.chunks.size()), run_chunk, &job);
+  for (const Segment& s : p.segments)
+    if (goes_to_gemm(s)) gemm_segment(p, s);
+}
+
+Product product_for(const mx::array& x, int n, int gs, int bits, mx::array& out) {
+  Product p;
+  p.K = x.shape(-1);
+  p.N = n;
+  p.gs = gs;
+  p.bits = bits;
+  p.G = p.K / gs;
+  p.isa = active_isa.load();
+  p.out = out.data<float>();
+  return p;
+}
+
+class QuantizedMatmul : public mx::UnaryPrimitive {
+ public:
+  QuantizedMatmul(mx::Stream stream, int group_size, int bits)
+      : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (const auto& a : inputs) encoder.set_input_array(a);
+    encoder.set_output_array(out);
+    encoder.dispatch([x = mx::array::unsafe_weak_copy(inputs[0]), w = mx::array::unsafe_weak_copy(inputs[1]),
+                      scales = mx::array::unsafe_weak_copy(inputs[2]), biases = mx::array::unsafe_weak_copy(inputs[3]),
+                      out = mx::array::unsafe_weak_copy(out), gs = group_size_, bits = bits_]() mutable {
+      Product p = product_for(x, w.shape(0), gs, bits, out);
+      const int rows = int(x.size() / p.K);
+      std::vector<int> order(rows);
+      for (int i = 0; i < rows; ++i) order[i] = i;
+      p.segments.push_back({0, rows, w.data<uint8_t>(), scales.data<float>(), biases.data<float>()});
+      compute(p, x, order, order);
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("mlxchat's quantized matmul runs on the CPU only; use mx.quantized_matmul on a GPU");
+  }
+
+  std::vector<mx::array> vjp(const std::vector<mx::array>& primals, const std::vector<mx::array>& cotangents,
+                             const std::vector<int>& argnums, const std::vector<mx::array>&) override {
+    std::vector<mx::array> grads;
+    for (int arg : argnums) {
+      if (arg != 0) throw std::invalid_argument("mlxchat quantized matmul: only x has a gradient");
+      grads.push_back(mx::quantized_matmul(cotangents[0], primals[1], primals[2], primals[3], false, group_size_,
+                                           bits_, "affine", stream()));
+    }
+    return grads;
+  }
+
+  const char* name() const override {
+    return "MlxchatQuantizedMatmul";
+  }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const QuantizedMatmul&>(other);
+    return group_size_ == o.group_size_ && bits_ == o.bits_;
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    auto shape = inputs[0].shape();
+    shape.back() = inputs[1].shape(0);
+    return {shape};
+  }
+
+ private:
+  int group_size_, bits_;
+};
+
+/* Offset of the i-th element (row-major order) of a possibly strided array. */
+int64_t element_offset(const mx::array& a, int64_t i) {
+  if (a.flags().row_contiguous) return i;
+  int64_t offset = 0;
+  for (int d = int(a.ndim()) - 1; d >= 0; --d) {
+    offset += (i % a.shape(d)) * a.strides()[d];
+    i /= a.shape(d);
+  }
+  return offset;
+}
+
+/* The element of an array of shape `from` (broadcast against `to`, right-aligned) that element t of `to` reads. */
+int64_t broadcast_index(int64_t t, const mx::Shape& to, const mx::Shape& from) {
+  int64_t index = 0, stride = 1;
+  for (int d = int(to.size()) - 1, f = int(from.size()) - 1; d >= 0; --d, --f) {
+    const int64_t coordinate = t % to[d];
+    t /= to[d];
+    if (f >= 0) {
+      if (from[f] != 1) index += coordinate * stride;
+      stride *= from[f];
+    }
+  }
+  return index;
+}
+
+int64_t index_at(const mx::array& indices, int64_t i) {
+  const int64_t at = element_offset(indices, i);
+  return indices.dtype() == mx::uint32 ? int64_t(indices.data<uint32_t>()[at]) : int64_t(indices.data<int32_t>()[at]);
+}
+
+/* x [..., M, K] against indices [...] and w [E, N, K']: [broadcast(x's batch, indices), M, N]. */
+mx::Shape gathered_shape(const mx::array& x, const mx::array& w, const mx::array& indices) {
+  auto shape = mx::broadcast_shapes(mx::Shape(x.shape().begin(), x.shape().end() - 2), indices.shape());
+  shape.push_back(x.shape(-2));
+  shape.push_back(w.shape(1));
+  return shape;
+}
+
+class GatherQuantizedMatmul : public mx::UnaryPrimitive {
+ public:
+  GatherQuantizedMatmul(mx::Stream stream, int group_size, int bits)
+      : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (const auto& a : inputs) encoder.set_input_array(a);
+    encoder.set_output_array(out);
+    encoder.dispatch([x = mx::array::unsafe_weak_copy(inputs[0]), w = mx::array::unsafe_weak_copy(inputs[1]),
+                      scales = mx::array::unsafe_weak_copy(inputs[2]), biases = mx::array::unsafe_weak_copy(inputs[3]),
+                      indices = mx::array::unsafe_weak_copy(inputs[4]), out = mx::array::unsafe_weak_copy(out),
+                      gs = group_size_, bits = bits_]() mutable {
+      Product p = product_for(x, w.shape(1), gs, bits, out);
+      const int experts = w.shape(0), per_index = x.shape(-2);
+      // out's batch shape is x's batch shape broadcast with indices' shape (see output_shapes)
+      const mx::Shape batch(out.shape().begin(), out.shape().end() - 2);
+      const mx::Shape x_batch(x.shape().begin(), x.shape().end() - 2);
+      const int64_t count = int64_t(out.size() / ((size_t)per_index * p.N));
+      std::vector<int> expert(count), x_row(count);
+      for (int64_t t = 0; t < count; ++t) {
+        const int64_t e = index_at(indices, broadcast_index(t, batch, indices.shape()));
+        expert[t] = e >= 0 && e < experts ? int(e) : experts;  // out of range: zeros, below
+        x_row[t] = int(broadcast_index(t, batch, x_batch));
+      }
+      // order rows by expert (a counting sort; invalid indices last), so each expert's weights are read once
+      std::vector<int> start(experts + 2, 0);
+      for (int e : expert) start[e + 1] += per_index;
+      for (int e = 0; e <= experts; ++e) start[e + 1] += start[e];
+      std::vector<int> source(start[experts + 1]), target(source.size()), fill(start.begin(), start.end() - 1);
+      for (int64_t t = 0; t < count; ++t)
+        for (int m = 0; m < per_index; ++m) {
+          const int at = fill[expert[t]]++;
+          source[at] = x_row[t] * per_index + m;
+          target[at] = int(t) * per_index + m;
+        }
+      const size_t w_stride = (size_t)p.N * p.K * bits / 8, s_stride = (size_t)p.N * p.G;
+      for (int e = 0; e < experts; ++e)
+        if (start[e + 1] > start[e])
+          p.segments.push_back({start[e], start[e + 1] - start[e], w.data<uint8_t>() + e * w_stride,
+                                scales.data<float>() + e * s_stride, biases.data<float>() + e * s_stride});
+      compute(p, x, source, target);
+      for (int i = start[experts]; i < start[experts + 1]; ++i)
+        std::fill(p.out + p.out_at[i], p.out + p.out_at[i] + p.N, 0.0f);
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("mlxchat's gathered quantized matmul runs on the CPU only; use mx.gather_qmm on a GPU");
+  }
+
+  const char* name() const override {
+    return "MlxchatGatherQuantizedMatmul";
+  }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const GatherQuantizedMatmul&>(other);
+    return group_size_ == o.group_size_ && bits_ == o.bits_;
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {gathered_shape(inputs[0], inputs[1], inputs[4])};
+  }
+
+ private:
+  int group_size_, bits_;
+};
+
+// -- the operations -------------------------------------------------------------------------------------
+
+void check_common(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
+                  int group_size, int bits) {
+  if (bits != 4 && bits != 8) throw std::invalid_argument("bits must be 4 or 8");
+  if (group_size != 32 && group_size != 64 && group_size != 128)
+    throw std::invalid_argument("group_size must be 32, 64 or 128");
+  if (x.dtype() != mx::float32 || scales.dtype() != mx::float32 || biases.dtype() != mx::float32)
+    throw std::invalid_argument("x, scales and biases must be float32");
+  if (w.dtype() != mx::uint32) throw std::invalid_argument("w must be uint32 (packed)");
+  if (x.ndim() < 1) throw std::invalid_argument("x must have at least one dimension");
+  const int K = x.shape(-1);
+  if (K % group_size != 0 || int64_t(w.shape(-1)) * 32 != int64_t(K) * bits)
+    throw std::invalid_argument("x's last dimension does not match the packed weight");
+  if (scales.shape() != biases.shape() || scales.ndim() != w.ndim() || scales.shape(-1) != K / group_size ||
+      scales.shape(-2) != w.shape(-2))
+    throw std::invalid_argument("scales and biases do not match the packed weight");
+}
+
+mx::Stream cpu_stream() {
+  return mx::default_stream(mx::Device::cpu);
+}
+
+/* The kernels read weights, scales and biases in place: an evaluated contiguous array (a model's parameter)
+ * as it is, anything else through MLX's contiguous (a no-op at evaluation when it already is). */
+mx::array row_contiguous(const mx::array& a) {
+  return a.is_available() && a.flags().row_contiguous ? a : mx::contiguous(a, false, cpu_stream());
+}
+
+mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
+                           int group_size, int bits) {
+  if (w.ndim() != 2) throw std::invalid_argument("w must be 2-dimensional");
+  check_common(x, w, scales, biases, group_size, bits);
+  auto shape = x.shape();
+  shape.back() = w.shape(0);
+  return mx::array(shape, mx::float32, std::make_shared<QuantizedMatmul>(cpu_stream(), group_size, bits),
+                   {x, row_contiguous(w), row_contiguous(scales), row_contiguous(biases)});
+}
+
+/* x [..., M, K] times expert indices[...] of w [E, N, K*bits/32]: out [..., M, N] (batch shapes broadcast). */
+mx::array gather_quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales,
+                                  const mx::array& biases, const mx::array& indices, int group_size, int bits) {
+  if (w.ndim() != 3) throw std::invalid_argument("w must be 3-dimensional [experts, out, in]");
+  if (x.ndim() < 2) throw std::invalid_argument("x must have at least two dimensions");
+  if (indices.dtype() != mx::uint32 && indices.dtype() != mx::int32)
+    throw std::invalid_argument("indices must be int32 or uint32");
+  check_common(x, w, scales, biases, group_size, bits);
+  return mx::array(gathered_shape(x, w, indices), mx::float32,
+                   std::make_shared<GatherQuantizedMatmul>(cpu_stream(), group_size, bits),
+                   {x, row_contiguous(w), row_contiguous(scales), row_contiguous(biases), indices});
+}
+
+}  // namespace
+
+NB_MODULE(_quantized, m) {
+  m.doc() = "Affine-quantized matmuls on the CPU as MLX primitives (see mlxchat.quantized).";
+  m.def("quantized_matmul", &quantized_matmul, nb::arg("x"), nb::arg("w"), nb::arg("scales"), nb::arg("biases"),
+        nb::arg("group_size"), nb::arg("bits"),
+        "x @ dequantize(w, scales, biases).T for float32 x on the CPU stream.");
+  m.def("gather_quantized_matmul", &gather_quantized_matmul, nb::arg("x"), nb::arg("w"), nb::arg("scales"),
+        nb::arg("biases"), nb::arg("indices"), nb::arg("group_size"), nb::arg("bits"),
+        "x @ dequantize(w[indices]).T, one expert per index (mx.gather_qmm with rhs_indices, transpose=True).");
+  m.def("mlx_version", [] {
+    return std::to_string(MLX_VERSION_MAJOR) + "." + std::to_string(MLX_VERSION_MINOR) + "." +
+           std::to_string(MLX_VERSION_PATCH);
+  });
+  m.def("isa", [] { return std::string(isa_name(active_isa.load())); });
+  m.def("detected_isa", [] { return std::string(isa_name(detected_isa)); });
+  m.def("set_isa", [](const std::string& name) {
+    const Isa wanted = name == "avx512" ? Isa::avx512 : name == "avx2" ? Isa::avx2 : name == "scalar" ? Isa::scalar
+                                                                                                     : Isa(-1);
+    if (int(wanted) < 0 || int(wanted) > int(detected_isa))
+      throw std::invalid_argument("ISA not available here: " + name + " (best: " + isa_name(detected_isa) + ")");
+    active_isa.store(wanted);
+  });
+  m.def("threads", [] { return pool().threads(); });
+  m.def("has_sgemm", [] { return process_sgemm() != nullptr; });
+  m.def("small_rows", [] { return small_rows.load(); });
+  m.def("set_small_rows", [](int rows) { small_rows.store(std::max(1, rows)); });
+}

@@ -1,0 +1,100 @@
+"""Quantized matmuls: mlxchat's native CPU kernels where they apply, MLX's own ops everywhere else.
+
+MLX's CPU kernel for ``quantized_matmul`` runs on one thread and reads packed weights at 1-2 GB/s, so on a
+Linux CPU an MLX-quantized checkpoint would decode slower than float32. ``mlxchat._quantized`` (built by
+setup.py against MLX's headers; C++ in ``core/native``) adds the same products as MLX primitives: nodes of
+the lazy graph like any other (they work under ``mx.compile`` and give ``x`` a gradient) whose CPU kernels
+use every core and read 4- and 8-bit weights near memory bandwidth. They are used when all of these hold,
+and MLX's ``quantized_matmul`` / ``gather_qmm`` otherwise (on a GPU always):
+
+- the extension was built, for the MLX version that runs (its C++ interface is not stable across versions);
+- the default device is the CPU;
+- affine mode, 4 or 8 bits, group size 32, 64 or 128 (MLX's own choices);
+- float32 activations, scales and biases (mlxchat computes in float32 on a CPU by default).
+
+``MLXCHAT_QUANT=off`` keeps MLX's kernels. Results equal MLX's up to the order of float32 additions.
+Tuning (rarely needed): ``MLXCHAT_QUANT_THREADS`` (default: the cores this process may use),
+``MLXCHAT_QUANT_SPIN_US`` (how long idle workers spin before sleeping, default 50: longer helps a quiet
+machine a little and hurts a shared one a lot) and
+``MLXCHAT_QUANT_TILE`` (float32 values dequantized per sgemm call for many rows, default 2**20).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from functools import cache
+from types import ModuleType
+from typing import Any
+
+import mlx.core as mx
+
+_BITS = (4, 8)
+_GROUP_SIZES = (32, 64, 128)
+
+
+@cache
+def _native() -> tuple[ModuleType | None, str]:
+    """The extension module, or None and why it is not used."""
+    if os.environ.get("MLXCHAT_QUANT", "").lower() in ("off", "0"):
+        return None, "MLXCHAT_QUANT=off"
+    try:
+        module = importlib.import_module("mlxchat._quantized")
+    except ImportError as exc:
+        return None, f"native kernels not built ({exc})"
+    running = ".".join(mx.__version__.split(".")[:3])  # type: ignore[attr-defined]
+    built = module.mlx_version()
+    if built != running:
+        return None, (f"native kernels built for MLX {built}, running {running} "
+                      "(pip install --no-build-isolation -e . rebuilds them against it)")
+    try:  # builds a graph node only: proves that mx.array crosses into the extension
+        module.quantized_matmul(mx.zeros((1, 32)), mx.zeros((1, 4), mx.uint32), mx.zeros((1, 1)), mx.zeros((1, 1)),
+                                32, 4)
+    except TypeError as exc:
+        return None, f"native kernels do not accept this MLX's arrays ({exc})"
+    return module, ""
+
+
+def _applies(x: mx.array, scales: mx.array, biases: mx.array | None, group_size: int, bits: int,
+             mode: str) -> ModuleType | None:
+    module = _native()[0]
+    if (
+        module is None
+        or biases is None
+        or mode != "affine"
+        or bits not in _BITS
+        or group_size not in _GROUP_SIZES
+        or not x.dtype == scales.dtype == biases.dtype == mx.float32
+        or mx.default_device().type != mx.DeviceType.cpu
+    ):
+        return None
+    return module
+
+
+def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None, group_size: int,
+                     bits: int, mode: str = "affine") -> mx.array:
+    """``x @ dequantize(w).T``: ``mx.quantized_matmul(..., transpose=True)``."""
+    module = _applies(x, scales, biases, group_size, bits, mode)
+    if module is not None:
+        return module.quantized_matmul(x, w, scales, biases, group_size, bits)  # type: ignore[no-any-return]
+    return mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size, bits=bits, mode=mode)
+
+
+def gather_quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None,
+                            indices: mx.array, group_size: int, bits: int, mode: str = "affine",
+                            sorted_indices: bool = False) -> mx.array:
+    """``x @ dequantize(w[indices]).T`` per expert index: ``mx.gather_qmm(..., rhs_indices=indices,
+    transpose=True)`` (the native kernel groups rows by expert itself, sorted or not)."""
+    module = _applies(x, scales, biases, group_size, bits, mode)
+    if module is not None:
+        return module.gather_quantized_matmul(x, w, scales, biases, indices, group_size, bits)  # type: ignore[no-any-return]
+    return mx.gather_qmm(x, w, scales, biases, rhs_indices=indices, transpose=True, group_size=group_size, bits=bits,
+                         mode=mode, sorted_indices=sorted_indices)
+
+
+def kernel_info() -> dict[str, Any]:
+    """What quantized layers run on here (for :func:`mlxchat.runtime_info`)."""
+    module, why = _native()
+    if module is None:
+        return {"quantized_kernels": f"MLX's own ({why})"}
+    return {"quantized_kernels": f"mlxchat native ({module.isa()}, {module.threads()} threads)"}

@@ -1,0 +1,88 @@
+"""MLX's float32 matmuls are right on every OpenBLAS mlxchat can put under it (the system's, with 32-bit
+integers, and the one in numpy's wheel, with 64-bit integers and affixed symbols), through both ways of the
+route: single-row (and single-column) products to sgemv, everything else to sgemm.
+
+The BLAS is chosen when mlxchat is imported, so each library is checked in its own process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from mlxchat import runtime
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the BLAS route exists on Linux only")
+
+# Products as MLX issues them: (x rows, outputs, inputs, how the operands are laid out).
+CHECK = r"""
+import json, mlxchat, mlx.core as mx, numpy as np
+state = mlxchat.runtime.configure_blas()
+rng = np.random.default_rng(0)
+cases = {
+    "row x W.T (decode)": lambda: (rng.standard_normal((1, 300)), rng.standard_normal((77, 300)), "t"),
+    "row x W": lambda: (rng.standard_normal((1, 300)), rng.standard_normal((300, 77)), "n"),
+    "strided row x W.T": lambda: (rng.standard_normal((300, 3))[:, 1:2].T, rng.standard_normal((77, 300)), "t"),
+    "W x column": lambda: (rng.standard_normal((77, 300)), rng.standard_normal((300, 1)), "n"),
+    "W.T x column": lambda: (rng.standard_normal((300, 77)).T, rng.standard_normal((300, 1)), "n"),
+    "rows x W.T (prefill)": lambda: (rng.standard_normal((33, 300)), rng.standard_normal((77, 300)), "t"),
+    "rows.T x W": lambda: (rng.standard_normal((300, 33)).T, rng.standard_normal((300, 77)), "n"),
+}
+errors, counts = {}, []
+for name, make in cases.items():
+    a, b, layout = make()
+    before = state.routed_counts()
+    x, w = mx.array(a.astype(np.float32)), mx.array(b.astype(np.float32))
+    out = np.array(x @ (w.T if layout == "t" else w))
+    expected = a @ (b.T if layout == "t" else b)
+    errors[name] = float(np.abs(out - expected).max() / np.abs(expected).max())
+    after = state.routed_counts()
+    counts.append([after[0] - before[0], after[1] - before[1]])
+print(json.dumps({"library": state.library, "gemv_route": state.gemv_route, "errors": errors, "counts": counts}))
+"""
+
+
+def _run(blas: str, gemv: str = "1") -> dict[str, object]:
+    env = {**os.environ, "MLXCHAT_BLAS": blas, "MLXCHAT_GEMV": gemv}
+    done = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+LIBRARIES = [
+    pytest.param("system", marks=pytest.mark.skipif(runtime._system_openblas() is None, reason="no system OpenBLAS")),
+    pytest.param("numpy", marks=pytest.mark.skipif(runtime._numpy_openblas() is None, reason="numpy has no OpenBLAS")),
+]
+
+
+@pytest.mark.parametrize("blas", LIBRARIES)
+def test_products_are_right_through_sgemv_and_sgemm(blas: str) -> None:
+    result = _run(blas)
+    assert "OpenBLAS" in str(result["library"]) and result["gemv_route"]
+    assert ("system" in str(result["library"])) == (blas == "system")
+    for name, error in result["errors"].items():  # type: ignore[attr-defined]
+        assert error < 1e-5, f"{name}: relative error {error:.1e}"
+    # single rows and columns went to sgemv, the rest to sgemm
+    assert result["counts"] == [[1, 0]] * 5 + [[0, 1]] * 2
+
+
+@pytest.mark.parametrize("blas", LIBRARIES)
+def test_without_the_gemv_route_everything_is_sgemm_and_still_right(blas: str) -> None:
+    result = _run(blas, gemv="0")
+    assert not result["gemv_route"]
+    assert all(error < 1e-5 for error in result["errors"].values())  # type: ignore[attr-defined]
+    if blas == "numpy":  # reachable only through the route, which now sends everything to sgemm
+        assert result["counts"] == [[0, 1]] * 7
+
+
+def test_the_default_is_the_system_openblas_else_numpys(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MLXCHAT_BLAS", raising=False)
+    system, bundled = runtime._system_openblas(), runtime._numpy_openblas()
+    expected = [(system, "system")] if system else []
+    expected += [(bundled, "numpy's wheel")] if bundled else []
+    assert runtime._candidates() == expected
+    monkeypatch.setenv("MLXCHAT_BLAS", "numpy")
+    assert runtime._candidates() == (expected[-1:] if bundled else [])
