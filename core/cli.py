@@ -92,11 +92,14 @@ def build_parser() -> argparse.ArgumentParser:
                                                "--raw) and print the generation report on stderr.")
     generate.add_argument("prompt", help="the prompt ('-' reads standard input)")
     generate.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    generate.add_argument("--image", action="append", default=[], metavar="PATH",
+                          help="an image to show the model with the prompt (repeatable; vision models)")
     _sampling_args(generate)
 
     chat = commands.add_parser("chat", help="an interactive chat session", formatter_class=_Formatter,
-                               description="Chat interactively. Commands: /reset, /system TEXT, /save FILE, "
-                                           "/help, /quit. Ctrl-C stops a reply (and keeps it), Ctrl-D quits.")
+                               description="Chat interactively. Commands: /image PATH, /reset, /system TEXT, "
+                                           "/save FILE, /help, /quit. Ctrl-C stops a reply (and keeps it), "
+                                           "Ctrl-D quits.")
     _sampling_args(chat)
 
     serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP API (needs mlxchat[server])",
@@ -122,6 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seconds a connection may take to send a request's headers")
     serve.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
                        help="a browser origin allowed to call the API (repeatable; default: none)")
+    serve.add_argument("--allow-remote-images", action="store_true",
+                       help="fetch http(s) image URLs in requests (default: only data: URLs)")
 
     info = commands.add_parser("info", help="MLX version, device, BLAS and registered plugins",
                                formatter_class=_Formatter)
@@ -181,7 +186,7 @@ def _serve(args: argparse.Namespace) -> int:
     values = {"model_name": args.name, "api_key": args.api_key or None, "caches": args.caches,
               "max_cache_gb": args.max_cache_gb, "max_body_mb": args.max_body_mb, "max_queue": args.max_queue,
               "max_connections": args.max_connections, "header_timeout": args.header_timeout,
-              "cors_origins": args.cors_origin}
+              "cors_origins": args.cors_origin, "allow_remote_images": args.allow_remote_images}
     try:
         settings = ServerSettings.model_validate(values)
     except ValidationError as exc:
@@ -347,6 +352,8 @@ def _generate(args: argparse.Namespace, config: GenerationConfig, tools: list[An
     try:
         model = _load(args)
         prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+        if args.image and (args.raw or model.chat_template is None):
+            raise UsageError("--image needs the chat template (drop --raw)")
         if args.raw or model.chat_template is None:
             report = None
             for chunk in model.stream(prompt, config):
@@ -356,7 +363,7 @@ def _generate(args: argparse.Namespace, config: GenerationConfig, tools: list[An
             sys.stdout.write("\n")
         else:
             session = model.chat_session(system=args.system, default_config=config, tools=tools or None)
-            result = _turn(session, printer, session.send_stream(prompt), tools)
+            result = _turn(session, printer, session.send_stream(prompt, images=args.image), tools)
             report = result.report if result else None
     except KeyboardInterrupt:
         printer.reset_style()
@@ -371,6 +378,7 @@ def _chat(args: argparse.Namespace, config: GenerationConfig, tools: list[Any]) 
     session = model.chat_session(system=args.system, default_config=config, tools=tools or None)
     printer = Printer(sys.stdout, sys.stderr, args.thinking)
     interactive = sys.stdin.isatty()
+    images: list[str] = []
     if interactive:
         print(dim(f"chatting with {model.path}; /help for commands, Ctrl-D to quit", sys.stderr), file=sys.stderr)
     while True:
@@ -386,15 +394,17 @@ def _chat(args: argparse.Namespace, config: GenerationConfig, tools: list[Any]) 
         if not line.strip():
             continue
         if line.startswith("/"):
-            if _command(session, line.strip()):
+            if _command(session, line.strip(), images):
                 return 0
             continue
-        stream = session.send_stream(line)
+        stream = None
         try:
+            stream = session.send_stream(line, images=images)
+            images.clear()
             result = _turn(session, printer, stream, tools)
         except KeyboardInterrupt:
             printer.reset_style()
-            result = stream.result
+            result = stream.result if stream is not None else None
         except MlxchatError as exc:
             print(f"mlxchat: {exc}", file=sys.stderr)
             continue
@@ -402,15 +412,26 @@ def _chat(args: argparse.Namespace, config: GenerationConfig, tools: list[Any]) 
             print(dim(_report_line(result.report), sys.stderr), file=sys.stderr)
 
 
-COMMANDS = ("/reset  clear the conversation\n/system [TEXT]  set (or remove) the system prompt\n"
+COMMANDS = ("/image PATH  show the model an image with the next message\n"
+            "/reset  clear the conversation\n/system [TEXT]  set (or remove) the system prompt\n"
             "/save [FILE]  save the transcript as JSON\n/help  this list\n/quit  leave")
 
 
-def _command(session: Any, line: str) -> bool:
-    """Run a /command; True means quit."""
+def _command(session: Any, line: str, images: list[str]) -> bool:
+    """Run a /command; True means quit. ``/image`` adds to ``images``, which go with the next message."""
     name, _, rest = line.partition(" ")
     if name in ("/quit", "/exit"):
         return True
+    if name == "/image":
+        path = Path(rest.strip()).expanduser()
+        if not rest.strip() or not path.is_file():
+            print(f"mlxchat: /image needs the path of an image file ({rest.strip() or 'none given'})", file=sys.stderr)
+        elif not session.model.supports_images:
+            print("mlxchat: this model reads no images", file=sys.stderr)
+        else:
+            images.append(str(path))
+            print(dim(f"{path.name} goes with your next message", sys.stderr), file=sys.stderr)
+        return False
     if name == "/reset":
         session.reset()
         print(dim("conversation cleared", sys.stderr), file=sys.stderr)

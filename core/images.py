@@ -49,7 +49,7 @@ CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 
-def image_url_source(url: str, *, allow_remote: bool = False) -> bytes | str:
+def image_url_source(url: object, *, allow_remote: bool = False) -> bytes | str:
     """What an OpenAI-style ``image_url`` names: the bytes of a ``data:`` URL, or (only when
     ``allow_remote``) an ``http(s)`` URL for the caller to fetch. Anything else is refused, so a request
     can never make the server read a local file."""
@@ -64,6 +64,29 @@ def image_url_source(url: str, *, allow_remote: bool = False) -> bytes | str:
                              "(or enable remote images explicitly)")
         return url
     raise ImageError(f"unsupported image URL scheme {scheme or '(none)'!r}: use a data: URL")
+
+
+def as_data_url(source: ImageSource) -> str:
+    """The image as a ``data:`` URL, so that a message holding it is self-contained (a file that changes
+    later does not change the conversation) and serialisable: encoded bytes and files keep their bytes, a
+    ``PIL.Image`` is written as PNG (lossless)."""
+    if isinstance(source, str) and source[:5].lower() == "data:":
+        _data_url_bytes(source)  # checked here, not when the turn runs
+        return source
+    if isinstance(source, Image.Image):
+        buffer = io.BytesIO()
+        source.save(buffer, format="PNG")
+        data, kind = buffer.getvalue(), "png"
+    else:
+        if isinstance(source, bytes | bytearray):
+            data = bytes(source)
+        else:
+            try:
+                data = Path(source).read_bytes()
+            except OSError as exc:
+                raise ImageError(f"{source}: cannot read the image file ({exc})") from exc
+        kind = (_open(io.BytesIO(data), "the image").format or "png").lower()
+    return f"data:image/{kind};base64,{base64.b64encode(data).decode('ascii')}"
 
 
 def load_image(source: ImageSource) -> Image.Image:

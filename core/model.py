@@ -16,7 +16,7 @@ from .errors import ContextLengthError, GenerationError, ImageError, InvalidInpu
 from .generation import GenerationChunk, GenerationConfig, GenerationResult, stream_generation
 from .images import ImageProcessor, ImageSource, ProcessedImage
 from .limits import check_text, check_token_ids
-from .multimodal import MultimodalPrompt, VisionModule, encode_images, expand_images, split_image_parts
+from .multimodal import ImageTokens, MultimodalPrompt, VisionModule, encode_images, expand_images, split_image_parts
 from .prompt_cache import DEFAULT_MAX_SNAPSHOTS, PromptCache
 from .tokenizer import Tokenizer
 from .worker import Cancelled, Worker
@@ -237,6 +237,11 @@ class GenerativeModel:
         if not processed:
             return MultimodalPrompt(tuple(ids))
         return expand_images(ids, processed, self._vision().image_tokens)
+
+    @property
+    def image_tokens(self) -> ImageTokens:
+        """How this model's prompts write an image in token ids (models with a vision tower only)."""
+        return self._vision().image_tokens
 
     def _vision(self) -> VisionModule:
         module = self.module

@@ -33,6 +33,7 @@ from pydantic import BaseModel, Field
 
 from .errors import (
     ContextLengthError,
+    ImageError,
     InvalidInputError,
     SessionClosedError,
     SessionStateError,
@@ -40,8 +41,10 @@ from .errors import (
     TemplateError,
 )
 from .generation import GenerationChunk, GenerationConfig, GenerationReport
+from .images import ImageSource, ProcessedImage, as_data_url
 from .limits import check_depth, check_strings, check_text
 from .messages import ChatMessage, FunctionCall, ReplyVersion, ToolCall
+from .multimodal import IMAGE_PART_TYPES, ImageTokens, MultimodalPrompt, expand_images, split_image_parts
 from .prompt_cache import PromptCache, common_prefix_length
 from .reply import ReplyEvent, ReplyParser, TextDelta, ThinkingDelta, ToolCallEvent
 from .tools.context import Ask
@@ -107,6 +110,14 @@ class SessionCapableModel(Protocol):
     @property
     def renders_tool_calls(self) -> bool: ...
 
+    @property
+    def supports_images(self) -> bool: ...
+
+    @property
+    def image_tokens(self) -> ImageTokens: ...
+
+    def process_image(self, image: ImageSource) -> ProcessedImage: ...
+
     def render_prompt(self, messages: Sequence[Any], *, tools: Sequence[Any] | None = None,
                       add_generation_prompt: bool = True, **template_kwargs: Any) -> tuple[str, list[int]]: ...
 
@@ -117,7 +128,7 @@ class SessionCapableModel(Protocol):
 
     def make_prompt_cache(self) -> PromptCache: ...
 
-    def run_generation(self, tokens: Sequence[int], cache: PromptCache, config: GenerationConfig,
+    def run_generation(self, prompt: Sequence[int] | MultimodalPrompt, cache: PromptCache, config: GenerationConfig,
                        cancel: Cancelled, snapshot_at: Sequence[int] = ()) -> Iterator[GenerationChunk]: ...
 
 
@@ -125,7 +136,7 @@ class SessionCapableModel(Protocol):
 class TurnPlan:
     """One turn's prompt and where its prefill takes snapshots (see :meth:`ChatSession._plan`)."""
 
-    prompt: list[int]
+    prompt: list[int] | MultimodalPrompt
     in_reasoning: bool
     """The generation prompt opened a reasoning block: the reply starts inside it."""
     snapshot_at: list[int]
@@ -477,6 +488,7 @@ class ChatSession:
         self._report: GenerationReport | None = None
         self._tool_calls: list[ToolCall] = []
         self._decisions: dict[str, _Decision] = {}
+        self._images: dict[Any, ProcessedImage] = {}
         self._closed = False
         self._busy = False
         self._lock = threading.Lock()
@@ -526,7 +538,7 @@ class ChatSession:
     @property
     def has_images(self) -> bool:
         """Whether any message carries an image."""
-        return any(isinstance(m.content, list) and any(p.get("type") in ("image", "image_url") for p in m.content)
+        return any(isinstance(m.content, list) and any(p.get("type") in IMAGE_PART_TYPES for p in m.content)
                    for m in self._messages)
 
     @property
@@ -547,28 +559,29 @@ class ChatSession:
 
     # -- turns ----------------------------------------------------------------------------------------
 
-    def send(self, content: str, *, config: ConfigArg = None, images: Sequence[bytes] = (),
+    def send(self, content: str, *, config: ConfigArg = None, images: Sequence[ImageSource] = (),
              tools: Sequence[Any] | None = None, auto_tools: bool | None = None,
              max_tool_rounds: int | None = None) -> ChatResult:
         """Append a user turn and reply to it (blocking)."""
         return self.send_stream(content, config=config, images=images, tools=tools, auto_tools=auto_tools,
                                 max_tool_rounds=max_tool_rounds).collect()
 
-    def send_stream(self, content: str, *, config: ConfigArg = None, images: Sequence[bytes] = (),
+    def send_stream(self, content: str, *, config: ConfigArg = None, images: Sequence[ImageSource] = (),
                     tools: Sequence[Any] | None = None, auto_tools: bool | None = None,
                     max_tool_rounds: int | None = None) -> ChatStream:
         """:meth:`send`, streamed: the user turn is appended when the stream is first iterated.
 
-        Empty content, or content that is not valid Unicode, is an :class:`InvalidInputError` (and nothing is
-        added)."""
+        ``images`` (paths, encoded bytes, ``PIL.Image`` objects or ``data:`` URLs) go before the text in
+        the user message, each as a ``{"type": "image", "image": <data: URL>}`` content part (so the
+        conversation holds them whole); the model's processor reads them now, so a bad image is an error
+        here. Empty content without images, content that is not valid Unicode, or images for a model that
+        reads none are an :class:`InvalidInputError` (and nothing is added)."""
         self._check_open()
-        if images:
-            raise ValueError(f"{self._model!r} takes no images (its plugin serves text only)")
         if not isinstance(content, str):
             raise InvalidInputError(f"send() takes the message as a string, got {type(content).__name__}")
-        if not check_text(content, "the message").strip():
+        if not check_text(content, "the message").strip() and not images:
             raise InvalidInputError("nothing to send: the message is empty")
-        message = ChatMessage(role="user", content=content)
+        message = ChatMessage(role="user", content=self._with_images(content, images) if images else content)
         self._check_no_pending_calls()
 
         def prepare() -> None:
@@ -576,6 +589,16 @@ class ChatSession:
             self._messages.append(self._stamped(message))
 
         return self._stream(prepare, config, tools, auto_tools, max_tool_rounds)
+
+    def _with_images(self, text: str, images: Sequence[ImageSource]) -> list[dict[str, Any]]:
+        if not self._model.supports_images:
+            raise ImageError(f"{self._model!r} reads no images (its checkpoint has no vision tower)")
+        parts: list[dict[str, Any]] = []
+        for image in images:
+            url = as_data_url(image)
+            self._processed(url)
+            parts.append({"type": "image", "image": url})
+        return parts + ([{"type": "text", "text": text}] if text else [])
 
     def respond(self, *, config: ConfigArg = None, tools: Sequence[Any] | None = None,
                 auto_tools: bool | None = None, max_tool_rounds: int | None = None) -> ChatResult:
@@ -750,13 +773,13 @@ class ChatSession:
 
     # -- asyncio --------------------------------------------------------------------------------------
 
-    async def asend(self, content: str, *, config: ConfigArg = None, images: Sequence[bytes] = (),
+    async def asend(self, content: str, *, config: ConfigArg = None, images: Sequence[ImageSource] = (),
                     tools: Sequence[Any] | None = None, auto_tools: bool | None = None,
                     max_tool_rounds: int | None = None) -> ChatResult:
         return await self.send_stream(content, config=config, images=images, tools=tools, auto_tools=auto_tools,
                                       max_tool_rounds=max_tool_rounds).acollect()
 
-    def astream(self, content: str, *, config: ConfigArg = None, images: Sequence[bytes] = (),
+    def astream(self, content: str, *, config: ConfigArg = None, images: Sequence[ImageSource] = (),
                 tools: Sequence[Any] | None = None, auto_tools: bool | None = None,
                 max_tool_rounds: int | None = None) -> ChatStream:
         """:meth:`send_stream` for ``async for`` (the same stream object supports both)."""
@@ -807,58 +830,81 @@ class ChatSession:
         yield _TurnEnd(parser, report, tokens)
 
     def _plan(self, config: GenerationConfig, tools: list[ToolSpec], kwargs: dict[str, Any]) -> TurnPlan:
-        """What this turn sends the model: one rendering of the visible conversation (text and ids), plus
-        the text of its head to see whether the generation prompt opens a reasoning block; and for caches
-        that cannot be cut back, where snapshots pay off: just before the last prompt token (a regenerate
-        returns there), where the next turn's render will part from this prompt, and before earlier replies
-        the cache does not hold yet."""
+        """What this turn sends the model: one rendering of the visible conversation (text and ids, images
+        expanded to their placeholders), plus the text of its head to see whether the generation prompt
+        opens a reasoning block; and for caches that cannot be cut back, where snapshots pay off: just
+        before the last prompt token (a regenerate returns there), where the next turn's render will part
+        from this prompt, before earlier replies the cache does not hold yet, and before each image (a
+        changed image then costs only what follows it)."""
         assert self._cache is not None
-        history, text, prompt = self._fitted_prompt(config, tools, kwargs)
+        history, sources, text, prompt = self._fitted_prompt(config, tools, kwargs)
         head = self._model.render_text(history, tools=tools or None, add_generation_prompt=False, **kwargs)
         generation_prompt = text[len(head):] if text.startswith(head) else text
         markers = self._model.reasoning_markers
         inside = markers is not None and generation_prompt.rfind(markers[0]) > generation_prompt.rfind(markers[1])
         snapshot_at: set[int] = set()
         if self._cache.needs_snapshots:
-            snapshot_at = {len(prompt) - 1, *self._next_turn_agrees(history, tools, kwargs, prompt),
-                           *self._reply_starts(history, tools, kwargs, prompt)}
+            ids = _ids(prompt)
+            snapshot_at = {len(ids) - 1, *self._next_turn_agrees(history, sources, tools, kwargs, ids),
+                           *self._reply_starts(history, sources, tools, kwargs, ids)}
+            if isinstance(prompt, MultimodalPrompt):
+                snapshot_at |= {span.start for span in prompt.images}
         return TurnPlan(prompt=prompt, in_reasoning=inside, snapshot_at=sorted(snapshot_at))
 
-    def _next_turn_agrees(self, history: list[dict[str, Any]], tools: list[ToolSpec], kwargs: dict[str, Any],
-                          prompt: list[int]) -> list[int]:
+    def _rendered(self, messages: list[dict[str, Any]], sources: list[Any], tools: list[ToolSpec],
+                  kwargs: dict[str, Any], add_generation_prompt: bool) -> tuple[str, list[int] | MultimodalPrompt]:
+        """Messages (images reduced to ``{"type": "image"}``) as text and as a prompt whose images, the first
+        of ``sources``, are expanded to their placeholder tokens as the model's processor does."""
+        text, ids = self._model.render_prompt(messages, tools=tools or None,
+                                              add_generation_prompt=add_generation_prompt, **kwargs)
+        count = sum(isinstance(m.get("content"), list) and sum(p.get("type") == "image" for p in m["content"])
+                    for m in messages)
+        if not count:
+            return text, ids
+        images = [self._processed(source) for source in sources[:count]]
+        return text, expand_images(ids, images, self._model.image_tokens)
+
+    def _processed(self, source: Any) -> ProcessedImage:
+        """An image as the model reads it, preprocessed once per session (keyed by its data: URL)."""
+        if source not in self._images:
+            self._images[source] = self._model.process_image(source)
+        return self._images[source]
+
+    def _next_turn_agrees(self, history: list[dict[str, Any]], sources: list[Any], tools: list[ToolSpec],
+                          kwargs: dict[str, Any], prompt: list[int]) -> list[int]:
         """How far the next turn's render will agree with this prompt: templates re-render a reply once a
         later turn exists (Qwen3.5 drops its reasoning, so the new render parts right after
         ``<|im_start|>assistant\\n``). Probed with a placeholder reply and question."""
         probe = history + [{"role": "assistant", "content": "\ue002"}, {"role": "user", "content": "\ue002"}]
         try:
-            ids = self._model.render_prompt(probe, tools=tools or None, add_generation_prompt=False, **kwargs)[1]
+            rendered = self._rendered(probe, sources, tools, kwargs, add_generation_prompt=False)[1]
         except TemplateError:
             return []
-        return [common_prefix_length(ids, prompt)]
+        return [common_prefix_length(_ids(rendered), prompt)]
 
-    def _fitted_prompt(self, config: GenerationConfig, tools: list[ToolSpec],
-                       kwargs: dict[str, Any]) -> tuple[list[dict[str, Any]], str, list[int]]:
-        """The visible history and its prompt (text and ids); under ``truncate_oldest``, the oldest whole
-        turns are hidden until the prompt leaves room for the reply (see :meth:`__init__`)."""
+    def _fitted_prompt(self, config: GenerationConfig, tools: list[ToolSpec], kwargs: dict[str, Any]
+                       ) -> tuple[list[dict[str, Any]], list[Any], str, list[int] | MultimodalPrompt]:
+        """The visible history (as the template sees it, images reduced to markers), its images, and its
+        prompt (text and ids); under ``truncate_oldest``, the oldest whole turns are hidden until the
+        prompt leaves room for the reply (see :meth:`__init__`)."""
         while True:
             head = self._messages[:1] if self._messages and self._messages[0].role == "system" else []
-            history = [m.template_dict() for m in head + self._rest()[self._hidden:]]
-            text, prompt = self._model.render_prompt(history, tools=tools or None, add_generation_prompt=True,
-                                                     **kwargs)
+            history, sources = split_image_parts([m.template_dict() for m in head + self._rest()[self._hidden:]])
+            text, prompt = self._rendered(history, sources, tools, kwargs, add_generation_prompt=True)
             room = min(config.max_tokens, self._model.context_length // 4)
             later_turn = next((i for i, m in enumerate(self._rest()) if i > self._hidden and m.role == "user"),
                               None)
             if (self._context_policy == "error" or len(prompt) + room <= self._model.context_length
                     or later_turn is None):
-                return history, text, prompt
+                return history, sources, text, prompt
             self._hidden = later_turn
 
     def _rest(self) -> list[ChatMessage]:
         """The conversation after the system prompt."""
         return self._messages[1:] if self._messages and self._messages[0].role == "system" else self._messages
 
-    def _reply_starts(self, history: list[dict[str, Any]], tools: list[ToolSpec], kwargs: dict[str, Any],
-                      prompt: list[int]) -> set[int]:
+    def _reply_starts(self, history: list[dict[str, Any]], sources: list[Any], tools: list[ToolSpec],
+                      kwargs: dict[str, Any], prompt: list[int]) -> set[int]:
         """Where the turns before earlier replies end in ``prompt``, beyond what the cache holds (a primed
         transcript, an edit): templates re-render a reply differently once a later user turn exists (they
         drop its reasoning), so a cache that cannot be cut back wants a snapshot just before each reply,
@@ -867,7 +913,7 @@ class ChatSession:
         held = common_prefix_length(self._cache.tokens, prompt)
 
         def ids(messages: list[dict[str, Any]]) -> list[int]:
-            return self._model.render_prompt(messages, tools=tools or None, add_generation_prompt=False, **kwargs)[1]
+            return _ids(self._rendered(messages, sources, tools, kwargs, add_generation_prompt=False)[1])
 
         starts: set[int] = set()
         for index in range(len(history) - 1, 1, -1):
@@ -1080,6 +1126,10 @@ class ChatSession:
                and order.index(self._messages[position].tool_call_id or "") < order.index(message.tool_call_id or "")):
             position += 1
         self._messages.insert(position, message)
+
+
+def _ids(prompt: list[int] | MultimodalPrompt) -> list[int]:
+    return list(prompt.ids) if isinstance(prompt, MultimodalPrompt) else prompt
 
 
 def _threadsafe_put(loop: asyncio.AbstractEventLoop, items: asyncio.Queue[Any]) -> Callable[[Any], object]:

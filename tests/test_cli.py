@@ -139,3 +139,22 @@ def test_piped_chat_prints_no_prompts_and_names_unknown_commands(monkeypatch: py
     assert main(["chat", "--temperature", "0"]) == 0  # the demo model greets back
     out, err = capsys.readouterr()
     assert out.startswith("Hello") and ">" not in out and "unknown command /frobnicate" in err
+
+
+def test_generate_and_chat_show_the_model_images(capsys: pytest.CaptureFixture[str],
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    vision = str(fixture_path("qwen3_5_vl"))
+    image = str(fixture_path("qwen3_5_vl") / "image_a.png")
+    assert main(["generate", "--model", vision, "--image", image, "--max-tokens", "3", "--temperature", "0",
+                 "What is it?"]) == 0
+    err = capsys.readouterr().err
+    with_image = int(err.split("[")[-1].split(" prompt tokens")[0])
+    assert main(["generate", "--model", vision, "--max-tokens", "3", "--temperature", "0", "What is it?"]) == 0
+    without = int(capsys.readouterr().err.split("[")[-1].split(" prompt tokens")[0])
+    assert with_image > without + 10  # the image's placeholders
+    monkeypatch.setattr("sys.stdin", io.StringIO(f"/image {image}\nWhat is it?\n/image /nowhere.png\n"))
+    assert main(["chat", "--model", vision, "--max-tokens", "3", "--temperature", "0"]) == 0
+    err = capsys.readouterr().err
+    assert "image_a.png goes with your next message" in err and "needs the path of an image file" in err
+    assert main(["generate", "--model", MODEL, "--image", image, "hi"]) == 1  # a text model
+    assert "reads no images" in capsys.readouterr().err

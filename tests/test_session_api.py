@@ -97,7 +97,7 @@ def test_a_model_without_tools_refuses_an_offer_before_appending(no_tools_model)
     with pytest.raises(ValueError, match="takes no tools"):
         session.send("Weather?", tools=TOOLS)
     assert [m.role for m in session.messages] == ["system"]
-    with pytest.raises(ValueError, match="takes no images"):
+    with pytest.raises(ValueError, match="reads no images"):
         session.send("Look", images=[b"\x89PNG"])
     assert [m.role for m in session.messages] == ["system"]
 

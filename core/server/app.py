@@ -13,6 +13,7 @@ from ..session import Done, StreamEvent
 from .chat_completions import Completion, parse_request, request_error
 from .errors import ApiError, RateLimitedFilter, RefusalLog, log
 from .guard import Guard, ServerSettings, guarded_protocol, is_loopback, read_json
+from .images import inline_images
 from .pool import CachePool
 
 
@@ -66,6 +67,8 @@ def create_app(model: GenerativeModel, settings: ServerSettings | None = None, *
         parsed = parse_request(body)
         config = parsed.generation_config()
         messages = [m.model_dump() for m in parsed.messages]
+        await inline_images(messages, allow_remote=settings.allow_remote_images, max_bytes=settings.max_body_bytes,
+                            reads_images=model.supports_images)
         state.admit()
         cache = state.pool.take(messages)
         try:

@@ -119,9 +119,12 @@ class ChatCompletionRequest(BaseModel):
             raise ValueError(f"{', '.join(refused)}: not supported by this server yet (leave it unset)")
         for index, message in enumerate(self.messages):
             if isinstance(message.content, list):
-                kinds = sorted({str(part.get("type")) for part in message.content} - {"text"})
-                raise ValueError(f"messages.{index}.content: content parts of type {', '.join(kinds)} are not "
-                                 "supported by this model (send text)")
+                kinds = sorted({str(part.get("type")) for part in message.content} - {"text", "image_url"})
+                if kinds:
+                    raise ValueError(f"messages.{index}.content: content parts of type {', '.join(kinds)} are not "
+                                     "supported (send text and image_url parts)")
+                if message.role != "user" and any(p.get("type") == "image_url" for p in message.content):
+                    raise ValueError(f"messages.{index}.content: images go in user messages")
             if message.role == "tool" and not message.tool_call_id:
                 raise ValueError(f"messages.{index}: a tool message needs the tool_call_id it answers")
         return self

@@ -44,6 +44,8 @@ class ServerSettings(BaseModel):
     """Most requests in flight on all routes at once (503 beyond)."""
     header_timeout: float = Field(10.0, gt=0)
     """Seconds a connection may take to send a request's headers (idle connections are closed)."""
+    allow_remote_images: bool = False
+    """Fetch ``http(s)`` image URLs (off: only ``data:`` URLs; a local file is never read)."""
     cors_origins: list[str] = Field(default_factory=list)
     """Browser origins allowed to call the API (none by default: no CORS headers at all)."""
     allowed_hosts: list[str] | None = None
