@@ -252,6 +252,15 @@ class ChatStream:
             if sent is not None:
                 result = sent
 
+    def _advance(self, steps: Generator[_Generate | _Run, ChatResult | None, ChatResult],
+                 sent: ChatResult | None) -> _Generate | _Run | None:
+        """The turn's next step; ``None`` once it is over (its result is then :attr:`result`)."""
+        try:
+            return steps.send(sent)
+        except StopIteration as done:
+            self.result = done.value
+            return None
+
     def _produce(self, cancel: Cancelled) -> Iterator[ReplyEvent | _TurnEnd]:
         """On the worker: one reply's events, remembering how it ended for an abandoned reader."""
         for item in self._session._run_turn(cancel, self._config, self._tools):
@@ -324,12 +333,7 @@ class ChatStream:
     def _events(self) -> Iterator[StreamEvent]:
         try:
             steps, sent = self._steps(), None
-            while True:
-                try:
-                    step = steps.send(sent)
-                except StopIteration as done:
-                    self.result = done.value
-                    break
+            while (step := self._advance(steps, sent)) is not None:
                 if isinstance(step, _Generate):
                     items: queue.SimpleQueue[Any] = queue.SimpleQueue()
                     self._open_reply(items.put)
@@ -367,12 +371,7 @@ class ChatStream:
         try:
             steps, sent = self._steps(), None
             loop = asyncio.get_running_loop()
-            while True:
-                try:
-                    step = steps.send(sent)
-                except StopIteration as done:
-                    self.result = done.value
-                    break
+            while (step := self._advance(steps, sent)) is not None:
                 if isinstance(step, _Generate):
                     items: asyncio.Queue[Any] = asyncio.Queue()
                     self._open_reply(_threadsafe_put(loop, items))
