@@ -284,7 +284,7 @@ class ChatStream:
                 self._session._undo_turn(self._replaces)
                 self._replaces = None
             raise
-        except BaseException:
+        except Exception:  # the job failed, and has ended (an interrupt of the reader keeps it to stop)
             self._job = None
             raise
         if item is not END and not isinstance(item, _TurnEnd):
