@@ -173,10 +173,24 @@ def load_session(
     default_config: GenerationConfig | dict[str, Any] | None = None,
     tools: Sequence[Any] | None = None,
     context_policy: ContextPolicy = "error",
+    resume: str | os.PathLike[str] | None = None,
     **load_kwargs: Any,
 ) -> ChatSession:
-    """Load a model and open a chat session over it in one step (``load_kwargs`` go to :func:`load_model`)."""
+    """Load a model and open a chat session over it in one step (``load_kwargs`` go to :func:`load_model`).
+
+    ``resume``: a file :meth:`ChatSession.save` wrote; the session goes on from it (its transcript, system
+    prompt included, and its prompt cache); ``default_config``, ``tools`` and ``context_policy`` given here
+    replace the saved ones.
+    """
     model = load_model(path_or_repo, **load_kwargs)
+    if resume is not None:
+        from .session import ChatSession
+
+        given = {"default_config": default_config, "tools": tools}
+        options = {k: v for k, v in given.items() if v is not None}
+        if context_policy != "error":
+            options["context_policy"] = context_policy
+        return ChatSession.load(model, resume, **options)
     return model.chat_session(system=system, default_config=default_config, tools=tools,
                               context_policy=context_policy)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
@@ -415,6 +416,21 @@ class ChatSession:
         self._check_idle()
         self._closed = True
         self._cache = None
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Save the conversation and its prompt cache (snapshots included) to one file; :meth:`load` resumes
+        it with nothing to prefill again (see :mod:`mlxchat.persistence`)."""
+        from .persistence import save_session
+
+        save_session(self, path)
+
+    @classmethod
+    def load(cls, model: SessionCapableModel, path: str | os.PathLike[str], **options: Any) -> ChatSession:
+        """The session saved at ``path``, resumed over ``model`` (the model it was saved with: another one is a
+        :class:`~mlxchat.errors.SavedStateError`); ``options`` replace saved settings (``tools``, ...)."""
+        from .persistence import restore_session
+
+        return restore_session(cls, model, path, **options)
 
     def prime_history(self, messages: Sequence[ChatMessage | dict[str, Any]]) -> None:
         """Load a stored transcript into a session that has not spoken yet (no inference runs).
