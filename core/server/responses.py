@@ -46,6 +46,7 @@ from .turns import Messages, ToolChoice, Turn, check_model, tool_setup, watching
 if TYPE_CHECKING:
     from .app import ServerState
 
+_writes: set[asyncio.Future[None]] = set()  # store writes in flight (held until done)
 ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
 TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
 
@@ -276,12 +277,16 @@ def new_id(prefix: str) -> str:
 
 
 def stored_input(request: ResponsesRequest) -> list[dict[str, Any]]:
-    """The request's input as items to store and list: a string becomes a user message; each gets an id."""
+    """The request's input as items to store and list, shaped as OpenAI lists them: a string is a user message,
+    a message's string content one text part; each item gets an id."""
     if isinstance(request.input, str):
-        items: list[dict[str, Any]] = [{"type": "message", "role": "user",
-                                        "content": [{"type": "input_text", "text": request.input}]}]
+        items: list[dict[str, Any]] = [{"type": "message", "role": "user", "content": request.input}]
     else:
         items = [item.model_dump(exclude_none=True) for item in request.input]
+    for item in items:
+        if item["type"] == "message" and isinstance(item["content"], str):
+            part = "output_text" if item["role"] == "assistant" else "input_text"
+            item["content"] = [{"type": part, "text": item["content"]}]
     prefixes = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
     return [{"id": new_id(prefixes[item["type"]]), **item, "status": "completed"} if "id" not in item
             else {**item, "status": item.get("status", "completed")} for item in items]
@@ -361,14 +366,14 @@ class Output:
         if isinstance(event, ToolCallEvent) and event.call.status != "ok":  # what the model wrote, as text
             return self._delta("message", event.call.raw)
         if isinstance(event, ToolCallEvent):
-            call = event.call
+            call, closed = event.call, self.close()
             item = {"id": new_id("fc"), "type": "function_call", "call_id": call.id, "name": call.name,
                     "arguments": call.function.arguments, "status": "completed"}
             index = len(self.items)
             self.items.append(item)
             where = {"item_id": item["id"], "output_index": index}
-            return [*self.close(), {"type": "response.output_item.added", "output_index": index,
-                                    "item": {**item, "arguments": "", "status": "in_progress"}},
+            return [*closed, {"type": "response.output_item.added", "output_index": index,
+                              "item": {**item, "arguments": "", "status": "in_progress"}},
                     {"type": "response.function_call_arguments.delta", **where, "delta": item["arguments"]},
                     {"type": "response.function_call_arguments.done", **where, "arguments": item["arguments"],
                      "name": item["name"]},
@@ -456,8 +461,12 @@ class Reply:
         return self.body("failed", output, error={"code": code, "message": error.message})
 
     async def save(self, body: dict[str, Any]) -> None:
+        """Record the response's end; the write goes on even when this request is being cancelled."""
         if self.request.store:
-            await asyncio.shield(self.state.store.finish(body))
+            write = asyncio.ensure_future(self.state.store.finish(body))
+            _writes.add(write)
+            write.add_done_callback(_writes.discard)
+            await asyncio.shield(write)
 
 
 async def create(state: ServerState, request: Any) -> Any:
@@ -518,8 +527,10 @@ async def create(state: ServerState, request: Any) -> Any:
             first = await turn.next()
     except BaseException as exc:
         error = request_error(exc) if isinstance(exc, MlxchatError) else ApiError(500, "the request was cancelled")
-        await reply.save(reply.failed(error))
-        await turn.finish()
+        try:
+            await reply.save(reply.failed(error))
+        finally:
+            await turn.finish()
         if isinstance(exc, MlxchatError):
             raise error from None
         raise
@@ -558,10 +569,12 @@ async def create(state: ServerState, request: Any) -> Any:
             await reply.save(body)
             yield sse({"type": "response.failed", "response": body})
         finally:
-            if not done:  # the client left: what it saw is kept, as cancelled
-                output.close("incomplete")
-                await reply.save(reply.body("cancelled", output.items))
-            await turn.finish(remembered())
+            try:
+                if not done:  # the client left: what it saw is kept, as cancelled
+                    output.close("incomplete")
+                    await reply.save(reply.body("cancelled", output.items))
+            finally:
+                await turn.finish(remembered())
 
     return StreamingResponse(events(), media_type="text/event-stream")
 
