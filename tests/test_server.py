@@ -128,7 +128,7 @@ def calls_of(completion) -> list[tuple[str, dict]]:
 
 
 def test_the_served_model_is_named_after_the_checkpoint(demo: openai.OpenAI, tmp_path: Path) -> None:
-    from mlxchat.server.turns import served_name
+    from mlxchat.server.state import served_name
 
     assert [m.id for m in demo.models.list()] == [DEMO]
     snapshot = tmp_path / "models--Qwen--Qwen3-0.6B" / "snapshots" / "0123abcd"

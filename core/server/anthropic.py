@@ -32,7 +32,7 @@ from .guard import read_json
 from .turns import Messages, ToolChoice, Turn, check_model, tool_setup, watching
 
 if TYPE_CHECKING:
-    from .app import ServerState
+    from .state import ServerState
 
 TOOL_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
 BLOCK_TYPES = ("text", "tool_use", "tool_result", "thinking")

@@ -5,43 +5,13 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from pathlib import Path
 from typing import Any
 
 from ..model import GenerativeModel
 from . import anthropic, chat_completions, responses
-from .errors import ApiError, RateLimitedFilter, RefusalLog, log
+from .errors import ApiError, RateLimitedFilter, log
 from .guard import Guard, ServerSettings, guarded_protocol, is_loopback
-from .pool import CachePool
-from .store import ResponseStore
-from .turns import served_name
-
-
-class ServerState:
-    """What the routes share: the model, its settings, the cache pool, the response store and the length of
-    the generation queue."""
-
-    def __init__(self, model: GenerativeModel, settings: ServerSettings):
-        self.model = model
-        self.settings = settings
-        self.name = settings.model_name or served_name(model)
-        store = settings.store if settings.store == ":memory:" else Path(settings.store).expanduser()
-        self.store = ResponseStore(store)
-        self.pool = CachePool(model, settings.caches, settings.max_cache_bytes, settings.spill_dir,
-                              int(settings.max_spill_gb * 1e9))
-        self.refusals = RefusalLog()
-        self.queued = 0
-
-    def admit(self) -> None:
-        """Count a generation request in, or refuse it (429) when the queue is full."""
-        if self.queued >= self.settings.max_queue:
-            raise ApiError(429, f"{self.queued} requests are already running or waiting for the model (the limit); "
-                                "retry later", "rate_limit_error", code="queue_full")
-        self.queued += 1
-
-    def close(self) -> None:
-        self.pool.close()
-        self.store.close()
+from .state import ServerState
 
 
 def create_app(model: GenerativeModel, settings: ServerSettings | None = None, **overrides: Any) -> Any:

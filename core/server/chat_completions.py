@@ -35,7 +35,7 @@ from .guard import read_json
 from .turns import ToolChoice, Turn, check_model, seeded, tool_setup, watching
 
 if TYPE_CHECKING:
-    from .app import ServerState
+    from .state import ServerState
 
 # OpenAI's and vLLM's bounds on the sampling fields.
 _PENALTY = Field(None, ge=-2.0, le=2.0)

@@ -44,7 +44,7 @@ from .store import ChainError
 from .turns import Messages, ToolChoice, Turn, check_model, tool_setup, watching
 
 if TYPE_CHECKING:
-    from .app import ServerState
+    from .state import ServerState
 
 _writes: set[asyncio.Future[None]] = set()  # store writes in flight (held until done)
 ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")

@@ -1,4 +1,4 @@
-"""What every generating endpoint shares: the model's served name, tool choice turned into a forced reply
+"""What every generating endpoint shares: the model-name check, tool choice turned into a forced reply
 prefix, and :class:`Turn`, one request's turn over a pooled prompt cache.
 
 Each endpoint (chat.completions, Responses, Anthropic Messages) only translates: its request into a
@@ -25,25 +25,9 @@ from ..session import ChatResult, ChatSession, ChatStream, ContextPolicy, Done, 
 from .errors import ApiError
 
 if TYPE_CHECKING:
-    from .app import ServerState
+    from .state import ServerState
 
 Messages = list[dict[str, Any]]
-
-
-def served_name(model: GenerativeModel) -> str:
-    """The model id a server answers to by default: the Hub repo id of a downloaded checkpoint, else its
-    folder's name (``mlxchat-demo`` for the demo model)."""
-    from ..demo import MODEL_DIR
-
-    path = model.path
-    if path is None:
-        return model.architecture.name
-    if path.resolve() == MODEL_DIR.resolve():
-        return "mlxchat-demo"
-    cached = path.parent.parent.name  # <cache>/models--owner--name/snapshots/<revision>
-    if path.parent.name == "snapshots" and cached.startswith("models--") and "--" in cached[8:]:
-        return "/".join(cached[8:].split("--", 1))
-    return path.name
 
 
 def check_model(requested: str | None, served: str, kind: str = "invalid_request_error") -> None:
