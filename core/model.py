@@ -16,7 +16,14 @@ from .errors import ContextLengthError, GenerationError, ImageError, InvalidInpu
 from .generation import GenerationChunk, GenerationConfig, GenerationResult, stream_generation
 from .images import ImageProcessor, ImageSource, ProcessedImage
 from .limits import check_text, check_token_ids
-from .multimodal import MultimodalPrompt, VisionModule, encode_images, expand_images, split_image_parts
+from .multimodal import (
+    MultimodalPrompt,
+    VisionModule,
+    chunk_bounds,
+    encode_images,
+    expand_images,
+    split_image_parts,
+)
 from .prompt_cache import DEFAULT_MAX_SNAPSHOTS, PromptCache
 from .tokenizer import Tokenizer
 from .worker import Cancelled, Worker
@@ -382,8 +389,8 @@ class GenerativeModel:
         (before temperature, penalties and biases).
 
         One pass over the reply: the cache goes back to ``start - 1`` (by trimming, or through the snapshot a
-        turn takes before its last prompt token) and runs the reply again (and the stop token it held), then
-        snapshots there, so the next turn reuses it as before.
+        turn takes before its last prompt token) and runs the reply again (and the stop token it held),
+        taking its snapshots again where it had them and at the end, so the next turn reuses it as before.
         """
         reply = list(tokens)
 
@@ -392,15 +399,18 @@ class GenerativeModel:
             ids = held[:start] + reply
             if held[start : start + len(reply)] == reply:
                 ids += held[start + len(reply):]  # the stop token the cache also held
+            snapshots = cache.snapshot_positions  # taken again on the way (the next turn may return to them)
             at = cache.reuse(ids[:start])
             if any(first + length > at for first, length, _ in cache.images):
                 raise InvalidInputError("log-probabilities of a reply are not computed across an image")
             scored: list[tuple[float, list[tuple[int, float]]]] = []
-            for a in range(at, len(ids), 256):
-                chunk = ids[a : a + 256]
+            for a, b in chunk_bounds(at, len(ids), 256, snapshots):
+                chunk = ids[a:b]
                 logits = self.module(mx.array(chunk)[None], cache.layers)[0].astype(mx.float32)
                 cache.feed(chunk)
-                first, last = max(start - 1, a), min(start - 1 + len(reply), a + len(chunk))
+                if b in snapshots:
+                    cache.snapshot()
+                first, last = max(start - 1, a), min(start - 1 + len(reply), b)
                 if first >= last:
                     continue
                 rows = logits[first - a : last - a]
