@@ -308,3 +308,32 @@ def test_the_store_reopens_at_its_schema_and_refuses_another(tmp_path) -> None:
         db.execute("CREATE TABLE notes (x)")
     with pytest.raises(StoreError):
         ResponseStore(other)
+
+
+def test_items_as_clients_replay_them_become_chat_messages() -> None:
+    from mlxchat.server.responses import ResponsesRequest, stored_input, to_messages
+
+    request = ResponsesRequest.model_validate({"input": [
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "input_text", "text": "Weather in Rome?"}]},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "Tool."}]},
+        {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
+         "content": [{"type": "output_text", "text": "Checking.", "annotations": [], "logprobs": []}]},
+        {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "get_weather",
+         "arguments": '{"city": "Rome"}', "status": "completed"},
+        {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+        {"type": "message", "role": "assistant", "content": "It is sunny."},
+        {"role": "user", "content": "Thanks"},
+    ]})
+    items = stored_input(request)
+    assert [item["id"][:3] for item in items] == ["msg", "msg", "rs_", "msg", "fc_", "fco", "msg", "msg"]
+    assert items[0]["content"] == [{"type": "input_text", "text": "Be brief."}]
+    assert to_messages(items) == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Rome?"},
+        {"role": "assistant", "content": "Checking.", "reasoning_content": "Tool.", "tool_calls": [{
+            "id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": "sunny"},
+        {"role": "assistant", "content": "It is sunny."},
+        {"role": "user", "content": "Thanks"},
+    ]

@@ -299,10 +299,11 @@ def to_messages(items: list[dict[str, Any]]) -> Messages:
     reasoning: list[str] = []
     names: dict[str, str] = {}
 
-    def assistant() -> dict[str, Any]:
-        if messages and messages[-1]["role"] == "assistant" and "_open" in messages[-1]:
+    def assistant(fresh: bool) -> dict[str, Any]:
+        """The assistant turn being read: the last message, unless reasoning or ``fresh`` starts another."""
+        if not fresh and not reasoning and messages and messages[-1]["role"] == "assistant":
             return messages[-1]
-        message: dict[str, Any] = {"role": "assistant", "content": "", "_open": True}
+        message: dict[str, Any] = {"role": "assistant", "content": ""}
         if reasoning:
             message["reasoning_content"] = "\n".join(reasoning)
             reasoning.clear()
@@ -314,23 +315,18 @@ def to_messages(items: list[dict[str, Any]]) -> Messages:
         if isinstance(item, ReasoningItem):
             reasoning.append(item.text)
         elif isinstance(item, MessageItem) and item.role == "assistant":
-            message = assistant()
-            if message.get("tool_calls"):  # text after calls starts a new turn's message
-                messages[-1].pop("_open")
-                message = assistant()
-            message["content"] += item.text
+            after_calls = bool(messages and messages[-1].get("tool_calls"))  # text after calls: another turn
+            assistant(after_calls)["content"] += item.text
         elif isinstance(item, MessageItem):
             role = "system" if item.role in ("system", "developer") else "user"
             messages.append({"role": role, "content": item.text})
         elif isinstance(item, FunctionCallItem):
             names[item.call_id] = item.name
-            assistant().setdefault("tool_calls", []).append(
+            assistant(False).setdefault("tool_calls", []).append(
                 {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}})
         else:
             name = {"name": names[item.call_id]} if item.call_id in names else {}
             messages.append({"role": "tool", "tool_call_id": item.call_id, **name, "content": item.text})
-    for message in messages:
-        message.pop("_open", None)
     return messages
 
 
