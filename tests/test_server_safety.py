@@ -160,6 +160,10 @@ CASES: list[tuple[str, str, str, Any, dict[str, str], int]] = [
         "type": "json_schema", "name": "x", "schema": {}}}}, {}, 400),
     ("responses: background", "POST", "/v1/responses", {"input": "hi", "background": True}, {}, 400),
     ("responses: top_logprobs", "POST", "/v1/responses", {"input": "hi", "top_logprobs": 2}, {}, 400),
+    ("responses: include logprobs", "POST", "/v1/responses", {"input": "hi", "include": [
+        "message.output_text.logprobs"]}, {}, 400),
+    ("responses: include an unknown part", "POST", "/v1/responses", {"input": "hi", "include": ["everything"]},
+     {}, 400),
     ("responses: temperature 3", "POST", "/v1/responses", {"input": "hi", "temperature": 3}, {}, 400),
     ("responses: max_output_tokens 0", "POST", "/v1/responses", {"input": "hi", "max_output_tokens": 0}, {}, 400),
     ("responses: reasoning effort a word", "POST", "/v1/responses", {"input": "hi", "reasoning": {

@@ -21,13 +21,13 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..errors import MlxchatError
 from ..reply import TextDelta, ThinkingDelta, ToolCallEvent
 from ..session import ChatResult, Done, StreamEvent
 from .chat_completions import generation_config
-from .errors import ApiError, invalid, request_error
+from .errors import ApiError, request_error, validated
 from .guard import read_json
 from .turns import Messages, ToolChoice, Turn, check_model, tool_setup, watching
 
@@ -197,13 +197,6 @@ class MessagesRequest(BaseModel):
         return messages
 
 
-def parse_request(body: dict[str, Any]) -> MessagesRequest:
-    try:
-        return MessagesRequest.model_validate(body)
-    except ValidationError as exc:
-        raise invalid(exc) from None
-
-
 def stop_of(result: ChatResult, tokenizer: Any, stops: list[str]) -> tuple[str, str | None]:
     """Anthropic's ``stop_reason`` and ``stop_sequence`` for a reply: a stop sequence is told from the end of
     turn by finding it in the reply's own tokens (the text returned stops before it)."""
@@ -287,7 +280,7 @@ async def handle(state: ServerState, request: Any) -> Any:
     """``POST /v1/messages``."""
     from starlette.responses import JSONResponse, StreamingResponse
 
-    parsed = parse_request(await read_json(request, state.settings))
+    parsed = validated(MessagesRequest, await read_json(request, state.settings))
     check_model(parsed.model, state.name, "not_found_error")
     conversation = parsed.conversation()
     thinking = None if parsed.thinking is None else parsed.thinking.type != "disabled"

@@ -30,7 +30,7 @@ from ..generation import GenerationConfig, GenerationReport
 from ..messages import ChatMessage, ToolCall
 from ..reply import TextDelta, ThinkingDelta, ToolCallEvent
 from ..session import ChatResult, Done, StreamEvent
-from .errors import invalid, request_error
+from .errors import invalid, request_error, validated
 from .guard import read_json
 from .turns import ToolChoice, Turn, check_model, seeded, tool_setup, watching
 
@@ -172,18 +172,11 @@ def generation_config(values: dict[str, Any], template_kwargs: dict[str, Any] | 
         raise invalid(exc) from None
 
 
-def parse_request(body: dict[str, Any]) -> ChatCompletionRequest:
-    try:
-        return ChatCompletionRequest.model_validate(body)
-    except ValidationError as exc:
-        raise invalid(exc) from None
-
-
 async def handle(state: ServerState, request: Any) -> Any:
     """``POST /v1/chat/completions``."""
     from starlette.responses import JSONResponse, StreamingResponse
 
-    parsed = parse_request(await read_json(request, state.settings))
+    parsed = validated(ChatCompletionRequest, await read_json(request, state.settings))
     check_model(parsed.model, state.name)
     messages = [m.model_dump() for m in parsed.messages]
     tools, config = tool_setup(state.model, messages, parsed.tool_list(), parsed.choice(), parsed.generation_config())

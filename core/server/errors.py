@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, TypeVar
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from ..errors import ContextLengthError, InvalidInputError, MlxchatError, SessionStateError, TemplateError
 
 log = logging.getLogger("mlxchat.server")
+M = TypeVar("M", bound=BaseModel)
 ANTHROPIC_PATHS = ("/v1/messages",)
 # Anthropic's error types for ours (and for statuses no kind of ours maps).
 _ANTHROPIC_KINDS = {"invalid_request_error": "invalid_request_error", "authentication_error": "authentication_error",
@@ -50,6 +51,14 @@ def invalid(exc: ValidationError, prefix: str = "") -> ApiError:
     param = ".".join(str(p) for p in (prefix, *first) if p != "") or None
     return ApiError(400, "; ".join(problems[:5]) + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""),
                     param=param)
+
+
+def validated(model: type[M], body: dict[str, Any]) -> M:
+    """A request body as its pydantic model, or a 400 naming what is wrong (see :func:`invalid`)."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise invalid(exc) from None
 
 
 def request_error(exc: MlxchatError) -> ApiError:

@@ -32,13 +32,13 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator, model_validator
 
 from ..errors import MlxchatError
 from ..reply import TextDelta, ThinkingDelta, ToolCallEvent
 from ..session import ChatResult, Done, StreamEvent
 from .chat_completions import FUNCTION_NAME, generation_config
-from .errors import ApiError, invalid, request_error
+from .errors import ApiError, request_error, validated
 from .guard import read_json
 from .store import ChainError
 from .turns import Messages, ToolChoice, Turn, check_model, tool_setup, watching
@@ -201,7 +201,12 @@ class ResponsesRequest(BaseModel):
     metadata: dict[str, str] | None = None
     text: TextConfig | None = None
     reasoning: ReasoningConfig | None = None
-    include: list[str] | None = None
+    include: list[Literal["file_search_call.results", "web_search_call.results", "web_search_call.action.sources",
+                          "message.input_image.image_url", "computer_call_output.output.image_url",
+                          "code_interpreter_call.outputs", "reasoning.encrypted_content",
+                          "message.output_text.logprobs"]] | None = None
+    """What to add to the output: nothing here needs adding (reasoning comes in the clear; the tools and
+    images the others name are refused), except log-probabilities, which are refused."""
     top_logprobs: int | None = None
     background: bool | None = None
     conversation: Any = None
@@ -263,13 +268,6 @@ class ResponsesRequest(BaseModel):
         if effort is not None:
             kwargs.setdefault("enable_thinking", effort not in ("none", "minimal"))
         return kwargs
-
-
-def parse_request(body: dict[str, Any]) -> ResponsesRequest:
-    try:
-        return ResponsesRequest.model_validate(body)
-    except ValidationError as exc:
-        raise invalid(exc) from None
 
 
 def new_id(prefix: str) -> str:
@@ -469,7 +467,7 @@ async def create(state: ServerState, request: Any) -> Any:
     """``POST /v1/responses``."""
     from starlette.responses import JSONResponse, StreamingResponse
 
-    parsed = parse_request(await read_json(request, state.settings))
+    parsed = validated(ResponsesRequest, await read_json(request, state.settings))
     check_model(parsed.model, state.name)
     items = stored_input(parsed)
     history: list[dict[str, Any]] = []
