@@ -325,14 +325,18 @@ def _prefixed_after(decode: Callable[[Sequence[int], int], Iterator[int]], token
     A token reaches the reader after its forward pass is queued, so a decode stopped there leaves the cache
     holding exactly what was read: the next token, already sampled, is dropped and the prefix is fed
     instead. The first token is sampled alone (not fed) to see whether it opens the reasoning."""
+    def prefixed(budget: int) -> Iterator[int]:
+        forced = prefix[:budget]
+        yield from forced
+        yield from decode(forced, budget - len(forced))
+
     opener, closer = after
     seen = ""
     if opener:
         first = next(decode(pending, 1), None)
         seen = tokenizer.decode([first]).lstrip() if first is not None else ""
         if first is None or not seen or not (opener.startswith(seen) or seen.startswith(opener)):
-            yield from prefix
-            yield from decode(prefix, budget - len(prefix))
+            yield from prefixed(budget)
             return
         yield first
         pending, budget = [first], budget - 1
@@ -343,6 +347,5 @@ def _prefixed_after(decode: Callable[[Sequence[int], int], Iterator[int]], token
         seen = (seen + tokenizer.decode([token]))[-4 * len(closer):]
         if closer in seen:
             model.close()  # type: ignore[attr-defined]  # a generator
-            yield from prefix
-            yield from decode(prefix, budget - len(prefix))
+            yield from prefixed(budget)
             return

@@ -84,6 +84,16 @@ def test_a_prompt_that_opened_reasoning_waits_for_its_closer(scripted) -> None:
     assert result.tokens == [60, close, *model.tokenizer.encode("<tool_call>"), 70]
 
 
+def test_a_prefix_after_reasoning_stays_within_max_tokens(scripted) -> None:
+    model = loaded("qwen3")
+    think, close = special(model, "<think>"), special(model, "</think>")
+    prefix = model.tokenizer.encode("<tool_call>\nhello there")
+    scripted.append([think, 60, close, 99, 70])
+    result = model.generate(PROMPT, {"max_tokens": 5, "reply_prefix": "<tool_call>\nhello there",
+                                     "reply_prefix_after": AFTER})
+    assert result.tokens == [think, 60, close, *prefix[:2]] and result.finish_reason == "length"
+
+
 def test_the_prefix_counts_against_max_tokens() -> None:
     model = loaded("qwen3")
     prefix = model.tokenizer.encode("<tool_call>\nhello there")
