@@ -162,3 +162,29 @@ def test_the_client_raises_its_own_errors_and_x_api_key_authenticates() -> None:
         with pytest.raises(anthropic.NotFoundError):
             client(served, "s3cret").messages.create(messages=[{"role": "user", "content": "hi"}],
                                                      **{**GREEDY, "model": "claude"})
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_leaves_frees_its_slot(stream) -> None:
+    import socket
+    import time
+
+    import mlxchat
+
+    from conftest import fixture_path
+
+    with mlxchat.load_model(fixture_path("qwen3_chat"), dtype="float32") as model:
+        model.defaults = model.defaults.merged({"logit_bias": {e: -100.0 for e in model.eos_ids}})  # never ends
+        with serving("qwen3_chat", model=model, caches=1) as served:
+            data = json.dumps({"model": "tiny", "max_tokens": 3500, "stream": stream,
+                               "messages": [{"role": "user", "content": "Hello!"}]}).encode()
+            with socket.create_connection(("127.0.0.1", served.port)) as sock:
+                sock.sendall(b"POST /v1/messages HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                             + f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+                time.sleep(0.4)
+            left = time.monotonic()
+            while served.state.queued and time.monotonic() - left < 30:
+                time.sleep(0.01)
+            assert served.state.queued == 0 and time.monotonic() - left < 5
+            (_, cache), = served.state.pool._entries
+            assert len(cache) < 1500  # the reply stopped well short of its 3500 tokens
