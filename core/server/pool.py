@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import shutil
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -51,9 +50,9 @@ class CachePool:
         self.max_spill_bytes = max_spill_bytes
         self._entries: list[tuple[Messages, PromptCache]] = []  # least recently used first
         self._spilled: list[_Spilled] = []  # oldest first
-        if self.spill_dir is not None:  # files of an earlier run: their conversations are not known here
-            shutil.rmtree(self.spill_dir, ignore_errors=True)
-            self.spill_dir.mkdir(parents=True)
+        if self.spill_dir is not None:
+            self.spill_dir.mkdir(parents=True, exist_ok=True)
+            self._remove_files()  # an earlier run's: their conversations are not known here
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -112,7 +111,15 @@ class CachePool:
             spilled.written.exception()
         self._spilled = []
         if self.spill_dir is not None:
-            shutil.rmtree(self.spill_dir, ignore_errors=True)
+            self._remove_files()
+            if not any(self.spill_dir.iterdir()):
+                self.spill_dir.rmdir()
+
+    def _remove_files(self) -> None:
+        """Remove the spill files (only those: the folder may hold what is not ours)."""
+        assert self.spill_dir is not None
+        for path in self.spill_dir.glob("*.cache"):
+            path.unlink(missing_ok=True)
 
 
 def _remover(path: Path) -> Callable[[Future[None]], None]:
