@@ -1,11 +1,14 @@
 """``python -m benchmarks.load``: many clients against ``mlxchat serve`` on the demo model.
 
-Each of ``--clients`` threads holds its own conversation of ``--requests`` chat.completions requests
-(capitals, arithmetic, and weather questions answered through the demo's tool, so tool results are
-requests too), each request carrying the whole conversation, greedy. Then every request is sent again,
-alone, one at a time: each reply must equal the one it got under load. Reported: errors, mismatches,
-latency percentiles, the share of prompt tokens served from cache, and the idle cache pool's bytes
-against its bound. Results go to ``benchmarks/results/load.json`` (and ``.md``).
+Each of ``--clients`` threads holds its own conversation of ``--requests`` requests (capitals, arithmetic,
+and weather questions answered through the demo's tool, so tool results are requests too), greedy, on one
+API (``--api``): ``chat`` sends each request with the whole conversation to ``/v1/chat/completions``;
+``responses`` sends only the new input to ``/v1/responses``, continuing the previous response by
+``previous_response_id``. Then every request is sent again, alone, one at a time (for ``responses`` with
+``store: false``, so the chain stays as it was): each reply must equal the one it got under load. Reported:
+errors, mismatches, latency percentiles, the share of prompt tokens served from cache, and the idle cache
+pool's bytes against its bound. Results go to ``benchmarks/results/load.json`` (and ``.md``;
+``load-responses.*`` for the Responses API).
 """
 
 from __future__ import annotations
@@ -42,8 +45,10 @@ def percentile(values: list[float], q: float) -> float:
 
 
 class Client:
-    """One conversation: each request adds the last reply and either the tool results it asked for or
-    a new question."""
+    """One conversation: each request adds the last reply and either the tool results it asked for or a new
+    question. Subclasses say how a request is written and a reply read."""
+
+    path = ""
 
     def __init__(self, index: int, url: str, requests: int, max_tokens: int):
         from mlxchat.demo.world import DEMO_TOOLS
@@ -51,60 +56,153 @@ class Client:
         self.rng = random.Random(index)
         self.url, self.requests, self.max_tokens = url, requests, max_tokens
         self.tools = {t.name: t for t in DEMO_TOOLS}
-        self.schemas = [t.schema for t in DEMO_TOOLS]
-        self.messages: list[dict[str, Any]] = []
         self.sent: list[dict[str, Any]] = []
-        self.replies: list[dict[str, Any] | None] = []
+        self.replies: list[Any] = []
         self.latencies: list[float] = []
         self.errors: list[str] = []
         self.prompt_tokens = self.cached_tokens = 0
-
-    def body(self) -> dict[str, Any]:
-        return {"model": "demo", "messages": list(self.messages), "tools": self.schemas, "temperature": 0,
-                "max_tokens": self.max_tokens}
 
     def run(self) -> None:
         import httpx
 
         with httpx.Client(timeout=600) as http:
             for _ in range(self.requests):
-                if not self.messages or self.messages[-1]["role"] == "assistant":
-                    self.messages.append({"role": "user", "content": question(self.rng)})
                 body = self.body()
                 started = time.monotonic()
                 try:
-                    response = http.post(f"{self.url}/v1/chat/completions", json=body)
+                    response = http.post(f"{self.url}{self.path}", json=body)
                     response.raise_for_status()
                     data = response.json()
                 except Exception as exc:  # noqa: BLE001 - counted and reported
                     self.errors.append(f"{type(exc).__name__}: {exc}")
                     self.replies.append(None)
                     self.sent.append(body)
-                    self.messages = []
+                    self.restart()
                     continue
                 self.latencies.append(time.monotonic() - started)
                 self.sent.append(body)
-                message = data["choices"][0]["message"]
-                self.replies.append(message)
-                self.prompt_tokens += data["usage"]["prompt_tokens"]
-                self.cached_tokens += data["usage"]["prompt_tokens_details"]["cached_tokens"]
-                self.messages.append({k: v for k, v in message.items() if v is not None})
-                for call in message.get("tool_calls") or []:
-                    tool = self.tools.get(call["function"]["name"])
-                    arguments = json.loads(call["function"]["arguments"])
-                    result = tool(**arguments) if tool else "unknown tool"
-                    self.messages.append({"role": "tool", "tool_call_id": call["id"], "content": result})
+                self.replies.append(self.reply(data))
+                self.prompt_tokens += self.prompt_of(data)
+                self.cached_tokens += self.cached_of(data)
+                self.record(data)
+
+    def call(self, name: str, arguments: str) -> str:
+        tool = self.tools.get(name)
+        return tool(**json.loads(arguments)) if tool else "unknown tool"
+
+    def alone(self, body: dict[str, Any]) -> dict[str, Any]:
+        """The request to send again alone."""
+        return body
+
+    def body(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def reply(self, data: dict[str, Any]) -> Any:
+        raise NotImplementedError
+
+    def prompt_of(self, data: dict[str, Any]) -> int:
+        raise NotImplementedError
+
+    def cached_of(self, data: dict[str, Any]) -> int:
+        raise NotImplementedError
+
+    def record(self, data: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def restart(self) -> None:
+        raise NotImplementedError
+
+
+class ChatClient(Client):
+    """chat.completions: every request carries the whole conversation."""
+
+    path = "/v1/chat/completions"
+
+    def __init__(self, index: int, url: str, requests: int, max_tokens: int):
+        super().__init__(index, url, requests, max_tokens)
+        self.messages: list[dict[str, Any]] = []
+
+    def body(self) -> dict[str, Any]:
+        if not self.messages or self.messages[-1]["role"] == "assistant":
+            self.messages.append({"role": "user", "content": question(self.rng)})
+        return {"model": "demo", "messages": list(self.messages), "tools": [t.schema for t in self.tools.values()],
+                "temperature": 0, "max_tokens": self.max_tokens}
+
+    def reply(self, data: dict[str, Any]) -> Any:
+        return data["choices"][0]["message"]
+
+    def prompt_of(self, data: dict[str, Any]) -> int:
+        return int(data["usage"]["prompt_tokens"])
+
+    def cached_of(self, data: dict[str, Any]) -> int:
+        return int(data["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+    def record(self, data: dict[str, Any]) -> None:
+        message = self.reply(data)
+        self.messages.append({k: v for k, v in message.items() if v is not None})
+        for call in message.get("tool_calls") or []:
+            self.messages.append({"role": "tool", "tool_call_id": call["id"],
+                                  "content": self.call(call["function"]["name"], call["function"]["arguments"])})
+
+    def restart(self) -> None:
+        self.messages = []
+
+
+class ResponsesClient(Client):
+    """Responses: each request sends the new input and continues the previous response."""
+
+    path = "/v1/responses"
+
+    def __init__(self, index: int, url: str, requests: int, max_tokens: int):
+        super().__init__(index, url, requests, max_tokens)
+        self.previous: str | None = None
+        self.pending: list[dict[str, Any]] = []
+
+    def body(self) -> dict[str, Any]:
+        items = self.pending or [{"role": "user", "content": question(self.rng)}]
+        tools = [{"type": "function", "name": t.name, "description": t.description,
+                  "parameters": t.schema["function"]["parameters"]} for t in self.tools.values()]
+        return {"model": "demo", "input": items, "previous_response_id": self.previous, "tools": tools,
+                "temperature": 0, "max_output_tokens": self.max_tokens}
+
+    def alone(self, body: dict[str, Any]) -> dict[str, Any]:
+        return {**body, "store": False}
+
+    def reply(self, data: dict[str, Any]) -> Any:
+        """The output without its item ids (new on every response)."""
+        return [{k: v for k, v in item.items() if k != "id"} for item in data["output"]]
+
+    def prompt_of(self, data: dict[str, Any]) -> int:
+        return int(data["usage"]["input_tokens"])
+
+    def cached_of(self, data: dict[str, Any]) -> int:
+        return int(data["usage"]["input_tokens_details"]["cached_tokens"])
+
+    def record(self, data: dict[str, Any]) -> None:
+        self.previous = data["id"]
+        self.pending = [{"type": "function_call_output", "call_id": item["call_id"],
+                         "output": self.call(item["name"], item["arguments"])}
+                        for item in data["output"] if item["type"] == "function_call"]
+
+    def restart(self) -> None:
+        self.previous, self.pending = None, []
+
+
+CLIENTS: dict[str, type[Client]] = {"chat": ChatClient, "responses": ResponsesClient}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.load", description=__doc__.split("\n")[0])
+    parser.add_argument("--api", choices=sorted(CLIENTS), default="chat")
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--requests", type=int, default=10, help="requests per client")
     parser.add_argument("--max-tokens", type=int, default=120)
     parser.add_argument("--caches", type=int, default=4)
     parser.add_argument("--max-cache-gb", type=float, default=0.05)
-    parser.add_argument("--out", type=Path, default=RESULTS / "load.json")
+    parser.add_argument("--out", type=Path, help="results file (default: results/load.json, or "
+                                                  "load-responses.json for --api responses)")
     args = parser.parse_args(argv)
+    args.out = args.out or RESULTS / ("load.json" if args.api == "chat" else f"load-{args.api}.json")
 
     import uvicorn
 
@@ -125,7 +223,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     url = f"http://127.0.0.1:{port}"
     pool = app.state.mlxchat.pool
 
-    clients = [Client(i, url, args.requests, args.max_tokens) for i in range(args.clients)]
+    clients = [CLIENTS[args.api](i, url, args.requests, args.max_tokens) for i in range(args.clients)]
     threads = [threading.Thread(target=c.run) for c in clients]
     started = time.monotonic()
     peak_pool = 0
@@ -144,9 +242,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for body, reply in zip(c.sent, c.replies, strict=True):
                 if reply is None:
                     continue
-                alone = http.post(f"{url}/v1/chat/completions", json=body).json()["choices"][0]["message"]
+                alone = c.reply(http.post(f"{url}{c.path}", json=c.alone(body)).json())
                 if alone != reply:
-                    mismatches.append({"request": body["messages"][-1], "load": reply, "alone": alone})
+                    mismatches.append({"request": body, "load": reply, "alone": alone})
     server.should_exit = True
     thread.join()
 
@@ -156,6 +254,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results = {
         "when": time.strftime("%Y-%m-%d %H:%M"),
         "host": describe(),
+        "api": args.api,
         "clients": args.clients,
         "requests_per_client": args.requests,
         "requests": len(latencies) + sum(len(c.errors) for c in clients),
@@ -179,13 +278,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return results
 
 
+API_NAMES = {"chat": "chat.completions", "responses": "Responses"}
+API_WAYS = {"chat": "each request carrying its whole conversation",
+            "responses": "each request sending its new input with previous_response_id"}
+
+
 def markdown(r: dict[str, Any]) -> str:
     latency = r["latency_s"]
     pool = r["pool"]
     return (
         f"# Load test ({r['when']}, {r['host']['cpu']}, {r['host']['cores']} cores)\n\n"
-        f"{r['clients']} clients x {r['requests_per_client']} chat.completions requests on the demo model, greedy, "
-        f"each request carrying its whole conversation (tool results included).\n\n"
+        f"{r['clients']} clients x {r['requests_per_client']} {API_NAMES[r.get('api', 'chat')]} requests on the demo "
+        f"model, greedy, {API_WAYS[r.get('api', 'chat')]} (tool results included).\n\n"
         "| requests | errors | mismatches vs alone | req/s | p50 s | p90 s | p99 s | cached prompt share | "
         "pool peak / bound |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- |\n"
         f"| {r['requests']} | {len(r['errors'])} | {len(r['mismatches'])} | {r['requests_per_second']} | "

@@ -5,6 +5,10 @@
   suffices)? Snapshots hold references to immutable MLX arrays, so taking one copies nothing.
 - ``restore(snapshot)``: go back to a snapshot's position.
 
+Every kind also says what saving it takes (``state_dict``: named arrays and JSON fields) and takes that
+back (``load_state``, checking it), so a prompt cache can go to disk and come back exactly
+(:mod:`mlxchat.persistence`).
+
 A full-attention KV cache trims to any earlier position. A state that summarises the whole past (a conv
 window, a linear-attention matrix) cannot be trimmed and returns to earlier positions only through
 snapshots; :class:`mlxchat.prompt_cache.PromptCache` takes those at turn boundaries.
@@ -15,6 +19,10 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
+
+from .errors import SavedStateError
+
+Arrays = dict[str, mx.array]
 
 
 class LayerCache:
@@ -45,6 +53,33 @@ class LayerCache:
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.state if a is not None)
+
+    def state_dict(self) -> tuple[Arrays, dict[str, Any]]:
+        """The arrays (by name) and the JSON fields that hold this cache's state."""
+        return {}, {"offset": self.offset}
+
+    def load_state(self, arrays: Arrays, fields: dict[str, Any]) -> None:
+        """Take back what :meth:`state_dict` gave (read from a file: checked, :class:`SavedStateError`)."""
+        self.offset = _count(fields, "offset")
+
+
+def _count(fields: dict[str, Any], name: str) -> int:
+    value = fields.get(name)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise SavedStateError(f"a layer cache's {name} must be a non-negative integer, got {value!r}")
+    return value
+
+
+def _pair(arrays: Arrays, tokens: int | None, owner: str) -> tuple[mx.array | None, mx.array | None]:
+    """Saved keys and values: both or neither, ``[batch, heads, tokens, dim]`` of one batch, head count and
+    token count (``tokens``, when it is known)."""
+    keys, values = arrays.get("keys"), arrays.get("values")
+    if keys is None and values is None:
+        return None, None
+    if keys is None or values is None or keys.ndim != 4 or values.ndim != 4 or keys.shape[:3] != values.shape[:3] \
+            or (tokens is not None and keys.shape[2] != tokens):
+        raise SavedStateError(f"{owner}: saved keys and values do not fit each other or the cache's position")
+    return keys, values
 
 
 class KeysValues(LayerCache):
@@ -94,6 +129,24 @@ class KVCache(KeysValues):
         super().trim_to(position)
         while self.shifts and self.shifts[-1][0] > position:
             self.shifts.pop()
+
+    def state_dict(self) -> tuple[Arrays, dict[str, Any]]:
+        held = {} if self.keys is None or self.values is None or not self.offset else {
+            "keys": self.keys[..., : self.offset, :], "values": self.values[..., : self.offset, :]}
+        return held, {"offset": self.offset, "shifts": [list(s) for s in self.shifts]}
+
+    def load_state(self, arrays: Arrays, fields: dict[str, Any]) -> None:
+        offset = _count(fields, "offset")
+        shifts = fields.get("shifts")
+        if not isinstance(shifts, list) or not all(
+                isinstance(s, list) and len(s) == 2 and all(isinstance(v, int) and not isinstance(v, bool) for v in s)
+                and 0 <= s[0] <= offset for s in shifts):
+            raise SavedStateError("a KV cache's shifts must be [index, shift] pairs within its tokens")
+        self.keys, self.values = _pair(arrays, offset, "a KV cache")
+        if offset and self.keys is None:
+            raise SavedStateError("a KV cache that holds tokens was saved without its keys and values")
+        self.offset = offset
+        self.shifts = [(index, shift) for index, shift in shifts]
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Append this chunk's keys and values; return everything cached so far."""
@@ -145,6 +198,17 @@ class StateCache(LayerCache):
     @property
     def state(self) -> list[mx.array | None]:
         return self.arrays
+
+    def state_dict(self) -> tuple[Arrays, dict[str, Any]]:
+        return ({str(i): a for i, a in enumerate(self.arrays) if a is not None},
+                {"offset": self.offset, "size": len(self.arrays)})
+
+    def load_state(self, arrays: Arrays, fields: dict[str, Any]) -> None:
+        if fields.get("size") != len(self.arrays) or set(arrays) - {str(i) for i in range(len(self.arrays))}:
+            raise SavedStateError(f"a state cache of {len(self.arrays)} arrays was saved with "
+                                  f"{fields.get('size')!r}")
+        self.offset = _count(fields, "offset")
+        self.arrays = [arrays.get(str(i)) for i in range(len(self.arrays))]
 
 
 def cache_arrays(layers: list[LayerCache]) -> list[mx.array]:
@@ -223,3 +287,17 @@ class SlidingWindowCache(KeysValues):
 
     def restore(self, snapshot: Any) -> None:
         self.offset, self.start, self.keys, self.values = snapshot
+
+    def state_dict(self) -> tuple[Arrays, dict[str, Any]]:
+        held = {} if self.keys is None or self.values is None else {"keys": self.keys, "values": self.values}
+        return held, {"offset": self.offset, "start": self.start, "window": self.window}
+
+    def load_state(self, arrays: Arrays, fields: dict[str, Any]) -> None:
+        offset, start = _count(fields, "offset"), _count(fields, "start")
+        if fields.get("window") != self.window or not max(0, offset - self.window) <= start <= offset:
+            raise SavedStateError(f"a sliding-window cache of {self.window} tokens was saved with window "
+                                  f"{fields.get('window')!r}, start {start} and offset {offset}")
+        keys, values = _pair(arrays, self.window if offset else None, "a sliding-window cache")
+        if offset and keys is None:
+            raise SavedStateError("a sliding-window cache that holds tokens was saved without its keys and values")
+        self.offset, self.start, self.keys, self.values = offset, start, keys, values

@@ -102,16 +102,24 @@ def build_parser() -> argparse.ArgumentParser:
                                            "Ctrl-D quits.")
     _sampling_args(chat)
 
-    serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP API (needs mlxchat[server])",
+    serve = commands.add_parser("serve", help="an OpenAI- and Anthropic-compatible HTTP API (needs mlxchat[server])",
                                 formatter_class=_Formatter,
-                                description="Serve POST /v1/chat/completions (streaming, tools, reasoning), "
-                                            "GET /v1/models and GET /health for one model; requests reuse "
-                                            "cached prompts. See the README's 'Running the server safely'.")
+                                description="Serve POST /v1/chat/completions, the Responses API (/v1/responses, "
+                                            "stored and continued by previous_response_id), Anthropic's POST "
+                                            "/v1/messages, GET /v1/models and GET /health for one model; requests "
+                                            "reuse cached prompts. See the README's 'Running the server safely'.")
     _model_args(serve)
     serve.add_argument("--host", default="127.0.0.1",
                        help="address to bind (on a loopback address only loopback Host names are accepted)")
     serve.add_argument("--port", type=int, default=8000, help="port to listen on")
-    serve.add_argument("--name", help="the model id clients use (default: the checkpoint folder's name)")
+    serve.add_argument("--served-model-name", "--name", dest="name", metavar="NAME",
+                       help="the model id clients use; requests naming another get 404 (default: the checkpoint's "
+                            "Hub repo id or folder name)")
+    serve.add_argument("--store", default=str(_default_store()), metavar="PATH",
+                       help="SQLite file keeping stored responses across restarts (':memory:' keeps them only "
+                            "while the server runs)")
+    serve.add_argument("--max-spill-gb", type=float, default=8.0,
+                       help="disk for prompt caches evicted from memory, in PATH.spill beside the store (0: none)")
     serve.add_argument("--api-key", default=os.environ.get("MLXCHAT_API_KEY"),
                        help="require 'Authorization: Bearer KEY' on every route but /health (default: "
                             "$MLXCHAT_API_KEY, else no key)")
@@ -186,7 +194,8 @@ def _serve(args: argparse.Namespace) -> int:
     values = {"model_name": args.name, "api_key": args.api_key or None, "caches": args.caches,
               "max_cache_gb": args.max_cache_gb, "max_body_mb": args.max_body_mb, "max_queue": args.max_queue,
               "max_connections": args.max_connections, "header_timeout": args.header_timeout,
-              "cors_origins": args.cors_origin, "allow_remote_images": args.allow_remote_images}
+              "cors_origins": args.cors_origin, "allow_remote_images": args.allow_remote_images,
+              "store": args.store, "max_spill_gb": args.max_spill_gb}
     try:
         settings = ServerSettings.model_validate(values)
     except ValidationError as exc:
@@ -194,6 +203,12 @@ def _serve(args: argparse.Namespace) -> int:
     _check_context_length(args)
     serve(_load(args), host=args.host, port=args.port, settings=settings)
     return 0
+
+
+def _default_store() -> Path:
+    """``$XDG_DATA_HOME/mlxchat/store.sqlite3`` (``~/.local/share`` when unset)."""
+    data = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(data) / "mlxchat" / "store.sqlite3"
 
 
 def _check_context_length(args: argparse.Namespace) -> None:

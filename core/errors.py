@@ -52,5 +52,10 @@ class SessionStateError(MlxchatError):
     """A session call that does not fit the conversation as it stands (e.g. unanswered tool calls)."""
 
 
+class SavedStateError(MlxchatError):
+    """A saved session or prompt cache cannot be loaded: the file is not one, is damaged, or was written
+    for another model (the message says which part differs)."""
+
+
 class StreamConsumedError(MlxchatError):
     """A stream was iterated a second time."""

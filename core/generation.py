@@ -9,8 +9,9 @@ knows exactly what it holds.
 
 from __future__ import annotations
 
+import itertools
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
 
 import mlx.core as mx
@@ -57,6 +58,14 @@ class GenerationConfig(BaseModel):
     """More keyword arguments for the chat template (chat only)."""
     prefill_step: int = Field(512, ge=1, le=16384)
     """Prompt tokens per prefill chunk."""
+    reply_prefix: str = ""
+    """Text the reply is made to start with (a tool-call opener, say): its tokens count as the reply's first,
+    streamed, parsed and returned like generated ones, and the model writes on from there. Control-token
+    text in it becomes the control token, as in the model's own output."""
+    reply_prefix_after: tuple[str, str] | None = None
+    """``(opener, closer)`` of what a model may write before :attr:`reply_prefix` (its reasoning): when the
+    reply's first token opens ``opener`` (an empty opener: the prompt already opened it), the prefix follows
+    the model's ``closer``; otherwise it comes at once."""
 
     @field_validator("seed", mode="before")
     @classmethod
@@ -260,18 +269,36 @@ def stream_generation(
     hit = False
     if not prompt:
         raise ValueError("cannot generate from an empty prompt")
-    stats.cached, pending = cache.prefill(module, prompt, snapshot_at=snapshot_at, step=config.prefill_step,
-                                          cancel=cancel)
+    forced = tokenizer.encode(config.reply_prefix)[: config.max_tokens] if config.reply_prefix else []
+    after = config.reply_prefix_after
+    at_once = forced if after is None else []
+    ids = [*(prompt.ids if isinstance(prompt, MultimodalPrompt) else prompt), *at_once]
+    full = MultimodalPrompt(tuple(ids), prompt.images) if isinstance(prompt, MultimodalPrompt) else ids
+    reused, pending = cache.prefill(module, full, snapshot_at=snapshot_at, step=config.prefill_step, cancel=cancel)
+    stats.cached = min(reused, len(prompt))
     adjust = LogitsAdjuster(vocab_size, config.repetition_penalty, config.presence_penalty,
                             config.frequency_penalty, config.logit_bias)
-    adjust.start(prompt.ids if isinstance(prompt, MultimodalPrompt) else prompt)
+    adjust.start(ids)
     sampler = make_sampler(config.temperature, config.top_p, config.top_k, config.min_p, config.seed)
-    tokens = iter(()) if cancel else decode_tokens(module, cache, pending, sampler, config.max_tokens,
-                                                   adjust=adjust, stats=stats)
+
+    def decode(start: Sequence[int], budget: int) -> Iterator[int]:
+        return decode_tokens(module, cache, start, sampler, budget, adjust=adjust, stats=stats) if budget > 0 \
+            else iter(())
+
+    if cancel:
+        tokens: Iterator[int] = iter(())
+    elif not forced:
+        tokens = decode(pending, config.max_tokens)
+    elif after is None:
+        tokens = itertools.chain(forced, decode(pending, config.max_tokens - len(forced)))
+    else:
+        tokens = _prefixed_after(decode, tokenizer, pending, forced, after, config.max_tokens)
+    produced = 0
     for token in tokens:
         if token in eos_ids:
             finish = "stop"
             break
+        produced += 1
         text, hit = stops.feed(detok.add(token))
         yield GenerationChunk(text=text, token=token)
         if hit:
@@ -286,4 +313,39 @@ def stream_generation(
         tail = text if hit else text + stops.flush()
         if tail:
             yield GenerationChunk(text=tail)
+    if forced:  # decoding ran in parts: count the reply as a whole
+        stats.tokens = produced + (finish == "stop" and not hit)
     yield GenerationChunk(finish_reason=finish, report=make_report(len(prompt), stats, finish))
+
+
+def _prefixed_after(decode: Callable[[Sequence[int], int], Iterator[int]], tokenizer: Tokenizer,
+                    pending: Sequence[int], prefix: list[int], after: tuple[str, str], budget: int) -> Iterator[int]:
+    """Reply tokens with ``prefix`` after the model's reasoning (see ``GenerationConfig.reply_prefix_after``).
+
+    A token reaches the reader after its forward pass is queued, so a decode stopped there leaves the cache
+    holding exactly what was read: the next token, already sampled, is dropped and the prefix is fed
+    instead. The first token is sampled alone (not fed) to see whether it opens the reasoning."""
+    def prefixed(budget: int) -> Iterator[int]:
+        forced = prefix[:budget]
+        yield from forced
+        yield from decode(forced, budget - len(forced))
+
+    opener, closer = after
+    seen = ""
+    if opener:
+        first = next(decode(pending, 1), None)
+        seen = tokenizer.decode([first]).lstrip() if first is not None else ""
+        if first is None or not seen or not (opener.startswith(seen) or seen.startswith(opener)):
+            yield from prefixed(budget)
+            return
+        yield first
+        pending, budget = [first], budget - 1
+    model = decode(pending, budget)
+    for token in model:
+        yield token
+        budget -= 1
+        seen = (seen + tokenizer.decode([token]))[-4 * len(closer):]
+        if closer in seen:
+            model.close()  # type: ignore[attr-defined]  # a generator
+            yield from prefixed(budget)
+            return

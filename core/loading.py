@@ -167,10 +167,15 @@ def build_model(
     )
 
 
-def load_session(path_or_repo: str | os.PathLike[str] | None = None, **options: Any) -> ChatSession:
+def load_session(path_or_repo: str | os.PathLike[str] | None = None, *,
+                 resume: str | os.PathLike[str] | None = None, **options: Any) -> ChatSession:
     """Load a model and open a chat session over it in one step. ``options`` are
     :class:`~mlxchat.session.ChatSession`'s where it takes them (``system``, ``tools``, ``auto_tools``,
-    ``context_policy``, ...) and :func:`load_model`'s otherwise (``dtype``, ``context_length``, ...)."""
+    ``context_policy``, ...) and :func:`load_model`'s otherwise (``dtype``, ``context_length``, ...).
+
+    ``resume``: a file :meth:`ChatSession.save` wrote; the session goes on from it (its transcript, system
+    prompt included, and its prompt cache); session options given here replace the saved ones.
+    """
     import inspect
 
     from .session import ChatSession
@@ -178,6 +183,8 @@ def load_session(path_or_repo: str | os.PathLike[str] | None = None, **options: 
     session_names = set(inspect.signature(ChatSession.__init__).parameters) - {"self", "model"}
     session_options = {k: v for k, v in options.items() if k in session_names}
     model = load_model(path_or_repo, **{k: v for k, v in options.items() if k not in session_names})
+    if resume is not None:
+        return ChatSession.load(model, resume, **session_options)
     return model.chat_session(**session_options)
 
 

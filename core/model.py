@@ -16,7 +16,15 @@ from .errors import ContextLengthError, GenerationError, ImageError, InvalidInpu
 from .generation import GenerationChunk, GenerationConfig, GenerationResult, stream_generation
 from .images import ImageProcessor, ImageSource, ProcessedImage
 from .limits import check_text, check_token_ids
-from .multimodal import ImageTokens, MultimodalPrompt, VisionModule, encode_images, expand_images, split_image_parts
+from .multimodal import (
+    ImageTokens,
+    MultimodalPrompt,
+    VisionModule,
+    chunk_bounds,
+    encode_images,
+    expand_images,
+    split_image_parts,
+)
 from .prompt_cache import DEFAULT_MAX_SNAPSHOTS, PromptCache
 from .tokenizer import Tokenizer
 from .worker import Cancelled, Worker
@@ -162,6 +170,14 @@ class GenerativeModel:
         """The chat prompt as text only (no tokenizing)."""
         template, schemas, kwargs = self._template_call(tools, template_kwargs)
         return template.render(messages, tools=schemas, add_generation_prompt=add_generation_prompt, **kwargs)
+
+    def generation_prompt(self, messages: Sequence[Any], *, tools: Sequence[Any] | None = None,
+                          **template_kwargs: Any) -> str:
+        """The text the chat template writes after ``messages`` to open the reply (``<|im_start|>assistant``,
+        say, with a reasoning block it opened, or opened and closed)."""
+        text = self.render_text(messages, tools=tools, add_generation_prompt=True, **template_kwargs)
+        head = self.render_text(messages, tools=tools, add_generation_prompt=False, **template_kwargs)
+        return text[len(head):] if text.startswith(head) else text
 
     def _template_call(self, tools: Sequence[Any] | None,
                        template_kwargs: dict[str, Any]) -> tuple[ChatTemplate, list[Any] | None, dict[str, Any]]:
@@ -371,6 +387,54 @@ class GenerativeModel:
         except Exception as exc:
             cache.clear()
             raise GenerationError(f"generation failed: {exc}") from exc
+
+    def reply_logprobs(self, cache: PromptCache, start: int, tokens: Sequence[int],
+                       top: int = 0) -> list[tuple[float, list[tuple[int, float]]]]:
+        """Log-probabilities of a reply that just ran on ``cache``, whose ``tokens`` followed its first ``start``
+        tokens: for each, its own and the ``top`` likeliest tokens' there, under the model's distribution
+        (before temperature, penalties and biases).
+
+        One pass over the reply: the cache goes back to ``start - 1`` (by trimming, or through the snapshot a
+        turn takes before its last prompt token) and runs the reply again (and the stop token it held),
+        taking its snapshots again where it had them and at the end, so the next turn reuses it as before.
+        """
+        reply = list(tokens)
+
+        def run() -> list[tuple[float, list[tuple[int, float]]]]:
+            held = list(cache.tokens)
+            ids = held[:start] + reply
+            if held[start : start + len(reply)] == reply:
+                ids += held[start + len(reply):]  # the stop token the cache also held
+            snapshots = cache.snapshot_positions  # taken again on the way (the next turn may return to them)
+            at = cache.reuse(ids[:start])
+            if any(first + length > at for first, length, _ in cache.images):
+                raise InvalidInputError("log-probabilities of a reply are not computed across an image")
+            scored: list[tuple[float, list[tuple[int, float]]]] = []
+            for a, b in chunk_bounds(at, len(ids), 256, snapshots):
+                chunk = ids[a:b]
+                logits = self.module(mx.array(chunk)[None], cache.layers)[0].astype(mx.float32)
+                cache.feed(chunk)
+                if b in snapshots:
+                    cache.snapshot()
+                first, last = max(start - 1, a), min(start - 1 + len(reply), b)
+                if first >= last:
+                    continue
+                rows = logits[first - a : last - a]
+                logprobs = rows - mx.logsumexp(rows, axis=-1, keepdims=True)
+                chosen = mx.take_along_axis(logprobs, mx.array(reply[first + 1 - start : last + 1 - start])[:, None],
+                                            axis=-1)[:, 0]
+                best = mx.argsort(-logprobs, axis=-1)[:, :top] if top else mx.zeros((len(rows), 0), mx.int32)
+                best_lp = mx.take_along_axis(logprobs, best, axis=-1)
+                mx.eval(chosen, best, best_lp)
+                values: list[float] = chosen.tolist()  # type: ignore[assignment]
+                alternatives: list[list[int]] = best.tolist()  # type: ignore[assignment]
+                their: list[list[float]] = best_lp.tolist()  # type: ignore[assignment]
+                for value, ids_row, lp_row in zip(values, alternatives, their, strict=True):
+                    scored.append((value, list(zip(ids_row, lp_row, strict=True))))
+            cache.snapshot()
+            return scored
+
+        return self.worker.run(run)
 
     def chat_session(self, system: str | None = None, **options: Any) -> ChatSession:
         """A new conversation over this model (it owns its cache; the model stays shared). ``options`` are

@@ -15,13 +15,14 @@ both (see :mod:`mlxchat.multimodal`).
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
-from .cache import LayerCache, cache_arrays
-from .errors import ImageError
+from .cache import Arrays, LayerCache, cache_arrays
+from .errors import ImageError, SavedStateError
 from .multimodal import ImageKey, MultimodalPrompt, chunk_bounds, encode_images
 
 if TYPE_CHECKING:
@@ -167,6 +168,79 @@ class PromptCache:
     def arrays(self) -> list[Any]:
         return cache_arrays(self.layers)
 
+    def state_dict(self) -> tuple[Arrays, dict[str, Any]]:
+        """Everything that makes this cache what it is, as named arrays and JSON fields: the tokens and
+        images it holds, each layer's state, and each snapshot (saved as the state its layer would hold
+        there: a copy of the layer restored to it), so that :meth:`load_state` brings back the same cache."""
+        arrays: Arrays = {}
+        layers = []
+        for i, layer in enumerate(self.layers):
+            named, fields = layer.state_dict()
+            arrays.update({f"layers.{i}.{name}": a for name, a in named.items()})
+            layers.append({"kind": type(layer).__name__, **fields})
+        snapshots: dict[str, list[dict[str, Any] | None]] = {}
+        for position, saved in sorted(self._snapshots.items()):
+            entries: list[dict[str, Any] | None] = []
+            for i, (layer, snapshot) in enumerate(zip(self.layers, saved, strict=True)):
+                if snapshot is None:
+                    entries.append(None)
+                    continue
+                shadow = copy.copy(layer)
+                shadow.restore(snapshot)
+                named, fields = shadow.state_dict()
+                arrays.update({f"snapshots.{position}.{i}.{name}": a for name, a in named.items()})
+                entries.append(fields)
+            snapshots[str(position)] = entries
+        return arrays, {"tokens": list(self.tokens), "images": [list(key) for key in self.images], "layers": layers,
+                        "snapshots": snapshots, "max_snapshots": self.max_snapshots}
+
+    def load_state(self, arrays: Arrays, fields: dict[str, Any]) -> None:
+        """Become the cache :meth:`state_dict` described (fresh layers of this model take the saved states;
+        anything that does not fit them is a :class:`SavedStateError` and leaves this cache empty). The
+        caller checks the token ids against the vocabulary."""
+        self.clear()
+        try:
+            self._load(arrays, fields)
+        except (SavedStateError, KeyError, TypeError, ValueError, AttributeError) as exc:
+            self.clear()
+            if isinstance(exc, SavedStateError):
+                raise
+            raise SavedStateError(f"the saved prompt cache is malformed ({type(exc).__name__}: {exc})") from None
+
+    def _load(self, arrays: Arrays, fields: dict[str, Any]) -> None:
+        tokens, images, layers = fields["tokens"], fields["images"], fields["layers"]
+        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+            raise SavedStateError("the saved tokens are not a list of token ids")
+        kinds = [type(layer).__name__ for layer in self.layers]
+        if [layer.get("kind") for layer in layers] != kinds:
+            raise SavedStateError(f"the saved cache's layers ({', '.join(str(x.get('kind')) for x in layers)}) are "
+                                  f"not this model's ({', '.join(kinds)})")
+        for i, layer in enumerate(self.layers):
+            layer.load_state(_under(arrays, f"layers.{i}."), layers[i])
+            if layer.offset != len(tokens):
+                raise SavedStateError(f"layer {i} was saved at position {layer.offset}, with {len(tokens)} tokens")
+        snapshots: dict[int, list[Any]] = {}
+        for key, entries in fields["snapshots"].items():
+            position = int(key)
+            if not 0 < position <= len(tokens) or len(entries) != len(self.layers):
+                raise SavedStateError(f"a snapshot at {key!r} does not fit a cache of {len(tokens)} tokens")
+            saved: list[Any] = []
+            for i, (layer, entry) in enumerate(zip(self.layers, entries, strict=True)):
+                if entry is None:
+                    saved.append(None)
+                    continue
+                shadow = copy.copy(layer)
+                shadow.load_state(_under(arrays, f"snapshots.{key}.{i}."), entry)
+                if shadow.offset != position:
+                    raise SavedStateError(f"layer {i}'s snapshot at {position} was saved at {shadow.offset}")
+                saved.append(shadow.snapshot())
+            snapshots[position] = saved
+        keys = [(int(start), int(length), str(digest)) for start, length, digest in images]
+        if any(not 0 <= start < start + length <= len(tokens) for start, length, _ in keys):
+            raise SavedStateError("a saved image lies outside the saved tokens")
+        self.tokens, self.images, self._snapshots = list(tokens), keys, snapshots
+        self.max_snapshots = max(int(fields["max_snapshots"]), 1)
+
     @property
     def nbytes(self) -> int:
         """Memory the layer caches and their snapshots hold (an array shared by several counts once)."""
@@ -179,3 +253,7 @@ class PromptCache:
             elif isinstance(item, list | tuple):
                 stack.extend(item)
         return sum(seen.values())
+
+
+def _under(arrays: Arrays, prefix: str) -> Arrays:
+    return {name[len(prefix):]: a for name, a in arrays.items() if name.startswith(prefix)}

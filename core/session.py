@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import queue
 import re
 import threading
@@ -738,6 +739,21 @@ class ChatSession:
         self._closed = True
         self._cache = None
 
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Save the conversation and its prompt cache (snapshots included) to one file; :meth:`load` resumes
+        it with nothing to prefill again (see :mod:`mlxchat.persistence`)."""
+        from .persistence import save_session
+
+        save_session(self, path)
+
+    @classmethod
+    def load(cls, model: SessionCapableModel, path: str | os.PathLike[str], **options: Any) -> ChatSession:
+        """The session saved at ``path``, resumed over ``model`` (the model it was saved with: another one is a
+        :class:`~mlxchat.errors.SavedStateError`); ``options`` replace saved settings (``tools``, ...)."""
+        from .persistence import restore_session
+
+        return restore_session(cls, model, path, **options)
+
     def prime_history(self, messages: Sequence[ChatMessage | dict[str, Any]]) -> None:
         """Load a stored transcript into a session that has not spoken yet (no inference runs).
 
@@ -998,6 +1014,11 @@ class ChatSession:
         self._decisions.pop(call.id, None)
         self._insert_tool_result(self._stamped(ChatMessage(role="tool", tool_call_id=call.id, name=name or call.name,
                                                            content=content)))
+
+    def _load_decisions(self, saved: dict[str, Any]) -> None:
+        """Approval decisions as :mod:`mlxchat.persistence` saved them."""
+        self._decisions = {str(call_id): _Decision(bool(d["approved"]), d.get("reason"), d.get("arguments"))
+                           for call_id, d in saved.items()}
 
     def _edit_call(self, call_id: str, arguments: dict[str, Any]) -> None:
         """Give a pending call other arguments, in the history and in the version it belongs to."""

@@ -241,3 +241,18 @@ def test_a_malformed_call_stays_in_the_conversation_as_the_text_the_model_wrote(
     assert raw in session.messages[-1].content and session.messages[-1].tool_calls is None
     follow = session.send("Try again", config=GREEDY)
     assert_matches_stateless(model, session, follow, GREEDY, [get_weather.schema])
+
+
+def test_a_session_waiting_for_an_approval_saves_and_resumes_with_its_decisions(demo, tmp_path) -> None:
+    received: list[dict] = []
+    tools = approval_tools(received)
+    session = demo.chat_session(tools=tools, auto_tools=True, max_tool_rounds=3)
+    session.send("What's the weather in Paris?", config=DEMO)
+    (call,) = session.pending_approvals
+    session.respond_to_approval(call.id, approved=True, arguments={"city": "Lima"})
+    session.save(tmp_path / "waiting.session")
+    resumed = mlxchat.ChatSession.load(demo, tmp_path / "waiting.session", tools=tools)
+    assert [m.model_dump() for m in resumed.messages] == [m.model_dump() for m in session.messages]
+    assert resumed.pending_approvals == []
+    answer = resumed.respond(config=DEMO)
+    assert received == [{"city": "Lima"}] and "Lima" in answer.text

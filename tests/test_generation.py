@@ -117,3 +117,28 @@ def test_async_generate_and_stream(model) -> None:
 def test_empty_prompt_is_refused(model) -> None:
     with pytest.raises(ValueError, match="empty prompt"):
         model.generate([], {"max_tokens": 2})
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_5", "lfm2", "gemma4"])
+def test_reply_logprobs_are_the_full_forwards_and_the_cache_goes_on(name) -> None:
+    """Rescoring a session's reply gives the log-probabilities a cache-free forward gives, and leaves the
+    cache (hybrid layers included) holding the reply, so the next turn still reuses it."""
+    import mlx.core as mx
+
+    model = loaded(name)
+    config = {"max_tokens": 8, "temperature": 0.0, "repetition_penalty": 1.3}
+    session, untouched = model.chat_session(), model.chat_session()
+    result = session.send("Hello there", config=config)
+    untouched.send("Hello there", config=config)
+    start = result.report.prompt_tokens
+    scored = model.reply_logprobs(session.cache, start, result.tokens, top=2)
+    logits = model.logits(session.cache.tokens[:start] + result.tokens)
+    rows = logits[start - 1 : start - 1 + len(result.tokens)]
+    oracle = [float(rows[i, t] - mx.logsumexp(rows[i])) for i, t in enumerate(result.tokens)]
+    assert [value for value, _ in scored] == pytest.approx(oracle, abs=1e-4)
+    assert all(len(best) == 2 and best[0][1] >= best[1][1] for _, best in scored)
+    assert session.cache.tokens[start:] == result.tokens
+    follow = session.send("And then?", config={"max_tokens": 2, "temperature": 0.0})
+    unscored = untouched.send("And then?", config={"max_tokens": 2, "temperature": 0.0})
+    assert follow.report.cached_prompt_tokens == unscored.report.cached_prompt_tokens > 0
+    assert follow.tokens == unscored.tokens

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 
 openai = pytest.importorskip("openai")
@@ -104,3 +105,117 @@ def test_messages_the_template_rejects_are_a_bad_request() -> None:
         ok = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
                                             max_tokens=3)
         assert ok.choices[0].finish_reason == "length"  # the failed request returned its cache to the pool
+
+
+# -- chat.completions, completed (on the demo model, which calls its tools for real) -------------------------
+
+from mlxchat.demo.world import DEMO_TOOLS  # noqa: E402
+
+from server_support import DEMO  # noqa: E402
+
+DEMO_SCHEMAS = [t.schema for t in DEMO_TOOLS]
+WEATHER = [{"role": "user", "content": "What's the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def demo() -> Iterator[openai.OpenAI]:
+    with served("demo") as server:
+        yield openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+def calls_of(completion) -> list[tuple[str, dict]]:
+    return [(c.function.name, json.loads(c.function.arguments)) for c in completion.choices[0].message.tool_calls or []]
+
+
+def test_the_served_model_is_named_after_the_checkpoint(demo: openai.OpenAI, tmp_path: Path) -> None:
+    from mlxchat.server.state import served_name
+
+    assert [m.id for m in demo.models.list()] == [DEMO]
+    snapshot = tmp_path / "models--Qwen--Qwen3-0.6B" / "snapshots" / "0123abcd"
+    model = type("Stub", (), {"path": snapshot, "architecture": None})()
+    assert served_name(model) == "Qwen/Qwen3-0.6B"
+    model.path = tmp_path / "my-finetune"
+    assert served_name(model) == "my-finetune"
+    with pytest.raises(openai.NotFoundError) as raised:
+        demo.chat.completions.create(model="gpt-4o", messages=WEATHER)
+    assert raised.value.body["code"] == "model_not_found"
+
+
+@pytest.mark.parametrize(("choice", "expected"), [
+    ("auto", [("get_weather", {"city": "Paris"})]),
+    ("none", []),
+    ("required", [("get_weather", {"city": "Paris"})]),
+    ({"type": "function", "function": {"name": "get_time"}}, [("get_time", {"city": "Paris"})]),
+])
+def test_tool_choice_is_honoured(demo: openai.OpenAI, choice, expected) -> None:
+    reply = demo.chat.completions.create(model=DEMO, messages=WEATHER, tools=DEMO_SCHEMAS, tool_choice=choice,
+                                         temperature=0)
+    assert calls_of(reply) == expected
+    assert reply.choices[0].finish_reason == ("tool_calls" if expected else "stop")
+
+
+def test_a_required_call_comes_even_for_a_question_that_needs_none(demo: openai.OpenAI) -> None:
+    messages = [{"role": "user", "content": "What is the capital of Italy?"}]
+    assert calls_of(demo.chat.completions.create(model=DEMO, messages=messages, tools=DEMO_SCHEMAS,
+                                                 temperature=0)) == []
+    forced = demo.chat.completions.create(model=DEMO, messages=messages, tools=DEMO_SCHEMAS, tool_choice="required",
+                                          temperature=0)
+    assert len(calls_of(forced)) == 1 and forced.choices[0].finish_reason == "tool_calls"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_parallel_tool_calls_false_keeps_the_first_call(demo: openai.OpenAI, stream: bool) -> None:
+    messages = [{"role": "user", "content": "What's the weather in Lima and the time in Oslo?"}]
+    both = demo.chat.completions.create(model=DEMO, messages=messages, tools=DEMO_SCHEMAS, temperature=0)
+    assert [name for name, _ in calls_of(both)] == ["get_weather", "get_time"]
+    if not stream:
+        one = demo.chat.completions.create(model=DEMO, messages=messages, tools=DEMO_SCHEMAS, temperature=0,
+                                           parallel_tool_calls=False)
+        assert calls_of(one) == calls_of(both)[:1] and one.choices[0].finish_reason == "tool_calls"
+        return
+    chunks = list(demo.chat.completions.create(model=DEMO, messages=messages, tools=DEMO_SCHEMAS, temperature=0,
+                                               parallel_tool_calls=False, stream=True))
+    calls = [c for chunk in chunks for choice in chunk.choices for c in choice.delta.tool_calls or []]
+    assert [c.function.name for c in calls] == ["get_weather"]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_logprobs_are_the_models_own(demo: openai.OpenAI) -> None:
+    from server_support import demo_model
+
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    reply = demo.chat.completions.create(model=DEMO, messages=messages, temperature=0, logprobs=True, top_logprobs=3)
+    content = reply.choices[0].logprobs.content
+    assert len(content) == reply.usage.completion_tokens - 1  # the end-of-turn token is not part of the reply
+    for entry in content:  # greedy: each token is its place's likeliest
+        assert len(entry.top_logprobs) == 3 and entry.top_logprobs[0].token == entry.token
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)
+        assert entry.logprob <= 0 and bytes(entry.bytes).decode() == entry.token
+    model = demo_model()
+    prompt = model.apply_chat_template(messages)
+    tokens = [model.tokenizer.token_id(e.token) or model.tokenizer.encode(e.token)[0] for e in content]
+    logits = model.logits(prompt + tokens)
+    oracle = [float(logits[len(prompt) - 1 + i, t] - mx.logsumexp(logits[len(prompt) - 1 + i]))
+              for i, t in enumerate(tokens)]
+    assert [e.logprob for e in content] == pytest.approx(oracle, abs=1e-4)
+    chunks = list(demo.chat.completions.create(model=DEMO, messages=messages, temperature=0, logprobs=True,
+                                               stream=True))
+    streamed = [e for chunk in chunks for choice in chunk.choices if choice.logprobs
+                for e in choice.logprobs.content or []]
+    assert [(e.token, round(e.logprob, 4)) for e in streamed] == [(e.token, round(e.logprob, 4)) for e in content]
+
+
+def test_n_choices_are_replies_to_the_same_prompt(demo: openai.OpenAI) -> None:
+    messages = [{"role": "user", "content": "What is 12 plus 30?"}]
+    greedy = demo.chat.completions.create(model=DEMO, messages=messages, temperature=0, n=2)
+    assert [c.index for c in greedy.choices] == [0, 1]
+    assert greedy.choices[0].message.content == greedy.choices[1].message.content == "12 + 30 = 42."
+    sampled = demo.chat.completions.create(model=DEMO, messages=messages, temperature=1.5, seed=3, n=3)
+    assert len(sampled.choices) == 3
+    alone = demo.chat.completions.create(model=DEMO, messages=messages, temperature=1.5, seed=3)
+    assert sampled.choices[0].message.content == alone.choices[0].message.content
+    assert sampled.usage.completion_tokens > alone.usage.completion_tokens
+    chunks = list(demo.chat.completions.create(model=DEMO, messages=messages, temperature=0, n=2, stream=True))
+    texts = ["".join(c.delta.content or "" for chunk in chunks for c in chunk.choices if c.index == i)
+             for i in (0, 1)]
+    assert texts == ["12 + 30 = 42."] * 2

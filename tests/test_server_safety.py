@@ -95,7 +95,17 @@ CASES: list[tuple[str, str, str, Any, dict[str, str], int]] = [
     ("max_tokens a word", "POST", "/v1/chat/completions", body(max_tokens="x"), {}, 400),
     ("max_completion_tokens 0", "POST", "/v1/chat/completions", body(max_completion_tokens=0), {}, 400),
     ("n 0", "POST", "/v1/chat/completions", body(n=0), {}, 400),
-    ("n 2", "POST", "/v1/chat/completions", body(n=2), {}, 400),
+    ("n 17", "POST", "/v1/chat/completions", body(n=17), {}, 400),
+    ("another model", "POST", "/v1/chat/completions", body(model="gpt-4o"), {}, 404),
+    ("response_format json_object", "POST", "/v1/chat/completions", body(response_format={"type": "json_object"}),
+     {}, 400),
+    ("response_format json_schema", "POST", "/v1/chat/completions", body(response_format={
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}), {}, 400),
+    ("top_logprobs without logprobs", "POST", "/v1/chat/completions", body(top_logprobs=2), {}, 400),
+    ("top_logprobs 21", "POST", "/v1/chat/completions", body(logprobs=True, top_logprobs=21), {}, 400),
+    ("tool_choice naming a function not offered", "POST", "/v1/chat/completions", body(tools=[TOOL], tool_choice={
+        "type": "function", "function": {"name": "get_time"}}), {}, 400),
+    ("tool_choice required without tools", "POST", "/v1/chat/completions", body(tool_choice="required"), {}, 400),
     ("seed 2**64", "POST", "/v1/chat/completions", body(seed=2**64), {}, 400),
     ("seed -2", "POST", "/v1/chat/completions", body(seed=-2), {}, 400),
     ("seed a word", "POST", "/v1/chat/completions", body(seed="x"), {}, 400),
@@ -133,6 +143,44 @@ CASES: list[tuple[str, str, str, Any, dict[str, str], int]] = [
     ("template kwargs a string", "POST", "/v1/chat/completions", body(chat_template_kwargs="x"), {}, 400),
     ("stream_options malformed", "POST", "/v1/chat/completions", body(stream=True, stream_options={
         "include_usage": "maybe"}), {}, 400),
+    ("responses: no input", "POST", "/v1/responses", {"model": "tiny"}, {}, 400),
+    ("responses: input a number", "POST", "/v1/responses", {"input": 42}, {}, 400),
+    ("responses: an item reference", "POST", "/v1/responses", {"input": [{"type": "item_reference", "id": "x"}]},
+     {}, 400),
+    ("responses: an image part", "POST", "/v1/responses", {"input": [{"role": "user", "content": [
+        {"type": "input_image", "image_url": "data:image/png;base64,AAAA"}]}]}, {}, 400),
+    ("responses: a message without role", "POST", "/v1/responses", {"input": [{"content": "hi"}]}, {}, 400),
+    ("responses: a call without call_id", "POST", "/v1/responses", {"input": [
+        {"type": "function_call", "name": "f", "arguments": "{}"}]}, {}, 400),
+    ("responses: a web search tool", "POST", "/v1/responses", {"input": "hi", "tools": [{"type": "web_search"}]},
+     {}, 400),
+    ("responses: a function tool without name", "POST", "/v1/responses", {"input": "hi", "tools": [
+        {"type": "function"}]}, {}, 400),
+    ("responses: json_schema format", "POST", "/v1/responses", {"input": "hi", "text": {"format": {
+        "type": "json_schema", "name": "x", "schema": {}}}}, {}, 400),
+    ("responses: background", "POST", "/v1/responses", {"input": "hi", "background": True}, {}, 400),
+    ("responses: top_logprobs", "POST", "/v1/responses", {"input": "hi", "top_logprobs": 2}, {}, 400),
+    ("responses: include logprobs", "POST", "/v1/responses", {"input": "hi", "include": [
+        "message.output_text.logprobs"]}, {}, 400),
+    ("responses: include an unknown part", "POST", "/v1/responses", {"input": "hi", "include": ["everything"]},
+     {}, 400),
+    ("responses: temperature 3", "POST", "/v1/responses", {"input": "hi", "temperature": 3}, {}, 400),
+    ("responses: max_output_tokens 0", "POST", "/v1/responses", {"input": "hi", "max_output_tokens": 0}, {}, 400),
+    ("responses: reasoning effort a word", "POST", "/v1/responses", {"input": "hi", "reasoning": {
+        "effort": "lots"}}, {}, 400),
+    ("responses: 17 metadata pairs", "POST", "/v1/responses", {"input": "hi", "metadata": {
+        str(i): "x" for i in range(17)}}, {}, 400),
+    ("responses: tool_choice naming a function not offered", "POST", "/v1/responses", {"input": "hi", "tools": [
+        {"type": "function", "name": "get_weather"}], "tool_choice": {"type": "function", "name": "nope"}}, {}, 400),
+    ("responses: ending with the assistant", "POST", "/v1/responses", {"input": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}, {}, 400),
+    ("responses: another model", "POST", "/v1/responses", {"model": "gpt-4o", "input": "hi"}, {}, 404),
+    ("responses: an unknown previous response", "POST", "/v1/responses", {"input": "hi",
+                                                                          "previous_response_id": "resp_x"}, {}, 404),
+    ("responses: get an unknown response", "GET", "/v1/responses/resp_x", None, {}, 404),
+    ("responses: delete an unknown response", "DELETE", "/v1/responses/resp_x", None, {}, 404),
+    ("responses: input items of an unknown response", "GET", "/v1/responses/resp_x/input_items", None, {}, 404),
+    ("responses: input items limit 0", "GET", "/v1/responses/resp_x/input_items?limit=0", None, {}, 400),
     ("GET on a POST route", "GET", "/v1/chat/completions", None, {}, 405),
     ("PUT on a POST route", "PUT", "/v1/chat/completions", OK, {}, 405),
     ("DELETE models", "DELETE", "/v1/models", None, {}, 405),

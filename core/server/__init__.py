@@ -1,10 +1,14 @@
-"""An OpenAI-compatible HTTP API over one model, on Starlette and uvicorn (``pip install mlxchat[server]``;
-``mlxchat serve`` runs it): ``POST /v1/chat/completions`` (streaming, tools, reasoning), ``GET /v1/models``
-and ``GET /health``.
+"""An HTTP API over one model, on Starlette and uvicorn (``pip install mlxchat[server]``; ``mlxchat serve``
+runs it): OpenAI's ``POST /v1/chat/completions`` and Responses API (``/v1/responses``, stored responses
+continued by ``previous_response_id``), Anthropic's ``POST /v1/messages``, ``GET /v1/models`` and
+``GET /health``.
 
-Modules: :mod:`.app` (routes and ``serve``), :mod:`.chat_completions` (the chat API), :mod:`.guard`
-(settings, limits, authentication, host and body checks), :mod:`.pool` (prompt caches kept between
-requests), :mod:`.errors` (OpenAI-style error bodies, a refusal log that cannot be flooded).
+Modules: :mod:`.app` (routes and ``serve``), :mod:`.chat_completions`, :mod:`.responses` and
+:mod:`.anthropic` (the three APIs, each only translating), :mod:`.turns` (what they share: one request's
+turn over a pooled cache, tool choice, the served name), :mod:`.store` (stored responses in SQLite),
+:mod:`.guard` (settings, limits, authentication, host and body checks), :mod:`.pool` (prompt caches kept
+between requests, spilled to disk when evicted), :mod:`.errors` (OpenAI- and Anthropic-style error bodies,
+a refusal log that cannot be flooded).
 """
 
 from .app import create_app, serve

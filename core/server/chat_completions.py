@@ -6,6 +6,13 @@ changed; ``usage.prompt_tokens_details.cached_tokens`` says how much was reused)
 its client is gone, during prefill or decoding, streaming or not. Errors found before the reply starts
 (a prompt that does not fit the context, a token id outside the vocabulary, messages the template
 refuses) are 4xx responses; a stream that fails after it started ends with an error event and ``[DONE]``.
+
+Honoured: ``tool_choice`` (``none`` offers no tools; ``required`` and a named function make the reply open
+a call, see :func:`~mlxchat.server.turns.tool_setup`), ``parallel_tool_calls: false`` (the reply ends after
+its first call), ``logprobs``/``top_logprobs`` (the model's own distribution, computed in one more pass over
+the reply once it is done; a stream sends them with its last chunk), ``n`` (the choices one after another,
+each prefilling only the last prompt token). Refused: ``response_format`` other than text, since mlxchat
+has no constrained decoding that could guarantee JSON.
 """
 
 from __future__ import annotations
@@ -14,25 +21,33 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from ..errors import ContextLengthError, InvalidInputError, MlxchatError, SessionStateError, TemplateError
+from ..errors import MlxchatError
 from ..generation import GenerationConfig, GenerationReport
 from ..messages import ChatMessage, ToolCall
 from ..reply import TextDelta, ThinkingDelta, ToolCallEvent
 from ..session import ChatResult, Done, StreamEvent
-from .errors import ApiError, invalid, log
+from .errors import invalid, request_error, validated
+from .guard import read_json
+from .images import inline_images
+from .turns import ToolChoice, Turn, check_model, seeded, tool_setup, watching
+
+if TYPE_CHECKING:
+    from .state import ServerState
 
 # OpenAI's and vLLM's bounds on the sampling fields.
 _PENALTY = Field(None, ge=-2.0, le=2.0)
+FUNCTION_NAME = r"^[A-Za-z0-9_.\-]{1,64}$"
+MAX_CHOICES = 16
 
 
 class FunctionSpec(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    name: str = Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
+    name: str = Field(pattern=FUNCTION_NAME)
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
@@ -73,7 +88,7 @@ class ChatCompletionRequest(BaseModel):
     frequency_penalty: float | None = _PENALTY
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    n: int = Field(1, ge=1)
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=-1, lt=2**64)
     logit_bias: dict[str, float] | None = None
@@ -84,7 +99,7 @@ class ChatCompletionRequest(BaseModel):
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
     chat_template_kwargs: dict[str, Any] | None = None
 
     @field_validator("stop")
@@ -107,16 +122,12 @@ class ChatCompletionRequest(BaseModel):
 
     @model_validator(mode="after")
     def _supported(self) -> ChatCompletionRequest:
-        unsupported = {
-            "n > 1": self.n > 1,
-            "logprobs": bool(self.logprobs) or self.top_logprobs is not None,
-            "response_format": self.response_format not in (None, {"type": "text"}),
-            "tool_choice": isinstance(self.tool_choice, NamedToolChoice) or self.tool_choice == "required",
-            "parallel_tool_calls": self.parallel_tool_calls is False,
-        }
-        refused = [name for name, used in unsupported.items() if used]
-        if refused:
-            raise ValueError(f"{', '.join(refused)}: not supported by this server yet (leave it unset)")
+        if self.response_format not in (None, {"type": "text"}):
+            raise ValueError("response_format: only {'type': 'text'} is supported (mlxchat has no constrained "
+                             "decoding to guarantee JSON); ask for JSON in the prompt, or offer a tool whose "
+                             "parameters are the schema and set tool_choice to it")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
         for index, message in enumerate(self.messages):
             if isinstance(message.content, list):
                 kinds = sorted({str(part.get("type")) for part in message.content} - {"text", "image_url"})
@@ -137,40 +148,80 @@ class ChatCompletionRequest(BaseModel):
             "frequency_penalty": self.frequency_penalty, "seed": self.seed, "stop": self.stop,
             "max_tokens": self.max_completion_tokens or self.max_tokens,
         }
-        values = {k: v for k, v in values.items() if v is not None}
         if self.logit_bias:
             values["logit_bias"] = {int(k): v for k, v in self.logit_bias.items()}
-        kwargs = dict(self.chat_template_kwargs or {})
-        if "enable_thinking" in kwargs:
-            values["enable_thinking"] = kwargs.pop("enable_thinking")
-        if kwargs:
-            values["chat_template_kwargs"] = kwargs
-        try:
-            return GenerationConfig.model_validate(values)
-        except ValidationError as exc:
-            raise invalid(exc) from None
+        return generation_config(values, self.chat_template_kwargs)
 
     def tool_list(self) -> list[dict[str, Any]] | None:
-        if not self.tools or self.tool_choice == "none":
-            return None
-        return [tool.model_dump(exclude_none=True) for tool in self.tools]
+        return [tool.model_dump(exclude_none=True) for tool in self.tools] if self.tools else None
+
+    def choice(self) -> ToolChoice:
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return ToolChoice("function", self.tool_choice.function.name)
+        return ToolChoice(self.tool_choice or "auto")
 
 
-def parse_request(body: dict[str, Any]) -> ChatCompletionRequest:
+def generation_config(values: dict[str, Any], template_kwargs: dict[str, Any] | None = None) -> GenerationConfig:
+    """A generation config from a request's values (``None`` left out) and its chat-template keyword
+    arguments (``enable_thinking`` among them); a value the config refuses is a 400 naming it."""
+    values = {k: v for k, v in values.items() if v is not None}
+    kwargs = dict(template_kwargs or {})
+    if "enable_thinking" in kwargs:
+        values["enable_thinking"] = kwargs.pop("enable_thinking")
+    if kwargs:
+        values["chat_template_kwargs"] = kwargs
     try:
-        return ChatCompletionRequest.model_validate(body)
+        return GenerationConfig.model_validate(values)
     except ValidationError as exc:
         raise invalid(exc) from None
 
 
-def request_error(exc: MlxchatError) -> ApiError:
-    """The API error for a failure found before any reply text: the request's fault, or ours (500)."""
-    if isinstance(exc, ContextLengthError):
-        return ApiError(400, str(exc), code="context_length_exceeded", param="messages")
-    if isinstance(exc, InvalidInputError | TemplateError | SessionStateError):
-        return ApiError(400, str(exc))
-    log.error("generation failed", exc_info=exc)
-    return ApiError(500, "the model failed while generating; see the server log", "server_error")
+async def handle(state: ServerState, request: Any) -> Any:
+    """``POST /v1/chat/completions``."""
+    from starlette.responses import JSONResponse, StreamingResponse
+
+    parsed = validated(ChatCompletionRequest, await read_json(request, state.settings))
+    check_model(parsed.model, state.name)
+    messages = [m.model_dump() for m in parsed.messages]
+    await inline_images(messages, allow_remote=state.settings.allow_remote_images,
+                        max_bytes=state.settings.max_body_bytes, reads_images=state.model.supports_images)
+    tools, config = tool_setup(state.model, messages, parsed.tool_list(), parsed.choice(), parsed.generation_config())
+    single = parsed.parallel_tool_calls is False
+    turn = Turn(state, messages, tools=tools, config=config, max_calls=1 if single else None)
+    await turn.start()
+    top = (parsed.top_logprobs or 0) if parsed.logprobs else None
+    completion = Completion(state.name, bool(parsed.stream_options and parsed.stream_options.include_usage))
+    if not parsed.stream:
+        results: list[tuple[ChatResult, list[dict[str, Any]] | None]] = []
+        try:
+            async with watching(request, turn.cancel):
+                for index in range(parsed.n):
+                    if index:
+                        turn.again(seeded(config, index))
+                    result = await turn.collect()
+                    results.append((result, None if top is None else await turn.logprobs(top)))
+        except MlxchatError as exc:
+            raise request_error(exc) from None
+        finally:
+            await turn.finish(messages + [message_of(turn.result)] if turn.result else None)
+        return JSONResponse(completion.response(results))
+    try:
+        async with watching(request, turn.cancel):
+            first = await turn.next()
+    except BaseException as exc:
+        await turn.finish()
+        if isinstance(exc, MlxchatError):
+            raise request_error(exc) from None
+        raise
+
+    async def lines() -> AsyncIterator[str]:
+        try:
+            async for line in completion.lines(turn, first, parsed.n, config, top):
+                yield line
+        finally:
+            await turn.finish(messages + [message_of(turn.result)] if turn.result else None)
+
+    return StreamingResponse(lines(), media_type="text/event-stream")
 
 
 def message_of(result: ChatResult) -> dict[str, Any]:
@@ -185,10 +236,11 @@ def message_of(result: ChatResult) -> dict[str, Any]:
     return message
 
 
-def usage_of(report: GenerationReport) -> dict[str, Any]:
-    return {"prompt_tokens": report.prompt_tokens, "completion_tokens": report.generated_tokens,
-            "total_tokens": report.prompt_tokens + report.generated_tokens,
-            "prompt_tokens_details": {"cached_tokens": report.cached_prompt_tokens}}
+def usage_of(reports: list[GenerationReport]) -> dict[str, Any]:
+    """Usage of one prompt and its choices (the prompt counted once)."""
+    prompt, generated = reports[0].prompt_tokens, sum(r.generated_tokens for r in reports)
+    return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated,
+            "prompt_tokens_details": {"cached_tokens": reports[0].cached_prompt_tokens}}
 
 
 def finish_of(reason: str) -> str:
@@ -213,35 +265,49 @@ class Completion:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model_name,
                 "choices": choices, **extra}
 
-    def response(self, result: ChatResult) -> dict[str, Any]:
-        choice = {"index": 0, "message": message_of(result), "finish_reason": finish_of(result.finish_reason)}
-        return self.envelope("chat.completion", [choice], usage=usage_of(result.report))
+    def response(self, results: list[tuple[ChatResult, list[dict[str, Any]] | None]]) -> dict[str, Any]:
+        choices = [{"index": index, "message": message_of(result), "finish_reason": finish_of(result.finish_reason),
+                    "logprobs": None if logprobs is None else {"content": logprobs}}
+                   for index, (result, logprobs) in enumerate(results)]
+        return self.envelope("chat.completion", choices, usage=usage_of([result.report for result, _ in results]))
 
-    def chunk(self, delta: dict[str, Any], finish: str | None = None) -> str:
-        choice = {"index": 0, "delta": delta, "finish_reason": finish}
+    def chunk(self, index: int, delta: dict[str, Any], finish: str | None = None,
+              logprobs: list[dict[str, Any]] | None = None) -> str:
+        choice: dict[str, Any] = {"index": index, "delta": delta, "finish_reason": finish}
+        if logprobs is not None:
+            choice["logprobs"] = {"content": logprobs}
         return sse(self.envelope("chat.completion.chunk", [choice]))
 
-    async def lines(self, first: StreamEvent, rest: AsyncIterator[StreamEvent]) -> AsyncIterator[str]:
-        """The SSE stream: a role chunk, one chunk per event, the finish, usage if asked, ``[DONE]``."""
-        yield self.chunk({"role": "assistant", "content": ""})
-        calls = 0
+    async def lines(self, turn: Turn, first: StreamEvent | None, n: int, config: GenerationConfig,
+                    top: int | None) -> AsyncIterator[str]:
+        """The SSE stream: per choice a role chunk, one chunk per event and the finish (with the reply's
+        log-probabilities when asked); then usage if asked, and ``[DONE]``."""
+        reports: list[GenerationReport] = []
         try:
-            event: StreamEvent | None = first
-            while event is not None:
-                if isinstance(event, TextDelta):
-                    yield self.chunk({"content": event.text})
-                elif isinstance(event, ThinkingDelta):
-                    yield self.chunk({"reasoning_content": event.text})
-                elif isinstance(event, ToolCallEvent) and event.call.status == "ok":
-                    yield self.chunk({"tool_calls": [call_delta(calls, event.call)]})
-                    calls += 1
-                elif isinstance(event, ToolCallEvent):  # malformed: the client sees what the model wrote
-                    yield self.chunk({"content": event.call.raw})
-                elif isinstance(event, Done):
-                    yield self.chunk({}, finish_of(event.result.finish_reason))
-                    if self.include_usage:
-                        yield sse(self.envelope("chat.completion.chunk", [], usage=usage_of(event.result.report)))
-                event = await anext(rest, None)
+            for index in range(n):
+                if index:
+                    turn.again(seeded(config, index))
+                    first = await turn.next()
+                yield self.chunk(index, {"role": "assistant", "content": ""})
+                calls = 0
+                event = first
+                while event is not None:
+                    if isinstance(event, TextDelta):
+                        yield self.chunk(index, {"content": event.text})
+                    elif isinstance(event, ThinkingDelta):
+                        yield self.chunk(index, {"reasoning_content": event.text})
+                    elif isinstance(event, ToolCallEvent) and event.call.status == "ok":
+                        yield self.chunk(index, {"tool_calls": [call_delta(calls, event.call)]})
+                        calls += 1
+                    elif isinstance(event, ToolCallEvent):  # malformed: the client sees what the model wrote
+                        yield self.chunk(index, {"content": event.call.raw})
+                    elif isinstance(event, Done):
+                        logprobs = None if top is None else await turn.logprobs(top)
+                        yield self.chunk(index, {}, finish_of(event.result.finish_reason), logprobs)
+                        reports.append(event.result.report)
+                    event = await turn.next()
+            if self.include_usage:
+                yield sse(self.envelope("chat.completion.chunk", [], usage=usage_of(reports)))
         except MlxchatError as exc:
             yield sse(request_error(exc).body())
         yield "data: [DONE]\n\n"

@@ -1,16 +1,25 @@
 """Errors as the OpenAI API shapes them: ``{"error": {"message", "type", "param", "code"}}`` with a 4xx or
-5xx status. Messages are ours and say what to change; internal exception text never reaches a client
-(it goes to the server log)."""
+5xx status, or, on Anthropic's routes, as Anthropic does: ``{"type": "error", "error": {"type", "message"}}``.
+Messages are ours and say what to change; internal exception text never reaches a client (it goes to the
+server log)."""
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, TypeVar
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
+
+from ..errors import ContextLengthError, InvalidInputError, MlxchatError, SessionStateError, TemplateError
 
 log = logging.getLogger("mlxchat.server")
+M = TypeVar("M", bound=BaseModel)
+ANTHROPIC_PATHS = ("/v1/messages",)
+# Anthropic's error types for ours (and for statuses no kind of ours maps).
+_ANTHROPIC_KINDS = {"invalid_request_error": "invalid_request_error", "authentication_error": "authentication_error",
+                    "not_found_error": "not_found_error", "rate_limit_error": "rate_limit_error",
+                    "server_busy": "overloaded_error", "server_error": "api_error"}
 
 
 class ApiError(Exception):
@@ -21,7 +30,13 @@ class ApiError(Exception):
         super().__init__(message)
         self.status, self.message, self.kind, self.code, self.param = status, message, kind, code, param
 
-    def body(self) -> dict[str, Any]:
+    def body(self, path: str = "") -> dict[str, Any]:
+        """The JSON body, shaped for the API that ``path`` belongs to."""
+        if path.startswith(ANTHROPIC_PATHS):
+            kind = "request_too_large" if self.status == 413 else _ANTHROPIC_KINDS.get(self.kind, "api_error")
+            if self.status == 404:
+                kind = "not_found_error"
+            return {"type": "error", "error": {"type": kind, "message": self.message}}
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
@@ -36,6 +51,24 @@ def invalid(exc: ValidationError, prefix: str = "") -> ApiError:
     param = ".".join(str(p) for p in (prefix, *first) if p != "") or None
     return ApiError(400, "; ".join(problems[:5]) + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""),
                     param=param)
+
+
+def validated(model: type[M], body: dict[str, Any]) -> M:
+    """A request body as its pydantic model, or a 400 naming what is wrong (see :func:`invalid`)."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise invalid(exc) from None
+
+
+def request_error(exc: MlxchatError) -> ApiError:
+    """The API error for a failure found before any reply text: the request's fault, or ours (500)."""
+    if isinstance(exc, ContextLengthError):
+        return ApiError(400, str(exc), code="context_length_exceeded", param="messages")
+    if isinstance(exc, InvalidInputError | TemplateError | SessionStateError):
+        return ApiError(400, str(exc))
+    log.error("generation failed", exc_info=exc)
+    return ApiError(500, "the model failed while generating; see the server log", "server_error")
 
 
 class RefusalLog:

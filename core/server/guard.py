@@ -11,6 +11,7 @@ import hmac
 import ipaddress
 import json
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -28,7 +29,12 @@ class ServerSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model_name: str | None = None
-    """The model id clients use (default: the checkpoint folder's name)."""
+    """The model id clients use (default: the checkpoint's Hub repo id or folder name); a request that names
+    another model gets 404 ``model_not_found``."""
+    store: str = ":memory:"
+    """The SQLite file that keeps stored responses (``:memory:``: kept only while the server runs)."""
+    max_spill_gb: float = Field(8.0, ge=0)
+    """Disk that prompt caches evicted from memory may take, in a folder next to a file store (0: none)."""
     api_key: str | None = None
     """Clients must send it as ``Authorization: Bearer KEY`` (or ``x-api-key: KEY``); every route but
     ``GET /health`` checks it."""
@@ -59,6 +65,14 @@ class ServerSettings(BaseModel):
     @property
     def max_cache_bytes(self) -> int:
         return int(self.max_cache_gb * 1e9)
+
+    @property
+    def spill_dir(self) -> Path | None:
+        """Where evicted prompt caches go: ``<store>.spill`` beside a file store."""
+        if self.store == ":memory:" or not self.max_spill_gb:
+            return None
+        store = Path(self.store).expanduser()
+        return store.with_name(store.name + ".spill")
 
 
 def is_loopback(host: str) -> bool:
@@ -98,7 +112,7 @@ class Guard:
             self._check(scope)
         except ApiError as exc:
             self.refusals.refused(exc.code or exc.kind, exc.message)
-            await _send_json(send, exc.status, exc.body())
+            await _send_json(send, exc.status, exc.body(scope["path"]))
             return
         self.in_flight += 1
         try:
@@ -116,7 +130,8 @@ class Guard:
             sent = headers.get("authorization", "")
             key = sent[len("bearer "):] if sent.lower().startswith("bearer ") else headers.get("x-api-key", "")
             if not hmac.compare_digest(key.encode(), self.settings.api_key.encode()):
-                raise ApiError(401, "missing or wrong API key: send it as 'Authorization: Bearer KEY'",
+                raise ApiError(401, "missing or wrong API key: send it as 'Authorization: Bearer KEY' (or 'x-api-key: "
+                                    "KEY')",
                                "authentication_error", code="invalid_api_key")
         if self.in_flight >= self.settings.max_connections:
             raise ApiError(503, f"the server is handling {self.settings.max_connections} requests, its limit; "

@@ -1,11 +1,32 @@
-"""The prompt caches a server keeps between requests that each carry a whole conversation."""
+"""The prompt caches a server keeps between requests: warm sessions, found again by their conversation."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import uuid
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from ..model import GenerativeModel
+from ..persistence import load_prompt_cache, save_prompt_cache
 from ..prompt_cache import PromptCache
+
+log = logging.getLogger("mlxchat.server")
+Messages = list[dict[str, Any]]
+
+
+@dataclass
+class _Spilled:
+    """An evicted cache on disk: the conversation it holds, its file, and the write (a job on the worker)."""
+
+    messages: Messages
+    path: Path
+    written: Future[None]
+    nbytes: int
 
 
 class CachePool:
@@ -13,14 +34,25 @@ class CachePool:
 
     A request takes the cache whose conversation shares the most leading messages with its own (or a fresh
     one), so concurrent requests never share a cache; it gives the cache back when done, and the least
-    recently used idle caches are dropped while the pool holds more than ``size`` caches or ``max_bytes``.
+    recently used idle caches are evicted while the pool holds more than ``size`` caches or ``max_bytes``.
+
+    With a ``spill_dir``, an evicted cache is saved there (:mod:`mlxchat.persistence`; the write is a job on
+    the model's worker, so the event loop never waits for it) and restored when a request continues its
+    conversation; the oldest files go while they hold more than ``max_spill_bytes``.
     """
 
-    def __init__(self, model: GenerativeModel, size: int = 4, max_bytes: int | None = None):
+    def __init__(self, model: GenerativeModel, size: int = 4, max_bytes: int | None = None,
+                 spill_dir: Path | None = None, max_spill_bytes: int = 0):
         self.model = model
         self.size = size
         self.max_bytes = max_bytes
-        self._entries: list[tuple[list[dict[str, Any]], PromptCache]] = []  # least recently used first
+        self.spill_dir = spill_dir if max_spill_bytes > 0 else None
+        self.max_spill_bytes = max_spill_bytes
+        self._entries: list[tuple[Messages, PromptCache]] = []  # least recently used first
+        self._spilled: list[_Spilled] = []  # oldest first
+        if self.spill_dir is not None:
+            self.spill_dir.mkdir(parents=True, exist_ok=True)
+            self._remove_files()  # an earlier run's: their conversations are not known here
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -29,19 +61,73 @@ class CachePool:
     def nbytes(self) -> int:
         return sum(cache.nbytes for _, cache in self._entries)
 
-    def take(self, messages: list[dict[str, Any]]) -> PromptCache:
+    @property
+    def spilled(self) -> int:
+        """Caches on disk."""
+        return len(self._spilled)
+
+    async def take(self, messages: Messages) -> PromptCache:
+        """The idle cache (in memory or spilled) whose conversation shares the most with ``messages``."""
+        candidates = [seen for seen, _ in self._entries] + [s.messages for s in self._spilled]
         best, best_shared = None, 0
-        for index, (seen, _) in enumerate(self._entries):
-            shared = next((i for i, (a, b) in enumerate(zip(seen, messages, strict=False)) if a != b),
-                          min(len(seen), len(messages)))
+        for index, seen in enumerate(candidates):
+            shared = _shared(seen, messages)
             if shared > best_shared:
                 best, best_shared = index, shared
         if best is None:
             return self.model.make_prompt_cache()
-        return self._entries.pop(best)[1]
+        if best < len(self._entries):
+            return self._entries.pop(best)[1]
+        spilled = self._spilled.pop(best - len(self._entries))
+        try:
+            await asyncio.wrap_future(spilled.written)
+            cache, _ = await self.model.worker.arun(load_prompt_cache, self.model, spilled.path)
+            return cache
+        except Exception as exc:  # noqa: BLE001 - a spill that failed or a file damaged since: start cold
+            log.warning("could not restore a spilled cache (%s); starting cold", exc)
+            return self.model.make_prompt_cache()
+        finally:
+            spilled.path.unlink(missing_ok=True)
 
-    def give_back(self, messages: list[dict[str, Any]], cache: PromptCache) -> None:
+    def give_back(self, messages: Messages, cache: PromptCache) -> None:
         self._entries.append((messages, cache))
         while self._entries and (len(self._entries) > self.size
                                  or (self.max_bytes is not None and self.nbytes > self.max_bytes)):
-            del self._entries[0]
+            self._evict(*self._entries.pop(0))
+
+    def _evict(self, messages: Messages, cache: PromptCache) -> None:
+        if self.spill_dir is None or not len(cache):
+            return
+        path = self.spill_dir / f"{uuid.uuid4().hex}.cache"
+        written = self.model.worker.submit(save_prompt_cache, self.model, cache, path)
+        self._spilled.append(_Spilled(messages, path, written, cache.nbytes))
+        while self._spilled and sum(s.nbytes for s in self._spilled) > self.max_spill_bytes:
+            dropped = self._spilled.pop(0)
+            dropped.written.add_done_callback(_remover(dropped.path))
+
+    def close(self) -> None:
+        """Wait for the spills in flight and remove the spill files."""
+        for spilled in self._spilled:
+            spilled.written.exception()
+        self._spilled = []
+        if self.spill_dir is not None:
+            self._remove_files()
+            if not any(self.spill_dir.iterdir()):
+                self.spill_dir.rmdir()
+
+    def _remove_files(self) -> None:
+        """Remove the spill files (only those: the folder may hold what is not ours)."""
+        assert self.spill_dir is not None
+        for path in self.spill_dir.glob("*.cache"):
+            path.unlink(missing_ok=True)
+
+
+def _remover(path: Path) -> Callable[[Future[None]], None]:
+    """Removes ``path`` once its write is done (a callback on the write's future)."""
+    return lambda _: path.unlink(missing_ok=True)
+
+
+def _shared(seen: Messages, messages: Messages) -> int:
+    """How many leading messages two conversations share."""
+    return next((i for i, (a, b) in enumerate(zip(seen, messages, strict=False)) if a != b),
+                min(len(seen), len(messages)))

@@ -281,6 +281,23 @@ class SessionContract:
         assert_matches_stateless(model, session, result, GREEDY)
         send_checked(model, session, "Another one")
 
+    def test_a_saved_session_resumes_as_if_never_interrupted(self, model: GenerativeModel, tmp_path: Path) -> None:
+        """``save()`` then ``ChatSession.load()``: the resumed session holds the same transcript, tokens and
+        snapshots, and its next turn reuses exactly what the uninterrupted session's does and replies the
+        same, token for token."""
+        session = model.chat_session(system=SYSTEM)
+        for question in QUESTIONS[:2]:
+            send_checked(model, session, question)
+        session.save(tmp_path / "chat.session")
+        resumed = ChatSession.load(model, tmp_path / "chat.session")
+        assert resumed.messages == session.messages and resumed.report == session.report
+        assert resumed.cache.tokens == session.cache.tokens
+        assert resumed.cache.snapshot_positions == session.cache.snapshot_positions
+        again = send_checked(model, resumed, QUESTIONS[2])
+        uninterrupted = send_checked(model, session, QUESTIONS[2])
+        assert again.tokens == uninterrupted.tokens
+        assert again.report.cached_prompt_tokens == uninterrupted.report.cached_prompt_tokens > 0
+
     def test_two_interleaved_sessions_keep_their_own_reuse(self, model: GenerativeModel) -> None:
         first = model.chat_session(system=SYSTEM)
         second = model.chat_session(system="You are verbose and kind.")

@@ -63,6 +63,13 @@ class ToolCallParser:
         """The calls in one block's text (between its markers)."""
         raise NotImplementedError
 
+    def forced_prefix(self, name: str | None = None) -> str | None:
+        """The start of a reply that must call a tool, in this format's markup: far enough that the model
+        can only go on with a call (through the function's name when ``name`` is given). A session makes the
+        reply start with it (:attr:`~mlxchat.generation.GenerationConfig.reply_prefix`) and parses the
+        whole reply as usual. The base gives the opener for any call and cannot name one (``None``)."""
+        return self.start if name is None else None
+
     def feed(self, text: str) -> list[str | CallBlock]:
         """Plain text pieces and completed call blocks, in order."""
         raise NotImplementedError
@@ -195,6 +202,10 @@ class JsonTagsParser(TaggedCallParser):
 
     start = "<tool_call>"
     end = "</tool_call>"
+
+    def forced_prefix(self, name: str | None = None) -> str | None:
+        # Through the name but not its closing quote: tokenizers merge that quote with what follows.
+        return f'{self.start}\n{{"name": "' + ("" if name is None else json.dumps(name)[1:-1])
 
     def parse(self, body: str) -> list[ParsedCall]:
         try:

@@ -35,6 +35,9 @@ class Gemma4ToolParser(TaggedCallParser):
     start = "<|tool_call>"
     end = "<tool_call|>"
 
+    def forced_prefix(self, name: str | None = None) -> str | None:
+        return f"{self.start}call:" + ("" if name is None else f"{name}{{")
+
     def parse(self, body: str) -> list[ParsedCall]:
         reader = Reader(body)
         calls: list[ParsedCall] = []

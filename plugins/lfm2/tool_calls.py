@@ -119,6 +119,9 @@ class PythonicCallsParser(TaggedCallParser):
     start = "<|tool_call_start|>"
     end = "<|tool_call_end|>"
 
+    def forced_prefix(self, name: str | None = None) -> str | None:
+        return f"{self.start}[" + ("" if name is None else f"{name}(")
+
     def parse(self, body: str) -> list[ParsedCall]:
         source = repair(body.strip())
         if source in ("", "[]"):

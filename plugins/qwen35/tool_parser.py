@@ -44,6 +44,9 @@ class XmlToolCallParser(TaggedCallParser):
     start = "<tool_call>"
     end = "</tool_call>"
 
+    def forced_prefix(self, name: str | None = None) -> str | None:
+        return f"{self.start}\n<function=" + ("" if name is None else f"{name}>\n")
+
     def parse(self, body: str) -> list[ParsedCall]:
         calls: list[ParsedCall] = []
         pos = 0
