@@ -201,7 +201,10 @@ def _serve(args: argparse.Namespace) -> int:
     except ValidationError as exc:
         raise UsageError(_first_problem(exc)) from None
     _check_context_length(args)
-    serve(_load(args), host=args.host, port=args.port, settings=settings)
+    try:
+        serve(_load(args), host=args.host, port=args.port, settings=settings)
+    except KeyboardInterrupt:  # uvicorn shut down cleanly, then re-raised the interrupt
+        return 130
     return 0
 
 
