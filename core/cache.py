@@ -301,3 +301,37 @@ class SlidingWindowCache(KeysValues):
         if offset and keys is None:
             raise SavedStateError("a sliding-window cache that holds tokens was saved without its keys and values")
         self.offset, self.start, self.keys, self.values = offset, start, keys, values
+
+
+class RowCaches(LayerCache):
+    """One layer's caches of several sequences run together, row ``i`` of the batch holding ``caches[i]``
+    (batched decoding: each sequence keeps its own cache, with its own length and position).
+
+    A layer reads ``offset``/``position`` as one entry per row. State caches read as their rows stacked and
+    are updated row by row, so a layer's own code serves a batch unchanged; keys and values differ in length
+    from row to row and are attended row by row (:func:`mlxchat.layers.attend`).
+    """
+
+    def __init__(self, caches: list[LayerCache]):
+        self.caches = list(caches)
+
+    @property
+    def offset(self) -> mx.array:  # type: ignore[override]
+        return mx.array([c.offset for c in self.caches])
+
+    @property
+    def position(self) -> mx.array:
+        """Rotary positions of the rows' next tokens (a KV cache's position, shifted after images)."""
+        return mx.array([getattr(c, "position", c.offset) for c in self.caches])
+
+    def __getitem__(self, index: int) -> mx.array | None:
+        arrays = [c[index] for c in self.caches]  # type: ignore[index]
+        if all(a is None for a in arrays):
+            return None
+        if any(a is None for a in arrays):
+            raise ValueError("rows of a batch hold state of different kinds (a row has not been prefilled)")
+        return mx.concatenate(arrays, axis=0)  # type: ignore[arg-type]
+
+    def update(self, *arrays: mx.array, tokens: int) -> None:
+        for row, cache in enumerate(self.caches):
+            cache.update(*(a[row : row + 1] for a in arrays), tokens=tokens)  # type: ignore[attr-defined]

@@ -18,6 +18,7 @@ import mlx.core as mx
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from .architecture import ModelModule
+from .cache import RowCaches
 from .detokenizer import StreamingDetokenizer
 from .limits import check_depth, check_strings, check_text
 from .multimodal import MultimodalPrompt
@@ -349,3 +350,14 @@ def _prefixed_after(decode: Callable[[Sequence[int], int], Iterator[int]], token
             model.close()  # type: ignore[attr-defined]  # a generator
             yield from prefixed(budget)
             return
+
+
+def batched_last_logits(module: ModelModule, tokens: Sequence[int] | mx.array,
+                        caches: Sequence[PromptCache]) -> mx.array:
+    """Logits ``[B, vocab]`` of one decode step of ``B`` sequences at once: row ``i`` feeds ``tokens[i]`` through
+    ``caches[i]`` (each with its own length and position). The weights are read once for all rows; the
+    attention and recurrent state of each row stay its own (:class:`~mlxchat.cache.RowCaches`)."""
+    layers = [RowCaches([cache.layers[i] for cache in caches]) for i in range(len(caches[0].layers))]
+    last_logits = getattr(module, "last_logits", None) or (lambda t, c: module(t, c)[:, -1, :])
+    column = tokens[:, None] if isinstance(tokens, mx.array) else mx.array(list(tokens))[:, None]
+    return last_logits(column, layers)

@@ -14,7 +14,14 @@ from pathlib import Path
 import pytest
 
 import mlxchat
-from mlxchat.testing import SessionContract, architecture_of, assert_parity, fixture_folders
+from mlxchat.testing import (
+    SessionContract,
+    architecture_of,
+    assert_parity,
+    batched_decoding_problems,
+    fixture_folders,
+    load_fixture,
+)
 
 from conftest import FIXTURES
 
@@ -45,3 +52,10 @@ class TestSessions(SessionContract):
     @pytest.fixture(params=SESSIONS, ids=lambda folder: folder.name)
     def fixture_folder(self, request: pytest.FixtureRequest) -> Path:
         return request.param
+
+
+@pytest.mark.parametrize("folder", SESSIONS, ids=lambda folder: folder.name)
+def test_sequences_decoded_together_equal_each_decoded_alone(folder: Path) -> None:
+    model = load_fixture(folder)
+    prompts = [[1, 5, 9, 13, 2, 7], list(range(20, 47)), [3, 3, 8]]  # different lengths and positions
+    assert batched_decoding_problems(model, prompts) == []

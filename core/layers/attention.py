@@ -5,7 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..cache import KeysValues
+from ..cache import KeysValues, RowCaches
 from .norms import RMSNorm
 from .rope import RoPE
 
@@ -14,7 +14,7 @@ def attend(
     queries: mx.array,
     keys: mx.array,
     values: mx.array,
-    cache: KeysValues | None,
+    cache: KeysValues | RowCaches | None,
     scale: float,
     mask: mx.array | str | None = None,
     window: int | None = None,
@@ -22,8 +22,13 @@ def attend(
     """Causal attention of ``[B, heads, L, D]`` queries over the cache plus this chunk's keys and values;
     with a ``window``, each query sees only itself and the ``window - 1`` positions before it.
 
-    Keys and values keep their own (fewer) heads: grouped-query attention is done by the kernel.
+    Keys and values keep their own (fewer) heads: grouped-query attention is done by the kernel. With the
+    caches of several sequences (:class:`~mlxchat.cache.RowCaches`) each row attends over its own.
     """
+    if isinstance(cache, RowCaches):
+        rows: list[KeysValues] = cache.caches  # type: ignore[assignment]
+        return mx.concatenate([attend(queries[i : i + 1], keys[i : i + 1], values[i : i + 1], row, scale, mask,
+                                      window) for i, row in enumerate(rows)], axis=0)
     if cache is not None:
         keys, values = cache.update_and_fetch(keys, values)
     if window is not None:

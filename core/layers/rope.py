@@ -8,6 +8,7 @@ there.
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -109,11 +110,16 @@ class RoPE(nn.Module):
         plain = rope.rope_type in ("default", "dynamic")
         self._freqs = None if plain else mx.array([1.0 / f for f in inv_freq], dtype=mx.float32)
 
-    def __call__(self, x: mx.array, offset: int = 0) -> mx.array:
+    def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
+        """``offset``: the position of ``x``'s first token, or one per row of a batch (``[B]``)."""
+        if isinstance(offset, mx.array) and self.dynamic_factor is not None:  # a base per row's length
+            rows = [int(o) for o in cast(list[int], offset.tolist())]
+            return mx.concatenate([self(x[i : i + 1], o) for i, o in enumerate(rows)], axis=0)
         if self.scale != 1.0:
             x = x.at[..., : self.dims].multiply(self.scale)
         base = self.base
         if self.dynamic_factor is not None:
+            assert isinstance(offset, int)
             seen = max(offset + x.shape[-2], self.max_positions)
             growth = self.dynamic_factor * seen / self.max_positions - (self.dynamic_factor - 1)
             base = self.base * growth ** (self.dims / (self.dims - 2))
@@ -159,7 +165,7 @@ class MRoPE(RoPE):
         self._axes = mx.array(axes)
 
     def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:  # type: ignore[override]
-        if isinstance(offset, int):
+        if isinstance(offset, int) or offset.ndim == 1:  # text: a position, or one per row of a batch
             return super().__call__(x, offset)
         angles = offset[self._axes].T.astype(mx.float32) * self._inv_freq  # [L, dims/2]
         turned = rotate(x[..., : self.dims], angles)

@@ -167,3 +167,38 @@ def _greedy_problems(model: GenerativeModel, ref: dict[str, Any]) -> list[str]:
 def _first_difference(ours: list[int], expected: list[int]) -> str:
     first = next(i for i, (a, b) in enumerate(zip(ours, expected, strict=False)) if a != b)
     return f"token {first} is {ours[first]}, the reference chose {expected[first]} (after {ours[:first]})"
+
+
+def batched_decoding_problems(model: GenerativeModel, prompts: Sequence[Sequence[int]], steps: int = 6,
+                              tolerance: float = TOLERANCE) -> list[str]:
+    """Decode ``prompts`` together (one forward over all rows a step, each row with its own cache) and
+    alone: the logits of every step agree within ``tolerance`` (the products of several rows are summed in
+    another order than one row's: about 1e-5 apart in float32) and the greedy tokens are the same. Returns
+    what differs (empty when nothing does)."""
+    from ..generation import batched_last_logits
+
+    def run() -> list[str]:
+        alone, together = [], []
+        for prompt in prompts:
+            for caches in (alone, together):
+                cache = model.make_prompt_cache()
+                cache.prefill(model.module, list(prompt))  # leaves the last prompt token
+                caches.append(cache)
+        tokens = [int(p[-1]) for p in prompts]
+        problems: list[str] = []
+        for step in range(steps):
+            rows = [np.array(batched_last_logits(model.module, [token], [cache])[0].astype(mx.float32))
+                    for token, cache in zip(tokens, alone, strict=True)]
+            batch = np.array(batched_last_logits(model.module, tokens, together).astype(mx.float32))
+            for cache, token in zip([*alone, *together], tokens * 2, strict=True):
+                cache.feed([token])
+            for row, expected in enumerate(rows):
+                err = float(np.abs(batch[row] - expected).max())
+                if err > tolerance:
+                    problems.append(f"step {step}, row {row}: batched logits differ by {err:.2e}")
+            tokens = [int(np.argmax(r)) for r in rows]
+            if [int(np.argmax(b)) for b in batch] != tokens:
+                problems.append(f"step {step}: batched greedy tokens differ from the rows' own")
+        return problems
+
+    return model.worker.run(run)

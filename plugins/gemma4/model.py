@@ -39,6 +39,7 @@ from mlxchat.plugin import (
     RMSNorm,
     RoPE,
     RopeConfig,
+    RowCaches,
     SlidingWindowCache,
     SwiGLU,
     SwitchGLU,
@@ -222,27 +223,31 @@ class Gemma4Attention(nn.Module):
         rope = config.rope_parameters[self.kind]
         self.rope = make_rope(self.head_dim, rope, config.max_position_embeddings)
 
-    def __call__(self, x: mx.array, offset: int, cache: LayerCache | None,
-                 shared: dict[str, tuple[mx.array, mx.array]], blocks: mx.array | None = None) -> mx.array:
-        """``blocks``: image block id per token (-1 for text) where image tokens attend bidirectionally."""
+    def __call__(self, x: mx.array, offset: int | mx.array, cache: LayerCache | None,
+                 shared: dict[str, list[tuple[mx.array, mx.array]]], blocks: mx.array | None = None) -> mx.array:
+        """``blocks``: image block id per token (-1 for text) where image tokens attend bidirectionally. With
+        the caches of several sequences (``RowCaches``, batched decoding) each row attends over its own."""
         batch, length, _ = x.shape
         q = self.q_norm(self.q_proj(x).reshape(batch, length, self.num_heads, self.head_dim))
         q = self.rope(q.transpose(0, 2, 1, 3), offset)
+        rows: list[LayerCache | None] = list(cache.caches) if isinstance(cache, RowCaches) else [cache]
         if self.owns_kv:
             k = self.k_proj(x).reshape(batch, length, self.num_kv_heads, self.head_dim)
             v = k if self.values_from_keys else self.v_proj(x).reshape(batch, length, self.num_kv_heads, -1)
             k = self.rope(self.k_norm(k).transpose(0, 2, 1, 3), offset)
             v = rms_norm(v, self.eps).transpose(0, 2, 1, 3)
-            if cache is not None:
-                k, v = cache.update_and_fetch(k, v)  # type: ignore[attr-defined]
-            shared[self.kind] = (k, v)
-        else:
-            k, v = shared[self.kind]
-        if self.window is not None:
-            mask: mx.array | str | None = window_mask(length, k.shape[2], self.window, blocks)
-        else:
-            mask = "causal" if length > 1 else None
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=1.0, mask=mask)
+            pairs = [(k, v)] if len(rows) == 1 else [(k[i : i + 1], v[i : i + 1]) for i in range(len(rows))]
+            shared[self.kind] = [row.update_and_fetch(*pair) if row is not None else pair  # type: ignore[attr-defined]
+                                 for row, pair in zip(rows, pairs, strict=True)]
+        outs, kept = [], shared[self.kind]  # a KV-shared layer reads the rows its owner left
+        for i, (keys, values) in enumerate(kept):
+            if self.window is not None:
+                mask: mx.array | str | None = window_mask(length, keys.shape[2], self.window, blocks)
+            else:
+                mask = "causal" if length > 1 else None
+            rows_q = q if len(kept) == 1 else q[i : i + 1]
+            outs.append(mx.fast.scaled_dot_product_attention(rows_q, keys, values, scale=1.0, mask=mask))
+        out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(batch, length, -1))
 
 
@@ -292,8 +297,8 @@ class Gemma4Block(nn.Module):
             self.post_per_layer_input_norm = RMSNorm(h, eps)
         self.layer_scalar = mx.ones((1,))
 
-    def __call__(self, x: mx.array, per_layer_input: mx.array | None, offset: int, cache: LayerCache | None,
-                 shared: dict[str, tuple[mx.array, mx.array]], blocks: mx.array | None = None) -> mx.array:
+    def __call__(self, x: mx.array, per_layer_input: mx.array | None, offset: int | mx.array, cache: LayerCache | None,
+                 shared: dict[str, list[tuple[mx.array, mx.array]]], blocks: mx.array | None = None) -> mx.array:
         attended = self.self_attn(self.input_layernorm(x), offset, cache, shared, blocks)
         h = x + self.post_attention_layernorm(attended)
         f = self.mlp(self.pre_feedforward_layernorm(h))
@@ -363,7 +368,7 @@ class Gemma4TextModel(Decoder):
                 blocks = image_blocks(images[0])
         per_layer = self.per_layer_inputs(ple_tokens, h) if self.ple_dim else None
         offset = cache[0].offset if cache else 0
-        shared: dict[str, tuple[mx.array, mx.array]] = {}
+        shared: dict[str, list[tuple[mx.array, mx.array]]] = {}
         for i, (layer, slot) in enumerate(zip(self.layers, self.cache_slots, strict=True)):
             layer_cache = cache[slot] if cache is not None and slot is not None else None
             layer_input = per_layer[..., i, :] if per_layer is not None else None

@@ -179,7 +179,7 @@ class Qwen35Model(Decoder):
                  embeddings: mx.array | None = None, positions: mx.array | None = None) -> mx.array:
         h = self.embed(tokens) if embeddings is None else embeddings
         caches = list(cache) if cache is not None else [None] * len(self.layers)
-        attention = [c for c in caches if isinstance(c, KVCache)]
+        attention = [c for layer, c in zip(self.layers, caches, strict=True) if not layer.is_linear and c is not None]
         rope: int | mx.array = positions if positions is not None else (attention[0].position if attention else 0)
         for layer, layer_cache in zip(self.layers, caches, strict=True):
             h = layer(h, layer_cache, rope)
