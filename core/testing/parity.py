@@ -178,7 +178,8 @@ def batched_decoding_problems(model: GenerativeModel, prompts: Sequence[Sequence
     from ..generation import batched_last_logits
 
     def run() -> list[str]:
-        alone, together = [], []
+        alone: list[PromptCache] = []
+        together: list[PromptCache] = []
         for prompt in prompts:
             for caches in (alone, together):
                 cache = model.make_prompt_cache()
