@@ -18,7 +18,7 @@ import mlx.core as mx
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from .architecture import ModelModule
-from .cache import RowCaches
+from .batching import DecodeRow, DecodeStats, decode_steps
 from .detokenizer import StreamingDetokenizer
 from .limits import check_depth, check_strings, check_text
 from .multimodal import MultimodalPrompt
@@ -133,17 +133,6 @@ class GenerationResult(BaseModel):
     report: GenerationReport
 
 
-class DecodeStats:
-    """Timings filled in by :func:`decode_tokens` while it runs."""
-
-    def __init__(self) -> None:
-        self.start = time.perf_counter()
-        self.cached = 0
-        self.first_token_at: float | None = None
-        self.last_token_at: float | None = None
-        self.tokens = 0
-
-
 def decode_tokens(
     module: ModelModule,
     cache: PromptCache,
@@ -154,45 +143,18 @@ def decode_tokens(
     adjust: LogitsAdjuster | None = None,
     stats: DecodeStats | None = None,
 ) -> Iterator[int]:
-    """Yield up to ``max_tokens`` sampled ids (the caller stops earlier on EOS, a stop string or a cancel).
+    """Yield up to ``max_tokens`` sampled ids (the caller stops earlier on EOS, a stop string or a cancel),
+    each step run right here: :func:`~mlxchat.batching.decode_steps` for a sequence of its own.
 
     The first step runs ``pending`` (the prompt's tail that :meth:`PromptCache.prefill` left); every step
     builds the next one before it reads its own token, so the device never waits on Python. ``adjust``
     applies penalties and biases to the logits before ``sampler`` picks a token.
     """
-    stats = stats or DecodeStats()
-    if not pending:
-        raise ValueError("decoding needs at least one prompt token to start from")
-    last_logits = getattr(module, "last_logits", None) or (lambda t, c: module(t, c)[:, -1, :])
-
-    def step(tokens: mx.array) -> mx.array:
-        logits = last_logits(tokens[None], cache.layers)
-        if adjust is not None and adjust.active:
-            logits = adjust(logits)
-        token = sampler(logits)
-        if adjust is not None:
-            adjust.record(token)
-        return token
-
-    token = step(mx.array(list(pending)))
-    cache.feed(pending)
-    mx.async_eval(token)
-    for n in range(1, max_tokens + 1):
-        last = n == max_tokens
-        if not last:
-            following = step(token)
-            mx.async_eval(following)
-        value = int(token.item())  # type: ignore[arg-type]  # a token id array holds ints
-        now = time.perf_counter()
-        if stats.first_token_at is None:
-            stats.first_token_at = now
-        stats.last_token_at, stats.tokens = now, n
-        if not last:
-            cache.feed([value])  # its forward pass is already queued
-        yield value
-        if last:
-            return
-        token = following
+    for item in decode_steps(module, cache, pending, sampler, max_tokens, adjust=adjust, stats=stats):
+        if isinstance(item, DecodeRow):
+            DecodeRow.run_together([item])
+        else:
+            yield item
 
 
 def make_report(prompt_len: int, stats: DecodeStats, finish_reason: FinishReason) -> GenerationReport:
@@ -255,7 +217,7 @@ def stream_generation(
     *,
     snapshot_at: Sequence[int] = (),
     cancel: Cancelled | None = None,
-) -> Iterator[GenerationChunk]:
+) -> Iterator[GenerationChunk | DecodeRow]:
     """Text chunks of one generation, one per token (its text may be empty while a character or a possible
     stop string is incomplete); the last chunk carries ``finish_reason`` and the report.
 
@@ -282,20 +244,29 @@ def stream_generation(
     adjust.start(ids)
     sampler = make_sampler(config.temperature, config.top_p, config.top_k, config.min_p, config.seed)
 
-    def decode(start: Sequence[int], budget: int) -> Iterator[int]:
+    def decode(start: Sequence[int], budget: int) -> Iterator[int | DecodeRow]:
+        """Decoding whose steps the worker may run with other generations' (``DecodeRow`` items)."""
+        return decode_steps(module, cache, start, sampler, budget, adjust=adjust, stats=stats) if budget > 0 \
+            else iter(())
+
+    def decode_alone(start: Sequence[int], budget: int) -> Iterator[int]:
         return decode_tokens(module, cache, start, sampler, budget, adjust=adjust, stats=stats) if budget > 0 \
             else iter(())
 
+    tokens: Iterator[int | DecodeRow]
     if cancel:
-        tokens: Iterator[int] = iter(())
+        tokens = iter(())
     elif not forced:
         tokens = decode(pending, config.max_tokens)
     elif after is None:
         tokens = itertools.chain(forced, decode(pending, config.max_tokens - len(forced)))
     else:
-        tokens = _prefixed_after(decode, tokenizer, pending, forced, after, config.max_tokens)
+        tokens = _prefixed_after(decode_alone, tokenizer, pending, forced, after, config.max_tokens)
     produced = 0
     for token in tokens:
+        if isinstance(token, DecodeRow):  # a step the worker runs, with other generations' when it can
+            yield token
+            continue
         if token in eos_ids:
             finish = "stop"
             break
@@ -351,13 +322,3 @@ def _prefixed_after(decode: Callable[[Sequence[int], int], Iterator[int]], token
             yield from prefixed(budget)
             return
 
-
-def batched_last_logits(module: ModelModule, tokens: Sequence[int] | mx.array,
-                        caches: Sequence[PromptCache]) -> mx.array:
-    """Logits ``[B, vocab]`` of one decode step of ``B`` sequences at once: row ``i`` feeds ``tokens[i]`` through
-    ``caches[i]`` (each with its own length and position). The weights are read once for all rows; the
-    attention and recurrent state of each row stay its own (:class:`~mlxchat.cache.RowCaches`)."""
-    layers = [RowCaches([cache.layers[i] for cache in caches]) for i in range(len(caches[0].layers))]
-    last_logits = getattr(module, "last_logits", None) or (lambda t, c: module(t, c)[:, -1, :])
-    column = tokens[:, None] if isinstance(tokens, mx.array) else mx.array(list(tokens))[:, None]
-    return last_logits(column, layers)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import queue
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -10,6 +12,7 @@ import mlx.core as mx
 from pydantic import BaseModel, ConfigDict
 
 from .architecture import Architecture, ModelModule
+from .batching import DecodeRow
 from .chat_template import ChatTemplate
 from .config import ModelConfig
 from .errors import ContextLengthError, GenerationError, ImageError, InvalidInputError, MlxchatError, TemplateError
@@ -27,7 +30,7 @@ from .multimodal import (
 )
 from .prompt_cache import DEFAULT_MAX_SNAPSHOTS, PromptCache
 from .tokenizer import Tokenizer
-from .worker import Cancelled, Worker
+from .worker import END, Cancelled, Worker
 
 if TYPE_CHECKING:
     from .session import ChatSession
@@ -59,7 +62,7 @@ class Capabilities(BaseModel):
 
 
 class GenerativeModel:
-    """A model ready to generate. Sessions over it take turns on its single worker thread.
+    """A model ready to generate. Sessions over it share its worker thread, which decodes them together.
 
     The worker owns the module: it built and evaluated it (:func:`mlxchat.load_model`), and every MLX
     operation on it runs there, so no lazy array ever crosses threads.
@@ -333,6 +336,29 @@ class GenerativeModel:
     ) -> GenerationResult:
         return _collect(self.stream(prompt, config, images=images, cache=cache))
 
+    def generate_batch(self, prompts: Sequence[AnyPrompt],
+                       config: GenerationConfig | dict[str, Any] | None = None) -> list[GenerationResult]:
+        """One result per prompt (raw text or token ids, chat messages, or a prompt with images), the
+        prompts decoded together: each step is one pass over the weights for every prompt still
+        generating. The same results as :meth:`generate` on each prompt alone (greedy: token for token)."""
+        merged = self.defaults.merged(config)
+        arrivals: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
+        jobs = [self.worker.start(self._work(prompt, None, merged, None), Cancelled(),
+                                  functools.partial(_tagged, arrivals, index)) for index, prompt in enumerate(prompts)]
+        chunks: list[list[GenerationChunk]] = [[] for _ in prompts]
+        try:
+            running = len(jobs)
+            while running:
+                index, item = arrivals.get()
+                if (item := jobs[index].received(item)) is END:
+                    running -= 1
+                else:
+                    chunks[index].append(item)
+        finally:
+            for job in jobs:
+                job.stop()
+        return [_collect(iter(c)) for c in chunks]
+
     async def agenerate(
         self, prompt: AnyPrompt, config: GenerationConfig | dict[str, Any] | None = None,
         *, images: Sequence[ImageInput] | None = None, cache: PromptCache | None = None,
@@ -356,15 +382,17 @@ class GenerativeModel:
         # Snapshots before each image: a changed image then costs only what follows it.
         snapshot_at = [s.start for s in prepared.images] if isinstance(prepared, MultimodalPrompt) else []
 
-        def produce(cancel: Cancelled) -> Iterator[GenerationChunk]:
+        def produce(cancel: Cancelled) -> Iterator[GenerationChunk | DecodeRow]:
             used = cache if cache is not None else self.make_prompt_cache()
             yield from self.run_generation(prepared, used, config, cancel, snapshot_at)
 
         return produce
 
     def run_generation(self, prompt: Sequence[int] | MultimodalPrompt, cache: PromptCache, config: GenerationConfig,
-                       cancel: Cancelled, snapshot_at: Sequence[int] = ()) -> Iterator[GenerationChunk]:
-        """The generation loop, on the worker thread (sessions call it from their own jobs).
+                       cancel: Cancelled, snapshot_at: Sequence[int] = ()) -> Iterator[GenerationChunk | DecodeRow]:
+        """The generation loop, on the worker thread (sessions call it from their own jobs). Its
+        :class:`~mlxchat.batching.DecodeRow` items are decode steps the worker runs, with other generations'
+        when it can; whoever runs the loop passes them on to the worker.
 
         The prompt's ids (and images), ``logit_bias`` and the prompt's length are checked before any work;
         ``max_tokens`` is lowered to what the context leaves. A set ``cancel`` ends it at the next prefill
@@ -464,6 +492,10 @@ def _is_messages(prompt: Any) -> bool:
 def _evaluated(array: mx.array) -> mx.array:
     mx.eval(array)
     return array
+
+
+def _tagged(arrivals: queue.SimpleQueue[tuple[int, Any]], index: int, item: Any) -> None:
+    arrivals.put((index, item))
 
 
 def _collect(chunks: Iterator[GenerationChunk]) -> GenerationResult:

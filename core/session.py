@@ -12,7 +12,8 @@ changed: message ids and times, reply versions (a regenerate keeps the old reply
 message by id), and tools it calls by itself (``auto_tools``), pausing for the user's approval where a
 tool asks for it.
 
-A session owns no weights: it runs on the model's worker thread, one session at a time, in FIFO order.
+A session owns no weights: its turns run on the model's worker thread, whose decode steps serve every
+session decoding at that moment in one pass (:mod:`mlxchat.batching`).
 Tools run on the reader's side (the thread iterating the stream, or the event loop), never on the worker.
 """
 
@@ -32,6 +33,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 from pydantic import BaseModel, Field
 
+from .batching import DecodeRow
 from .errors import (
     ContextLengthError,
     ImageError,
@@ -130,7 +132,8 @@ class SessionCapableModel(Protocol):
     def make_prompt_cache(self) -> PromptCache: ...
 
     def run_generation(self, prompt: Sequence[int] | MultimodalPrompt, cache: PromptCache, config: GenerationConfig,
-                       cancel: Cancelled, snapshot_at: Sequence[int] = ()) -> Iterator[GenerationChunk]: ...
+                       cancel: Cancelled, snapshot_at: Sequence[int] = ()) -> Iterator[GenerationChunk | DecodeRow]:
+        ...
 
 
 @dataclass(frozen=True)
@@ -262,7 +265,7 @@ class ChatStream:
             self.result = done.value
             return None
 
-    def _produce(self, cancel: Cancelled) -> Iterator[ReplyEvent | _TurnEnd]:
+    def _produce(self, cancel: Cancelled) -> Iterator[ReplyEvent | _TurnEnd | DecodeRow]:
         """On the worker: one reply's events, remembering how it ended for an abandoned reader."""
         for item in self._session._run_turn(cancel, self._config, self._tools):
             if isinstance(item, _TurnEnd):
@@ -823,7 +826,7 @@ class ChatSession:
     # -- the turn itself (runs on the model's worker) ---------------------------------------------------
 
     def _run_turn(self, cancel: Cancelled, override: GenerationConfig | None,
-                  tools: list[ToolSpec]) -> Iterator[ReplyEvent | _TurnEnd]:
+                  tools: list[ToolSpec]) -> Iterator[ReplyEvent | _TurnEnd | DecodeRow]:
         config = self._defaults.merged(override)
         kwargs = dict(config.chat_template_kwargs)
         if config.enable_thinking is not None:
@@ -835,6 +838,9 @@ class ChatSession:
         report: GenerationReport | None = None
         assert self._cache is not None
         for chunk in self._model.run_generation(plan.prompt, self._cache, config, cancel, plan.snapshot_at):
+            if isinstance(chunk, DecodeRow):  # a decode step, for the worker to run (with others' if it can)
+                yield chunk
+                continue
             if chunk.token is not None:
                 tokens.append(chunk.token)
             yield from parser.feed(chunk.text)

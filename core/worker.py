@@ -1,10 +1,13 @@
-"""The model's single worker thread: all MLX work of one model runs there, one job at a time, in FIFO order.
+"""The model's single worker thread: all MLX work of one model runs there.
 
-Blocking callers wait on a future; streaming callers read a queue the job fills; asyncio callers await
-without blocking the event loop. A stream's consumer that stops reading sets the job's cancel flag; the
-job (which checks it between items) winds up at its next item. A consumer that neither reads nor stops
-(a half-read stream left open) holds the worker only until another job is waiting and
-:attr:`Worker.reader_timeout` has passed; then its stream ends with :class:`ReaderStalledError`.
+Plain jobs (:meth:`Worker.run`, :meth:`Worker.submit`) run one at a time in submission order. Stream jobs
+(generators, :meth:`Worker.start`) run side by side: the worker advances each in turn, handing every item
+to the job's reader at most one item ahead of it, so a slow reader holds up only its own job. A job may
+yield a :class:`Together` item instead (a decode step): the worker waits until every runnable job has
+done so or cannot go on, then runs the waiting items of a kind together (one forward pass over the
+sequences of several jobs) and resumes their jobs. Blocking callers wait on a future; streaming readers
+read a queue the job fills; asyncio readers await without blocking the event loop. A reader that stops
+reading sets the job's cancel flag; the job (which checks it between items) winds up at its next item.
 """
 
 from __future__ import annotations
@@ -13,19 +16,19 @@ import asyncio
 import atexit
 import queue
 import threading
-import time
 import weakref
 from collections.abc import AsyncGenerator, Callable, Generator, Iterator
 from concurrent.futures import Future
 from typing import Any, TypeVar
-
-from .errors import MlxchatError
 
 T = TypeVar("T")
 
 END = object()
 """The last item a :class:`StreamJob` hands over."""
 _live: weakref.WeakSet[Worker] = weakref.WeakSet()
+_IDLE_WAIT = 0.05
+"""Seconds the worker sleeps at most when every job waits for its reader (a reader taking an item, a new
+job or an abandoned stream wakes it at once)."""
 
 
 @atexit.register
@@ -50,8 +53,23 @@ class Cancelled:
         return self._event.is_set()
 
 
-class ReaderStalledError(MlxchatError):
-    """A stream's reader stopped taking items while other work waited for the model's worker."""
+class Together:
+    """What a stream job yields to wait for work the worker runs for several jobs at once (a decode step
+    of their sequences): :meth:`run_together` gets every item of a kind waiting at that moment. When it
+    fails, each item's ``error`` holds the failure and the job, resumed, raises it where it waited
+    (:meth:`check`), so that the job's own error handling applies."""
+
+    error: BaseException | None = None
+
+    @classmethod
+    def run_together(cls, items: list[Any]) -> None:
+        raise NotImplementedError
+
+    def check(self) -> None:
+        """Raise the failure of the work this item waited for, if any."""
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
 
 
 class _Failure:
@@ -60,20 +78,19 @@ class _Failure:
 
 
 class Worker:
-    """One daemon thread that runs jobs in submission order.
+    """One daemon thread that runs a model's jobs (see the module docstring).
 
     MLX keeps per-thread stream state that must be released on the thread itself before the interpreter
     shuts down (``mx.clear_streams``), so the worker does that when it stops, and an exit hook stops
     every live worker and then clears the main thread's streams.
     """
 
-    reader_timeout = 30.0
-    """Seconds a stream's job waits for its reader to take an item while other jobs wait behind it."""
-
     def __init__(self, name: str = "mlxchat-worker"):
         self._jobs: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]] | None] = (
             queue.SimpleQueue()
         )
+        self._wake = threading.Event()
+        self._tasks: list[_Task] = []
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._closed = False
         self._thread.start()
@@ -84,17 +101,93 @@ class Worker:
 
         # MLX streams belong to threads: the worker gets its own default stream.
         mx.set_default_stream(mx.new_stream(mx.default_device()))
+        closing = False
         try:
-            while (job := self._jobs.get()) is not None:
-                future, fn, args = job
-                if not future.set_running_or_notify_cancel():
-                    continue
-                try:
-                    future.set_result(fn(*args))
-                except BaseException as exc:  # handed to whoever waits on the future
-                    future.set_exception(exc)
+            while not closing or self._tasks:
+                while not closing:
+                    try:
+                        job = self._jobs.get(block=not self._tasks)
+                    except queue.Empty:
+                        break
+                    if job is None:
+                        closing = True
+                        for task in self._tasks:
+                            task.handoff.abandon()
+                    else:
+                        self._start_job(*job)
+                if not self._advance() and self._tasks:
+                    self._wake.wait(_IDLE_WAIT)
+                    self._wake.clear()
         finally:
             mx.clear_streams()
+
+    def _start_job(self, future: Future[Any], fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        if fn is _StreamTask:
+            produce, cancel, handoff = args
+            self._tasks.append(_Task(future, handoff))
+            try:
+                self._tasks[-1].iterator = produce(cancel)
+            except BaseException as exc:  # delivered to the reader, never lost on the worker
+                self._end(self._tasks[-1], exc)
+            return
+        try:
+            future.set_result(fn(*args))
+        except BaseException as exc:  # handed to whoever waits on the future
+            future.set_exception(exc)
+
+    def _advance(self) -> bool:
+        """Advance every stream job as far as its reader allows, then run what waits together; whether
+        anything moved."""
+        moved = False
+        for task in list(self._tasks):
+            while task.waiting is None and task.handoff.ready() and task in self._tasks:
+                self._resume(task)
+                moved = True
+        waiting = [task for task in self._tasks if task.waiting is not None]
+        kinds: dict[type, list[_Task]] = {}
+        for task in waiting:
+            kinds.setdefault(type(task.waiting), []).append(task)
+        for kind, tasks in kinds.items():
+            items = [task.waiting for task in tasks]
+            for task in tasks:
+                task.waiting = None
+            try:
+                kind.run_together(items)  # type: ignore[attr-defined]
+            except Exception as exc:  # each job raises it where it waited (Together.check)
+                for item in items:
+                    item.error = exc  # type: ignore[union-attr]
+        return moved or bool(waiting)
+
+    def _resume(self, task: _Task) -> None:
+        """Run a job to its next item: hand it to the reader, or keep the job waiting for a step."""
+        try:
+            item = next(task.iterator)
+        except StopIteration:
+            self._end(task, None)
+            return
+        except BaseException as exc:  # delivered to the reader, never lost on the worker
+            self._end(task, exc)
+            return
+        if isinstance(item, Together):
+            task.waiting = item
+        else:
+            task.handoff.put(item)
+
+    def _end(self, task: _Task, error: BaseException | None) -> None:
+        if task in self._tasks:
+            self._tasks.remove(task)
+        close = getattr(task.iterator, "close", None)
+        if close is not None and error is not None:
+            try:
+                close()
+            except BaseException:  # noqa: BLE001 - the first failure is the one to report
+                pass
+        if error is not None:
+            task.handoff.put_last(_Failure(error))
+        task.handoff.put_last(END)
+        task.future.set_result(None)
 
     @property
     def on_worker(self) -> bool:
@@ -105,6 +198,7 @@ class Worker:
             raise RuntimeError("the model's worker is closed")
         future: Future[T] = Future()
         self._jobs.put((future, fn, args))
+        self._wake.set()
         return future
 
     def run(self, fn: Callable[..., T], *args: Any) -> T:
@@ -118,8 +212,8 @@ class Worker:
 
     def start(self, produce: Callable[[Cancelled], Iterator[Any]], cancel: Cancelled,
               put: Callable[[Any], Any]) -> StreamJob:
-        """Run the generator ``produce(cancel)`` on the worker, handing its items to ``put`` one at a time
-        (see :class:`StreamJob`); for readers that need the job itself (to stop it from a finalizer)."""
+        """Run the generator ``produce(cancel)`` on the worker beside other stream jobs, handing its items to
+        ``put`` one at a time (see :class:`StreamJob`)."""
         return StreamJob(self, produce, cancel, put)
 
     def stream(self, produce: Callable[[Cancelled], Iterator[T]],
@@ -132,8 +226,12 @@ class Worker:
         its way out is in place on return.
         """
         cancel = Cancelled() if cancel is None else cancel
-        if self.on_worker:
-            yield from produce(cancel)
+        if self.on_worker:  # nothing runs beside a job started from the worker itself
+            for item in produce(cancel):
+                if isinstance(item, Together):
+                    type(item).run_together([item])  # a failure is raised here, where the job waits
+                else:
+                    yield item
             return
         items: queue.SimpleQueue[Any] = queue.SimpleQueue()
         job = self.start(produce, cancel, items.put)
@@ -157,17 +255,26 @@ class Worker:
         finally:
             await job.astop()
 
-    def _stalled(self, waited: float) -> bool:
-        """Whether a job whose reader has taken nothing for ``waited`` seconds should give up the worker."""
-        return waited > self.reader_timeout and not self._jobs.empty()
-
     def close(self) -> None:
-        """Finish the queued jobs, then stop the thread."""
+        """Finish the queued jobs (stream jobs lose their readers), then stop the thread."""
         if not self._closed:
             self._closed = True
             self._jobs.put(None)
+            self._wake.set()
             if not self.on_worker:
                 self._thread.join()
+
+
+class _StreamTask:
+    """The marker of a stream job in the worker's queue (its arguments: produce, cancel, handoff)."""
+
+
+class _Task:
+    def __init__(self, future: Future[Any], handoff: _Handoff):
+        self.future = future
+        self.handoff = handoff
+        self.iterator: Iterator[Any] = iter(())
+        self.waiting: Together | None = None
 
 
 class StreamJob:
@@ -181,13 +288,14 @@ class StreamJob:
     def __init__(self, worker: Worker, produce: Callable[[Cancelled], Iterator[Any]], cancel: Cancelled,
                  put: Callable[[Any], Any]):
         self.cancel = cancel
-        self._handoff = _Handoff(put, worker._stalled)
-        self._future = worker.submit(_pump, produce, cancel, self._handoff)
+        self._handoff = _Handoff(put, worker._wake)
+        self._future = worker.submit(_StreamTask, produce, cancel, self._handoff)
 
     def received(self, item: Any) -> Any:
-        self._handoff.taken()
         if isinstance(item, _Failure):
             raise item.error
+        if item is not END:
+            self._handoff.taken()
         return item
 
     def _abandon(self) -> bool:
@@ -206,47 +314,38 @@ class StreamJob:
 
 
 class _Handoff:
-    """Passes items from the job to the reader, one at a time; drops them once the reader has gone, and
-    gives up (raising :class:`ReaderStalledError` in the job) when ``stalled`` says the wait is too long."""
+    """Passes a job's items to its reader, at most one ahead; drops them once the reader has gone."""
 
-    def __init__(self, put: Callable[[Any], Any], stalled: Callable[[float], bool]):
+    def __init__(self, put: Callable[[Any], Any], wake: threading.Event):
         self._put = put
-        self._stalled = stalled
-        self._slot = threading.Semaphore(1)
-        self._abandoned = threading.Event()
-        self._gave_up = False
+        self._wake = wake
+        self._lock = threading.Lock()
+        self._ahead = 0
+        self._abandoned = False
+
+    def ready(self) -> bool:
+        """Whether the job may produce its next item (the reader took the last one, or has gone)."""
+        with self._lock:
+            return self._abandoned or self._ahead == 0
 
     def put(self, item: Any) -> None:
-        started = time.monotonic()
-        while not self._gave_up and not self._slot.acquire(timeout=0.05):
-            if self._abandoned.is_set():
+        with self._lock:
+            if self._abandoned:
                 return
-            if self._stalled(time.monotonic() - started):
-                self._gave_up = True
-                raise ReaderStalledError(
-                    "the stream's reader took nothing for a while and other work was waiting for the model, so "
-                    "the stream was ended; read streams to the end, or break out of them (or close them)"
-                )
+            self._ahead += 1
         self._put(item)
 
+    def put_last(self, item: Any) -> None:
+        """The job's end (or failure): handed over whatever the reader has taken."""
+        if not self._abandoned:
+            self._put(item)
+
     def taken(self) -> None:
-        self._slot.release()
+        with self._lock:
+            self._ahead = max(0, self._ahead - 1)
+        self._wake.set()
 
     def abandon(self) -> None:
-        self._abandoned.set()
-
-
-def _pump(produce: Callable[[Cancelled], Iterator[Any]], cancel: Cancelled, handoff: _Handoff) -> None:
-    try:
-        iterator = produce(cancel)
-        try:
-            for item in iterator:
-                handoff.put(item)
-        finally:
-            close = getattr(iterator, "close", None)
-            if close is not None:
-                close()
-    except BaseException as exc:  # delivered to the consumer, never lost on the worker
-        handoff.put(_Failure(exc))
-    finally:
-        handoff.put(END)
+        with self._lock:
+            self._abandoned = True
+        self._wake.set()

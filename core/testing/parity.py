@@ -175,7 +175,7 @@ def batched_decoding_problems(model: GenerativeModel, prompts: Sequence[Sequence
     alone: the logits of every step agree within ``tolerance`` (the products of several rows are summed in
     another order than one row's: about 1e-5 apart in float32) and the greedy tokens are the same. Returns
     what differs (empty when nothing does)."""
-    from ..generation import batched_last_logits
+    from ..batching import batched_last_logits
 
     def run() -> list[str]:
         alone: list[PromptCache] = []
