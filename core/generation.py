@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from .architecture import ModelModule
 from .detokenizer import StreamingDetokenizer
+from .layers.parallel import from_rank_zero
 from .limits import check_depth, check_strings, check_text
 from .multimodal import MultimodalPrompt
 from .prompt_cache import PromptCache
@@ -266,6 +267,9 @@ def stream_generation(
                             config.frequency_penalty, config.logit_bias)
     adjust.start(prompt.ids if isinstance(prompt, MultimodalPrompt) else prompt)
     sampler = make_sampler(config.temperature, config.top_p, config.top_k, config.min_p, config.seed)
+    group = getattr(module, "group", None)
+    if group is not None:  # a model split over processes: every rank takes rank 0's token
+        sampler = from_rank_zero(sampler, group)
     tokens = iter(()) if cancel else decode_tokens(module, cache, pending, sampler, config.max_tokens,
                                                    adjust=adjust, stats=stats)
     for token in tokens:
