@@ -85,12 +85,13 @@ class Attention(nn.Module):
     def shard(self, group: mx.distributed.Group) -> None:
         """Tensor parallel: each rank keeps some query heads and the KV heads they read (see
         :func:`~mlxchat.layers.parallel.head_split`); the output projection sums the ranks' heads."""
-        (q0, q1), (k0, k1) = head_split(self.num_heads, self.num_kv_heads, group.size())[group.rank()]
+        split = head_split(self.num_heads, self.num_kv_heads, group.size())
+        (q0, q1), (k0, k1) = split[group.rank()]
         d = self.head_dim
         slice_outputs(self.q_proj, [(q0 * d, q1 * d)])
         slice_outputs(self.k_proj, [(k0 * d, k1 * d)])
         slice_outputs(self.v_proj, [(k0 * d, k1 * d)])
-        self.o_proj = RowParallelLinear(self.o_proj, [(q0 * d, q1 * d)], group)
+        self.o_proj = RowParallelLinear(self.o_proj, [(a * d, b * d) for (a, b), _ in split], group)
         self.num_heads, self.num_kv_heads = q1 - q0, k1 - k0
 
 

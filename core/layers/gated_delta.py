@@ -265,8 +265,8 @@ class GatedDeltaNet(nn.Module):
         """Tensor parallel by heads: each rank keeps some value heads and the key heads they read (replicated
         when there are fewer key heads than ranks), with their conv channels, decays and gates; the output
         projection sums the ranks' heads."""
-        (v0, v1), (k0, k1) = head_split(self.num_value_heads, self.num_key_heads, group.size(),
-                                        "DeltaNet value heads")[group.rank()]
+        split = head_split(self.num_value_heads, self.num_key_heads, group.size(), "DeltaNet value heads")
+        (v0, v1), (k0, k1) = split[group.rank()]
         dk, dv = self.key_head_dim, self.value_head_dim
         keys = (k0 * dk, k1 * dk)
         channels = [keys, (self.key_dim + keys[0], self.key_dim + keys[1]),
@@ -277,7 +277,7 @@ class GatedDeltaNet(nn.Module):
         for layer in (self.in_proj_b, self.in_proj_a):
             slice_outputs(layer, [(v0, v1)])
         slice_outputs(self, [(v0, v1)], names=("A_log", "dt_bias"))
-        self.out_proj = RowParallelLinear(self.out_proj, [(v0 * dv, v1 * dv)], group)
+        self.out_proj = RowParallelLinear(self.out_proj, [(a * dv, b * dv) for (a, b), _ in split], group)
         self.num_key_heads, self.num_value_heads = k1 - k0, v1 - v0
         self.key_dim, self.value_dim = (k1 - k0) * dk, (v1 - v0) * dv
         self.conv_dim = 2 * self.key_dim + self.value_dim

@@ -59,7 +59,7 @@ class SwiGLU(nn.Module):
         """Tensor parallel: each rank keeps a slice of the hidden units (whole quantization groups of
         ``down_proj``); ``reduce=False`` leaves the sum of the ranks' outputs to the caller."""
         width = self.gate_proj["weight"].shape[0]
-        ranges = [balanced(width, group.size(), input_unit(self.down_proj), what="MLP hidden units")[group.rank()]]
-        slice_outputs(self.gate_proj, ranges)
-        slice_outputs(self.up_proj, ranges)
-        self.down_proj = RowParallelLinear(self.down_proj, ranges, group if reduce else None)
+        parts = balanced(width, group.size(), input_unit(self.down_proj), what="MLP hidden units")
+        slice_outputs(self.gate_proj, [parts[group.rank()]])
+        slice_outputs(self.up_proj, [parts[group.rank()]])
+        self.down_proj = RowParallelLinear(self.down_proj, parts, group, reduce=reduce)

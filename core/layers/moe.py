@@ -157,7 +157,7 @@ class SparseMoE(nn.Module):
             y = y + mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return all_reduce(y, self.group)
 
-    def shard(self, group: mx.distributed.Group, experts: ExpertSplit = "width") -> None:
+    def shard(self, group: mx.distributed.Group, experts: ExpertSplit | None = None) -> None:
         """Tensor parallel: the router stays whole, the experts (and the shared expert) split; the ranks' parts
         of the output meet in one all-reduce."""
         shard_experts(self.switch_mlp, group, experts)

@@ -131,7 +131,7 @@ def slice_inputs(layer: nn.Module, ranges: Ranges) -> None:
     bits, size = quantization
     if any(a % size or b % size for a, b in ranges):
         raise DistributedError(f"a layer quantized in groups of {size} inputs cannot be split at inputs "
-                               f"{[r for r in ranges]}; {PIPELINE_HINT}")
+                               f"{list(ranges)}; {PIPELINE_HINT}")
     _cut(layer, "weight", Slice(-1, tuple((a * bits // 32, b * bits // 32) for a, b in ranges)))
     groups = Slice(-1, tuple((a // size, b // size) for a, b in ranges))
     for name in ("scales", "biases"):
@@ -181,14 +181,22 @@ class _Projection(nn.Module):
 
 
 class RowParallelLinear(_Projection):
-    """A linear layer holding the input columns ``ranges`` of its weight: each rank multiplies its slice of the
-    inputs and the partial products are summed across ``group`` before the bias. With ``group=None`` the
-    caller sums (one all-reduce for several partial results)."""
+    """A linear layer holding this rank's input columns of its weight (``parts``: each rank's ``[start, stop)``):
+    each rank multiplies its slice of the inputs and the partial products are summed across ``group`` before
+    the bias. With ``reduce=False`` the caller sums (one all-reduce for several partial results).
 
-    def __init__(self, layer: nn.Module, ranges: Ranges, group: mx.distributed.Group | None):
+    A quantized layer is cut only at its group boundaries; every rank checks every rank's cut, so that they
+    all fail alike."""
+
+    def __init__(self, layer: nn.Module, parts: Ranges, group: mx.distributed.Group, *, reduce: bool = True):
         super().__init__(layer)
-        slice_inputs(self, ranges)
-        self.group = group
+        unit = input_unit(layer)
+        cuts = [b for _, b in parts[:-1] if b % unit]
+        if cuts:
+            raise DistributedError(f"a layer quantized in groups of {unit} inputs cannot be split at input "
+                                   f"{cuts[0]}; {PIPELINE_HINT}")
+        slice_inputs(self, [parts[group.rank()]])
+        self.group = group if reduce else None
 
     def __call__(self, x: mx.array) -> mx.array:
         y = all_reduce(self.product(x), self.group)
@@ -257,11 +265,19 @@ class VocabParallelHead(_VocabRows):
         return self.logits(x)
 
 
-def shard_experts(experts: nn.Module, group: mx.distributed.Group, split: ExpertSplit = "width") -> None:
+def shard_experts(experts: nn.Module, group: mx.distributed.Group, split: ExpertSplit | None = None) -> None:
     """Split a :class:`~mlxchat.layers.SwitchGLU`: ``"width"`` gives every rank a slice of every expert's hidden
     units, ``"expert"`` whole experts to each rank (a token's experts held elsewhere contribute zeros). Either
-    way its output is this rank's part of the sum, for the caller to all-reduce once."""
+    way its output is this rank's part of the sum, for the caller to all-reduce once.
+
+    By default the width, which measured faster here (2 ranks, 32 experts of 2048x768, top-8: 18 ms a decode
+    step against 58, 1.0 s a 64-token chunk against 1.8; the expert split still runs k experts a token on
+    every rank); by expert when the hidden units cannot be cut into whole quantization groups per rank."""
     rank, size = group.rank(), group.size()
+    width = experts.gate_proj["weight"].shape[1]
+    unit = input_unit(experts.down_proj)
+    if split is None:
+        split = "width" if width % unit == 0 and width // unit >= size else "expert"
     if split == "expert":
         count = experts.gate_proj["weight"].shape[0]
         first, stop = balanced(count, size, what="experts")[rank]
@@ -269,8 +285,7 @@ def shard_experts(experts: nn.Module, group: mx.distributed.Group, split: Expert
             slice_outputs(projection, [(first, stop)], axis=0)
         experts.expert_range = range(first, stop)
         return
-    width = experts.gate_proj["weight"].shape[1]
-    ranges = [balanced(width, size, input_unit(experts.down_proj), what="expert hidden units")[rank]]
+    ranges = [balanced(width, size, unit, what="expert hidden units")[rank]]
     slice_outputs(experts.gate_proj, ranges, axis=1)
     slice_outputs(experts.up_proj, ranges, axis=1)
     slice_inputs(experts.down_proj, ranges)

@@ -54,10 +54,11 @@ class ShortConv(nn.Module):
         """Tensor parallel by channels: each rank keeps its channels of ``B``, ``C`` and ``x`` and of the
         convolution; the output projection sums the ranks' channels."""
         dims = self.out_proj["weight"].shape[0]
-        a, b = balanced(dims, group.size(), input_unit(self.out_proj), what="conv channels")[group.rank()]
+        parts = balanced(dims, group.size(), input_unit(self.out_proj), what="conv channels")
+        a, b = parts[group.rank()]
         slice_outputs(self.in_proj, [(a, b), (dims + a, dims + b), (2 * dims + a, 2 * dims + b)])
         slice_outputs(self.conv, [(a, b)])
-        self.out_proj = RowParallelLinear(self.out_proj, [(a, b)], group)
+        self.out_proj = RowParallelLinear(self.out_proj, parts, group)
 
 
 def depthwise_weight(name: str, weight: mx.array) -> mx.array:
