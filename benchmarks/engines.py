@@ -20,8 +20,12 @@ from pathlib import Path
 from typing import Any, cast
 
 ENGINES = ("mlxchat", "mlx-lm", "mlx-lm-default", "llama.cpp-f32", "llama.cpp-q8_0")
+SPLIT = {"mlxchat-tensor": "tensor", "mlxchat-pipeline": "pipeline"}
+"""mlxchat split over several local processes (``--distributed``): one model over ``--ranks`` ranks."""
 LABELS = {
     "mlxchat": "mlxchat",
+    "mlxchat-tensor": "mlxchat, tensor parallel",
+    "mlxchat-pipeline": "mlxchat, pipeline parallel",
     "mlx-lm": "mlx-lm (same dtype, OpenBLAS)",
     "mlx-lm-default": "mlx-lm (defaults)",
     "llama.cpp-f32": "llama.cpp F32",
@@ -104,10 +108,12 @@ class MlxEngine(Engine):
 class Mlxchat(MlxEngine):
     name = "mlxchat"
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, distributed: str | None = None):
         import mlxchat
 
-        self.model = mlxchat.load_model(folder)
+        self.model = mlxchat.load_model(folder, distributed=distributed)  # type: ignore[arg-type]
+        if distributed:
+            self.name = f"mlxchat-{distributed}"
         info = mlxchat.runtime_info()
         self.info = info
         self.dtype = _mlx_dtype_name(self.model.dtype)
@@ -196,6 +202,8 @@ def open_engine(name: str, folder: Path, *, blas_path: str | None, dtype: str | 
     mlxchat found (None off Linux-CPU)."""
     if name == "mlxchat":
         return Mlxchat(folder)
+    if name in SPLIT:
+        return Mlxchat(folder, SPLIT[name])
     if name == "mlx-lm":
         return MlxLm(folder, blas_path=blas_path, dtype=dtype, name=name)
     if name == "mlx-lm-default":
@@ -205,3 +213,32 @@ def open_engine(name: str, folder: Path, *, blas_path: str | None, dtype: str | 
 
         return LlamaCpp(converted(folder, name.split("-")[-1]), name=name, context=context)
     raise ValueError(f"unknown engine {name!r}; known: {', '.join(ENGINES)}")
+
+
+class Traffic:
+    """Counts the bytes a split model hands to MLX's collectives (the payloads: an all-reduce of n bytes
+    moves about 2 n (N-1)/N per rank over a ring, an all-gather n (N-1) of each rank's n), by wrapping them."""
+
+    CALLS = ("all_sum", "all_gather", "send")
+
+    def __init__(self) -> None:
+        import mlx.core as mx
+
+        self.bytes = {name: 0 for name in self.CALLS}
+        self.calls = {name: 0 for name in self.CALLS}
+        self._real = {name: getattr(mx.distributed, name) for name in self.CALLS}
+        for name in self.CALLS:
+            setattr(mx.distributed, name, self._counted(name))
+
+    def _counted(self, name: str) -> Any:
+        real = self._real[name]
+
+        def call(x: Any, *args: Any, **kwargs: Any) -> Any:
+            self.bytes[name] += x.nbytes
+            self.calls[name] += 1
+            return real(x, *args, **kwargs)
+
+        return call
+
+    def snapshot(self) -> dict[str, int]:
+        return {**{f"{k}_bytes": v for k, v in self.bytes.items()}, **{f"{k}_calls": v for k, v in self.calls.items()}}

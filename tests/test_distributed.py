@@ -31,7 +31,7 @@ from mlxchat.checkpoint import read_slice, tensor_locations
 from mlxchat.errors import DistributedError
 from mlxchat.layers.parallel import balanced, head_split
 from mlxchat.layers.pipeline import pipeline_split
-from mlxchat.testing import fixture_info
+from mlxchat.testing import chunked_logits, fixture_info
 
 import distributed_ranks as ranks
 from conftest import FIXTURES, loaded
@@ -212,21 +212,26 @@ def test_every_rank_returns_the_same_results(split_runs: dict[str, Any]) -> None
 @pytest.mark.slow
 def test_split_logits_match_one_process(split_runs: dict[str, Any]) -> None:
     """Pipeline parallel runs the same operations as one process: the same bits. Tensor parallel sums partial
-    products across ranks in another order: float32 rounding, within 1e-5 of the logits' scale (one process's
-    own chunked prefill differs from its full forward by as much)."""
+    products across ranks in another order: float32 rounding, within 1e-5 of the logits' scale or, where more,
+    what one process's own chunked prefill differs from its full forward (DeltaNet's recurrence: 3.7e-5)."""
     compared = set()
     for key, name, mode, _ in _loaded(split_runs):
-        want = np.array(_single(name).logits(ranks.PROMPT))
+        single = _single(name)
+        want = np.array(single.logits(ranks.PROMPT))
         got = split_runs["logits"][0][key]
         if mode == "pipeline":
             assert np.array_equal(got, want), key
         else:
-            assert np.abs(got - want).max() <= 1e-5 * max(1.0, np.abs(want).max()), key
+            noise = max(np.abs(chunked_logits(single, ranks.PROMPT, chunks) - want).max()
+                        for chunks in ((5, 7, 8), (10, 10), (1,) * len(ranks.PROMPT)))
+            error = np.abs(got - want).max()
+            assert error <= max(1e-5 * np.abs(want).max(), noise), (key, error, noise)
         compared.add((name, mode))
-    architectures = {f.name for f in ranks.fixtures() if not fixture_info(f).get("variant_of")}
+    architectures = {f.name for f in ranks.fixtures() if not fixture_info(f).get("variant_of")
+                     and fixture_info(f).get("kind", "text") == "text"}
+    assert len(architectures) == 8
     for mode in ("tensor", "pipeline"):
-        assert {n for n, m in compared if m == mode} >= architectures - {"qwen3_5_vl", "qwen3_5_moe_vl",
-                                                                          "gemma4_moe_vl"}, mode
+        assert {n for n, m in compared if m == mode} >= architectures, mode
 
 
 @pytest.mark.slow
@@ -285,7 +290,7 @@ def test_splits_that_cannot_work_say_what_would(split_runs: dict[str, Any]) -> N
     for key, message in errors.items():
         assert "distributed='pipeline'" in message or "fewer ranks" in message, (key, message)
     if split_runs["size"] == 3:
-        assert "2 attention heads cannot be split over 3 ranks" in errors["qwen3_5_vl/tensor"]
+        assert "heads cannot be split over 3 ranks" in errors["qwen3_5_vl/tensor"]
         assert "2 layers" in errors["qwen3_5_vl/pipeline"]
     else:
         assert not [key for key in errors if not key.split("/")[0].endswith("q4")], errors
