@@ -16,6 +16,7 @@ from .config import ModelConfig, RopeConfig  # noqa: E402
 from .errors import (  # noqa: E402
     CheckpointError,
     ContextLengthError,
+    DistributedError,
     GenerationError,
     ImageError,
     InvalidInputError,
@@ -52,6 +53,7 @@ __all__ = [
     "ChatQuirks",
     "CheckpointError",
     "ContextLengthError",
+    "DistributedError",
     "Done",
     "FunctionCall",
     "GenerationChunk",

@@ -26,6 +26,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 import mlxchat
+import mlxchat.distributed
 from mlxchat.cache import KVCache, SlidingWindowCache, StateCache
 from mlxchat.checkpoint import read_slice, tensor_locations
 from mlxchat.errors import DistributedError
@@ -131,6 +132,23 @@ def test_an_advanced_cache_answers_like_one_that_holds_the_tokens(make: Any) -> 
         real.restore(saved[4][0])
         ghost.restore(saved[4][1])
         assert (real.offset, getattr(real, "start", 0)) == (ghost.offset, getattr(ghost, "start", 0))
+
+
+@pytest.mark.parametrize("mode", ["tensor", "pipeline"])
+@pytest.mark.parametrize("folder", ranks.fixtures()[:16], ids=lambda folder: folder.name)
+def test_a_group_of_one_computes_what_the_whole_model_does(folder: Path, mode: str,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every split code path (lazy slices, row-parallel layers, vocab-parallel embedding and head, slices read
+    from the file, the jobs rank 0 sends) on a group of this process alone: what one process computes."""
+    monkeypatch.setattr(mlxchat.distributed, "join", lambda mode: mx.distributed.init())
+    model = mlxchat.load_model(folder, dtype="float32", distributed=mode)  # type: ignore[arg-type]
+    try:
+        single = _single(folder.name)
+        assert isinstance(model, mlxchat.distributed.DistributedModel) and model.size == 1
+        assert np.array_equal(np.array(model.logits(ranks.PROMPT)), np.array(single.logits(ranks.PROMPT)))
+        assert model.generate(ranks.PROMPT, ranks.GREEDY).tokens == single.generate(ranks.PROMPT, ranks.GREEDY).tokens
+    finally:
+        model.close()
 
 
 # -- split over local processes ---------------------------------------------------------------------

@@ -134,7 +134,9 @@ class DistributedModel(GenerativeModel):
         rank 0, which must be an ``op`` (each rank makes the same calls)."""
         if self.leads:
             assert job is not None
-            job["drop"], self._dropped = self._dropped, []
+            job["drop"] = []
+            while self._dropped:  # finalizers append from any thread; pop is atomic
+                job["drop"].append(self._dropped.pop())
             self.channel.post(JOB, job)
             return job
         kind, received = self.channel.take()
