@@ -23,7 +23,7 @@ from typing import Any
 
 from . import host, report, summary
 from .checkpoints import DEFAULT_DIR, HERE, MARKER, MODELS, folder_of, is_built
-from .engines import ENGINES, QUANTIZED_BITS
+from .engines import ENGINES, QUANTIZED_BITS, SPLIT
 from .limits import token_work
 from .sessions import document_words
 from .worker import RESULT_MARK
@@ -85,6 +85,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
         help="results path without suffix (default results/latest; results/quick with --quick)",
     )
     add("--timeout", type=float, default=1800, help="seconds per measurement process (default 1800)")
+    add(
+        "--distributed",
+        help="also mlxchat split over --ranks local processes on the ring backend: 'tensor', 'pipeline' or both "
+        "(comma-separated); rows 'mlxchat, tensor parallel' ... with each rank's peak RSS and the bytes a decode "
+        "step hands to the collectives",
+    )
+    add("--ranks", type=int, default=2, help="processes a --distributed row runs on (default 2)")
     args = parser.parse_args(argv)
     if args.full:
         args.budget = 0
@@ -100,20 +107,30 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def run_job(job: dict[str, Any], timeout: float) -> dict[str, Any]:
-    """Runs one worker process; its result, or {"error": ...} with the end of its stderr."""
+def run_job(job: dict[str, Any], timeout: float, ranks: int = 1) -> dict[str, Any]:
+    """Runs one worker process (``ranks`` of them for a split model, each with its own result: rank 0's
+    is returned, with every rank's peak RSS); its result, or {"error": ...} with the end of its stderr."""
     command = [sys.executable, "-m", "benchmarks.worker", json.dumps(job)]
     try:
-        done = subprocess.run(command, cwd=HERE.parent, capture_output=True, text=True, timeout=timeout)
+        if ranks == 1:
+            runs = [subprocess.run(command, cwd=HERE.parent, capture_output=True, text=True, timeout=timeout)]
+        else:
+            runs = host.run_ranks(command, ranks, HERE.parent, timeout)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout:.0f} s"}
-    for line in reversed(done.stdout.splitlines()):
-        if line.startswith(RESULT_MARK):
-            result = json.loads(line[len(RESULT_MARK) :])
-            if "error" in result:
-                result["stderr"] = done.stderr[-2000:]
+    results = []
+    for done in runs:
+        marked = [line for line in done.stdout.splitlines() if line.startswith(RESULT_MARK)]
+        if not marked:
+            return {"error": f"worker exited with {done.returncode}", "stderr": done.stderr[-2000:]}
+        result = json.loads(marked[-1][len(RESULT_MARK) :])
+        if "error" in result:
+            result["stderr"] = done.stderr[-2000:]
             return result
-    return {"error": f"worker exited with {done.returncode}", "stderr": done.stderr[-2000:]}
+        results.append(result)
+    if ranks > 1:
+        results[0]["rank_peak_rss_bytes"] = [r["peak_rss_bytes"] for r in results]
+    return results[0]
 
 
 def _children_cpu() -> float:
@@ -149,7 +166,7 @@ class Run:
     def job(self, job: dict[str, Any]) -> dict[str, Any]:
         """Runs a worker and adds its wall and CPU seconds (CPU time shows what a shared machine cost)."""
         begin, cpu = time.time(), _children_cpu()
-        result = run_job(job, self.args.timeout)
+        result = run_job(job, self.args.timeout, self.args.ranks if job.get("engine") in SPLIT else 1)
         if "error" in result:
             self.log(f"  error: {result['error']}\n{result.get('stderr', '')[-800:]}")
         result["duration_s"], result["cpu_s"] = time.time() - begin, _children_cpu() - cpu
@@ -196,7 +213,9 @@ class Run:
 
     def select_engines(self) -> list[str]:
         wanted = self.args.engines.split(",") if self.args.engines else list(ENGINES)
-        unknown = [name for name in wanted if name not in ENGINES]
+        if self.args.distributed:
+            wanted += [f"mlxchat-{mode}" for mode in self.args.distributed.split(",")]
+        unknown = [name for name in wanted if name not in (*ENGINES, *SPLIT)]
         if unknown:
             raise SystemExit(f"unknown engine(s) {', '.join(unknown)}; known: {', '.join(ENGINES)}")
         if self.info["llama_cpp"] and any(name.startswith("llama.cpp") for name in wanted):

@@ -22,8 +22,12 @@ from typing import Any, cast
 
 ENGINES = ("mlxchat", "mlxchat-8bit", "mlxchat-4bit", "mlx-lm", "mlx-lm-default", "llama.cpp-f32", "llama.cpp-f16",
            "llama.cpp-q8_0", "llama.cpp-q4_0")
+SPLIT = {"mlxchat-tensor": "tensor", "mlxchat-pipeline": "pipeline"}
+"""mlxchat split over several local processes (``--distributed``): one model over ``--ranks`` ranks."""
 LABELS = {
     "mlxchat": "mlxchat",
+    "mlxchat-tensor": "mlxchat, tensor parallel",
+    "mlxchat-pipeline": "mlxchat, pipeline parallel",
     "mlxchat-8bit": "mlxchat 8-bit",
     "mlxchat-4bit": "mlxchat 4-bit",
     "mlx-lm": "mlx-lm (same dtype, OpenBLAS)",
@@ -117,11 +121,11 @@ class MlxEngine(Engine):
 class Mlxchat(MlxEngine):
     """mlxchat with its defaults; on an MLX-quantized checkpoint the dtype column says the bits."""
 
-    def __init__(self, folder: Path, name: str = "mlxchat"):
+    def __init__(self, folder: Path, name: str = "mlxchat", distributed: str | None = None):
         import mlxchat
 
         self.name = name
-        self.model = mlxchat.load_model(folder)
+        self.model = mlxchat.load_model(folder, distributed=distributed)  # type: ignore[arg-type]
         info = mlxchat.runtime_info()
         self.info = info
         quantization = self.model.quantization
@@ -221,6 +225,8 @@ def open_engine(name: str, folder: Path, *, blas_path: str | None, dtype: str | 
         from .mlx_quantized import folder_for
 
         return Mlxchat(folder_for(folder, QUANTIZED_BITS[name]), name)
+    if name in SPLIT:
+        return Mlxchat(folder, name, SPLIT[name])
     if name == "mlx-lm":
         return MlxLm(folder, blas_path=blas_path, dtype=dtype, name=name)
     if name == "mlx-lm-default":
@@ -230,3 +236,32 @@ def open_engine(name: str, folder: Path, *, blas_path: str | None, dtype: str | 
 
         return LlamaCpp(converted(folder, name.split("-")[-1]), name=name, context=context)
     raise ValueError(f"unknown engine {name!r}; known: {', '.join(ENGINES)}")
+
+
+class Traffic:
+    """Counts the bytes a split model hands to MLX's collectives (the payloads: an all-reduce of n bytes
+    moves about 2 n (N-1)/N per rank over a ring, an all-gather n (N-1) of each rank's n), by wrapping them."""
+
+    CALLS = ("all_sum", "all_gather", "send")
+
+    def __init__(self) -> None:
+        import mlx.core as mx
+
+        self.bytes = {name: 0 for name in self.CALLS}
+        self.calls = {name: 0 for name in self.CALLS}
+        self._real = {name: getattr(mx.distributed, name) for name in self.CALLS}
+        for name in self.CALLS:
+            setattr(mx.distributed, name, self._counted(name))
+
+    def _counted(self, name: str) -> Any:
+        real = self._real[name]
+
+        def call(x: Any, *args: Any, **kwargs: Any) -> Any:
+            self.bytes[name] += x.nbytes
+            self.calls[name] += 1
+            return real(x, *args, **kwargs)
+
+        return call
+
+    def snapshot(self) -> dict[str, int]:
+        return {**{f"{k}_bytes": v for k, v in self.bytes.items()}, **{f"{k}_calls": v for k, v in self.calls.items()}}

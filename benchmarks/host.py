@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
+import socket
+import subprocess
+import tempfile
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
@@ -72,3 +76,27 @@ def memory_shortfall(engine: str, params: float, lookup: float, dtype: str) -> s
     if need <= free:
         return None
     return f"needs about {need / 1e9:.0f} GB ({dtype}), {free / 1e9:.0f} GB available"
+
+
+def run_ranks(command: list[str], ranks: int, cwd: Path, timeout: float) -> list[subprocess.CompletedProcess[str]]:
+    """``command`` as ``ranks`` processes of a ring over loopback, set up as ``mlx.launch --backend ring`` does
+    (``MLX_RANK``, ``MLX_HOSTFILE``) but without its polling loop, which would take a core from the ranks."""
+    sockets = [socket.socket() for _ in range(ranks)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    hosts = [[f"127.0.0.1:{s.getsockname()[1]}"] for s in sockets]
+    for s in sockets:
+        s.close()
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as hostfile:
+        json.dump(hosts, hostfile)
+        hostfile.flush()
+        processes = [subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      env={**os.environ, "MLX_RANK": str(r), "MLX_HOSTFILE": hostfile.name})
+                     for r in range(ranks)]
+        try:
+            outputs = [p.communicate(timeout=timeout) for p in processes]
+        finally:
+            for p in processes:
+                p.kill()
+    return [subprocess.CompletedProcess(command, p.returncode, out, err) for p, (out, err) in zip(processes, outputs,
+                                                                                                    strict=True)]

@@ -96,7 +96,7 @@ def speed_table(model: dict[str, Any], prefill: list[int], decode: int) -> list[
             _pct(row["decode_fraction"]),
             _pct(row["prefill_fraction"].get(middle)),
             _gb(row["peak_gb"]),
-            _gb(row["rss_gb"]),
+            " / ".join(_gb(r) for r in row["rank_rss_gb"]) if row.get("rank_rss_gb") else _gb(row["rss_gb"]),
             str(row["reps"]),
         ]
         lines.append(_row(cells))
@@ -109,7 +109,17 @@ def speed_table(model: dict[str, Any], prefill: list[int], decode: int) -> list[
             _ratio(ratios.get("decode")),
         ]
         lines.append(_row(cells + [""] * (len(head) - len(cells))))
+    lines += [""] + [traffic_note(LABELS[name], row) for name, row in model["engines"].items() if row.get("traffic")]
     return lines + [""]
+
+
+def traffic_note(label: str, row: dict[str, Any]) -> str:
+    """What a decode step of a split model hands to the collectives (rows of split models show each rank's
+    RSS, rank 0 first)."""
+    traffic = row["traffic"]
+    parts = [f"{traffic[f'{kind}_calls']:.0f} {kind} of {traffic[f'{kind}_bytes'] / 1024:.1f} KiB"
+             for kind in ("all_sum", "all_gather", "send") if traffic.get(f"{kind}_calls")]
+    return f"- {label}, per decode step and rank: {', '.join(parts)} (payload bytes; RSS per rank in the table)."
 
 
 _WAYS = (

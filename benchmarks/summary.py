@@ -41,6 +41,9 @@ def speed_row(jobs: list[dict[str, Any]], work: dict[str, Any], limits: dict[str
         "decode_tokens": decode_runs[0]["generated"] if decode_runs else None,
         "peak_gb": statistics.median(peaks) / 1e9 if any(peaks) else None,
         "rss_gb": statistics.median(j["peak_rss_bytes"] for j in ok) / 1e9,
+        "rank_rss_gb": [statistics.median(r) / 1e9 for r in zip(*(j["rank_peak_rss_bytes"] for j in ok), strict=True)]
+        if "rank_peak_rss_bytes" in ok[0] else None,
+        "traffic": ok[0].get("traffic"),
         "load_s": statistics.median(j["load_s"] for j in ok),
         "bounds": limit,
         "decode_fraction": decode / limit["decode_bound_tps"] if decode else None,

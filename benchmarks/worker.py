@@ -52,7 +52,7 @@ def limits(job: dict[str, Any]) -> dict[str, Any]:
 
 
 def speed(job: dict[str, Any]) -> dict[str, Any]:
-    from .engines import open_engine, peak_rss_bytes
+    from .engines import SPLIT, Traffic, open_engine, peak_rss_bytes
 
     start = time.perf_counter()
     engine = open_engine(
@@ -63,6 +63,7 @@ def speed(job: dict[str, Any]) -> dict[str, Any]:
         context=max(job["prefill"]) + job["decode"] + 64,
     )
     load_s = time.perf_counter() - start
+    traffic = Traffic() if job["engine"] in SPLIT else None  # after mlxchat is imported (it sets up the BLAS)
     size = job["tokenizer_size"]
     list(engine.stream(prompt_ids(16, 1, size), 2))  # warm-up: first-call allocations and compilation
     runs = []
@@ -86,7 +87,22 @@ def speed(job: dict[str, Any]) -> dict[str, Any]:
             span = arrivals[-1] - arrivals[0]
             run["decode_tps"] = (len(arrivals) - 1) / span if span > 0 else None
         runs.append(run)
-    return {**engine.describe(), "load_s": load_s, "runs": runs, "peak_rss_bytes": peak_rss_bytes()}
+    result = {**engine.describe(), "load_s": load_s, "runs": runs, "peak_rss_bytes": peak_rss_bytes()}
+    if traffic is not None:
+        result["traffic"] = per_token_traffic(engine, traffic, size)
+    return result
+
+
+def per_token_traffic(engine: Any, traffic: Any, tokenizer_size: int) -> dict[str, float]:
+    """What a decode step hands to the collectives: the counts of a 9-token generation less those of a
+    1-token one (same prompt), over the 8 extra steps."""
+    ids = prompt_ids(16, 2, tokenizer_size)
+    counts = []
+    for tokens in (1, 9):
+        before = traffic.snapshot()
+        list(engine.stream(ids, tokens))
+        counts.append({k: v - before[k] for k, v in traffic.snapshot().items()})
+    return {k: (counts[1][k] - counts[0][k]) / 8 for k in counts[0]}
 
 
 def sessions(job: dict[str, Any]) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from .controller import ChatController, ChatState, InputRequest, QueuedPrompt  #
 from .errors import (  # noqa: E402
     CheckpointError,
     ContextLengthError,
+    DistributedError,
     GenerationError,
     ImageError,
     InvalidInputError,
@@ -64,6 +65,7 @@ __all__ = [
     "ChatStream",
     "CheckpointError",
     "ContextLengthError",
+    "DistributedError",
     "Done",
     "FunctionCall",
     "GenerationChunk",

@@ -27,6 +27,9 @@ class ModelModule(Protocol):
     # Optional: ``last_logits(tokens, cache) -> [batch, vocab]``, the last position's logits without the
     # output projection of the others (mlxchat.layers.CausalLM has it); generation uses it when present.
     # A vision-language module also implements mlxchat.multimodal.VisionModule.
+    # Optional, to run split over a process group (load_model(..., distributed=...)): ``shard(group)`` (tensor
+    # parallel) and ``pipeline(group)``, which replace parameters by this rank's lazy slices before the weights
+    # load, and set ``group``; mlxchat.layers.CausalLM has both (see mlxchat.layers.parallel and .pipeline).
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         """Map checkpoint tensor names (and layouts) to this module's parameter names."""

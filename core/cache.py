@@ -30,6 +30,15 @@ class LayerCache:
 
     trimmable = True
     offset = 0
+    held: tuple[mx.array, ...] = ()
+    """Arrays to evaluate with the cache that it does not store: in pipeline parallel, what this rank sent
+    to the next one during the last forward (see :mod:`mlxchat.layers.pipeline`)."""
+
+    def advance(self, tokens: int) -> None:
+        """Record ``tokens`` that went by without this cache holding them: the cache of a layer another
+        rank runs (pipeline parallel) keeps its position, and so its answers to the three questions,
+        in step with the real one."""
+        self.offset += tokens
 
     def can_trim_to(self, position: int) -> bool:
         return position <= self.offset if self.trimmable else position == self.offset
@@ -212,8 +221,9 @@ class StateCache(LayerCache):
 
 
 def cache_arrays(layers: list[LayerCache]) -> list[mx.array]:
-    """Every array the layer caches hold, to evaluate after a prefill chunk."""
-    return [a for layer in layers for a in layer.state if a is not None]
+    """Every array the layer caches hold (and what they were handed to evaluate with them), to evaluate after
+    a prefill chunk."""
+    return [a for layer in layers for a in (*layer.state, *layer.held) if a is not None]
 
 
 class SlidingWindowCache(KeysValues):
@@ -242,6 +252,11 @@ class SlidingWindowCache(KeysValues):
 
     def can_trim_to(self, position: int) -> bool:
         return position <= self.offset and max(0, position - self.window + 1) >= self.start
+
+    def advance(self, tokens: int) -> None:
+        # Whatever the write, the oldest position held afterwards is the window before the new position.
+        self.offset += tokens
+        self.start = max(0, self.offset - self.window)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Add this chunk; return the keys and values its queries attend to.

@@ -8,10 +8,13 @@ from __future__ import annotations
 import json
 import os
 import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 from .errors import CheckpointError
 
@@ -117,3 +120,49 @@ def read_weights(folder: Path) -> dict[str, mx.array]:
                 raise CheckpointError(f"{file}: tensor {name} appears in more than one shard")
         weights.update(loaded)
     return weights
+
+
+# safetensors dtypes numpy can map (bfloat16 as its bits, viewed back by MLX).
+_NUMPY_DTYPES: dict[str, Any] = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64,
+                                 "U32": np.uint32, "I32": np.int32, "U16": np.uint16, "I16": np.int16,
+                                 "U8": np.uint8, "I8": np.int8, "I64": np.int64, "U64": np.uint64, "BOOL": np.bool_}
+
+
+@dataclass(frozen=True)
+class TensorLocation:
+    """Where a tensor's bytes lie in a safetensors file."""
+
+    path: Path
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    """Byte offset of the tensor's data in the file."""
+
+
+def tensor_locations(folder: Path) -> dict[str, TensorLocation]:
+    """Every tensor of a checkpoint, by name, and where its bytes are (from the headers alone)."""
+    out = {}
+    for file in weight_files(folder):
+        header = check_safetensors(file)
+        with file.open("rb") as f:
+            start = 8 + struct.unpack("<Q", f.read(8))[0]
+        for name, entry in header.items():
+            if name != "__metadata__":
+                offset = start + entry["data_offsets"][0]
+                out[name] = TensorLocation(file, entry["dtype"], tuple(entry["shape"]), offset)
+    return out
+
+
+def read_slice(location: TensorLocation, axis: int, ranges: Sequence[tuple[int, int]]) -> mx.array | None:
+    """The ``ranges`` along ``axis`` of a tensor, concatenated, reading only the pages that hold them (a memory
+    map); ``None`` for a dtype numpy cannot map (then read the whole tensor)."""
+    dtype = _NUMPY_DTYPES.get(location.dtype)
+    if dtype is None or not location.shape:
+        return None
+    data = np.memmap(location.path, dtype=dtype, mode="r", offset=location.offset, shape=location.shape)
+    axis %= data.ndim
+    parts = [data[(slice(None),) * axis + (slice(a, b),)] for a, b in ranges]
+    values = np.concatenate(parts, axis=axis) if len(parts) > 1 else np.array(parts[0])
+    del data, parts
+    out = mx.array(values)
+    return out.view(mx.bfloat16) if location.dtype == "BF16" else out

@@ -28,6 +28,7 @@ EPILOG = """examples:
   mlxchat generate --model Qwen/Qwen3-0.6B --max-tokens 200 "Write a haiku about rain."
   mlxchat chat --model ./my-checkpoint --system "Be concise."
   mlxchat serve --model Qwen/Qwen3-0.6B --port 8000     # OpenAI-compatible API
+  mlx.launch --backend ring -n 2 -- mlxchat generate --distributed tensor --model Qwen/Qwen3-0.6B "Hi"
   mlxchat info
 
 Without --model, the small demo model shipped inside the package is used (it knows a tiny world:
@@ -56,6 +57,9 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
                         help="compute dtype (default: float32 on CPU, the checkpoint's own on a GPU)")
     parser.add_argument("--context-length", type=int, metavar="N",
                         help="most tokens (prompt and reply) a generation may hold (default: the model's own)")
+    parser.add_argument("--distributed", choices=["tensor", "pipeline"],
+                        help="split the model over the processes mlx.launch started (every rank runs the same "
+                             "command; rank 0 does the talking, the others follow it)")
 
 
 def _sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -136,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--allow-remote-images", action="store_true",
                        help="fetch http(s) image URLs in requests (default: only data: URLs)")
 
-    info = commands.add_parser("info", help="MLX version, device, BLAS and registered plugins",
+    info = commands.add_parser("info", help="MLX version, device, BLAS, registered plugins, the process group",
                                formatter_class=_Formatter)
     info.add_argument("--json", action="store_true", help="print machine-readable JSON")
     return parser
@@ -163,9 +167,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _info(args: argparse.Namespace) -> int:
+    from .distributed import group_info
     from .runtime import runtime_info
 
     info = runtime_info()
+    info["distributed"] = group_info()
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
@@ -179,6 +185,9 @@ def _info(args: argparse.Namespace) -> int:
         rows.append(("note", info["blas_note"]))
     for name, types in info["plugins"].items():
         rows.append((f"plugin {name}", ", ".join(types)))
+    group = info["distributed"]
+    if group is not None:
+        rows.append(("process group", f"rank {group['rank']} of {group['size']} ({group['backend']} backend)"))
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"{key:<{width}}  {value}")
@@ -201,8 +210,11 @@ def _serve(args: argparse.Namespace) -> int:
     except ValidationError as exc:
         raise UsageError(_first_problem(exc)) from None
     _check_context_length(args)
+    model = _load(args)
+    if _follows(model):
+        return 0
     try:
-        serve(_load(args), host=args.host, port=args.port, settings=settings)
+        serve(model, host=args.host, port=args.port, settings=settings)
     except KeyboardInterrupt:  # uvicorn shut down cleanly, then re-raised the interrupt
         return 130
     return 0
@@ -229,7 +241,16 @@ def _load(args: argparse.Namespace) -> Any:
     from .loading import load_model
 
     print(dim(f"loading {args.model or 'the demo model'} ...", sys.stderr), file=sys.stderr)
-    return load_model(args.model, dtype=args.dtype, context_length=args.context_length)
+    return load_model(args.model, dtype=args.dtype, context_length=args.context_length,
+                      distributed=args.distributed)
+
+
+def _follows(model: Any) -> bool:
+    """On a rank other than 0 of a split model: run rank 0's work until it is done (then the command ends)."""
+    if getattr(model, "rank", 0) == 0:
+        return False
+    model.follow()
+    return True
 
 
 def _config(args: argparse.Namespace) -> GenerationConfig:
@@ -369,6 +390,8 @@ def _generate(args: argparse.Namespace, config: GenerationConfig, tools: list[An
     printer = Printer(sys.stdout, sys.stderr, args.thinking)
     try:
         model = _load(args)
+        if _follows(model):
+            return 0
         prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
         if args.image and (args.raw or model.chat_template is None):
             raise UsageError("--image needs the chat template (drop --raw)")
@@ -393,6 +416,8 @@ def _generate(args: argparse.Namespace, config: GenerationConfig, tools: list[An
 
 def _chat(args: argparse.Namespace, config: GenerationConfig, tools: list[Any]) -> int:
     model = _load(args)
+    if _follows(model):
+        return 0
     session = model.chat_session(system=args.system, default_config=config, tools=tools or None)
     printer = Printer(sys.stdout, sys.stderr, args.thinking)
     interactive = sys.stdin.isatty()

@@ -59,3 +59,8 @@ class SavedStateError(MlxchatError):
 
 class StreamConsumedError(MlxchatError):
     """A stream was iterated a second time."""
+
+
+class DistributedError(MlxchatError):
+    """A model cannot be split over the process group (heads or quantization groups that do not divide), or
+    the process was not launched in a group (``mlx.launch``); the message says what would work."""

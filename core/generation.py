@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from .architecture import ModelModule
 from .batching import DecodeRow, DecodeStats, decode_steps
 from .detokenizer import StreamingDetokenizer
+from .layers.parallel import from_rank_zero
 from .limits import check_depth, check_strings, check_text
 from .multimodal import MultimodalPrompt
 from .prompt_cache import PromptCache
@@ -244,8 +245,15 @@ def stream_generation(
     adjust.start(ids)
     sampler = make_sampler(config.temperature, config.top_p, config.top_k, config.min_p, config.seed)
 
+    group = getattr(module, "group", None)
+    if group is not None:  # a model split over processes: every rank takes rank 0's token
+        sampler = from_rank_zero(sampler, group)
+
     def decode(start: Sequence[int], budget: int) -> Iterator[int | DecodeRow]:
-        """Decoding whose steps the worker may run with other generations' (``DecodeRow`` items)."""
+        """Decoding whose steps the worker may run with other generations' (``DecodeRow`` items); a split
+        model's ranks decode one generation at a time (each step is a collective of every rank)."""
+        if group is not None:
+            return decode_alone(start, budget)
         return decode_steps(module, cache, start, sampler, budget, adjust=adjust, stats=stats) if budget > 0 \
             else iter(())
 

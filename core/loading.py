@@ -14,11 +14,20 @@ from mlx.utils import tree_flatten
 
 from .architecture import Architecture, ModelModule
 from .chat_template import ChatTemplate, read_template_source
-from .checkpoint import read_json, read_weights, resolve_checkpoint, tensor_names
+from .checkpoint import (
+    TensorLocation,
+    read_json,
+    read_slice,
+    read_weights,
+    resolve_checkpoint,
+    tensor_locations,
+    tensor_names,
+)
 from .config import ModelConfig
-from .errors import CheckpointError, UnsupportedQuantizationError
+from .errors import CheckpointError, DistributedError, UnsupportedQuantizationError
 from .generation import GenerationConfig
 from .images import ImageProcessor
+from .layers.parallel import Slice, shard_slices
 from .layers.quantized import quantize
 from .model import GenerativeModel
 from .multimodal import VisionModule
@@ -43,6 +52,7 @@ def load_model(
     dtype: str | mx.Dtype | None = None,
     revision: str | None = None,
     context_length: int | None = None,
+    distributed: Literal["tensor", "pipeline"] | None = None,
 ) -> GenerativeModel:
     """Load a checkpoint (local folder or Hugging Face repo id; by default the demo model shipped in the
     package, :mod:`mlxchat.demo`) with the plugin its config.json names.
@@ -52,9 +62,18 @@ def load_model(
     ``context_length`` caps the tokens a generation may hold (prompt and reply; at most the checkpoint's
     ``max_position_embeddings``, which is the default).
 
+    ``distributed`` ("tensor" or "pipeline"), in every process ``mlx.launch`` started: join their group and load
+    only this rank's part of the weights; the model (a :class:`~mlxchat.distributed.DistributedModel`) then
+    behaves as on one process and gives the same results on every rank (see :mod:`mlxchat.distributed`).
+
     Everything that needs no MLX (config, tokenizer, template) is read here; the module is then built,
     loaded and evaluated on the model's own worker thread, which runs all of its MLX work from then on.
     """
+    group = None
+    if distributed is not None:
+        from .distributed import join
+
+        group = join(distributed)
     if path_or_repo is None:
         from .demo import default_model_path
 
@@ -71,20 +90,42 @@ def load_model(
     template = ChatTemplate(source, tokenizer) if source else None
     generation = read_json(folder / "generation_config.json", required=False)
 
-    def build() -> tuple[ModelModule, mx.Dtype]:
-        module = arch.model_class(config)
-        weights = module.sanitize(read_weights(folder))
+    def prepare(module: Any, weights: dict[str, mx.array]) -> tuple[dict[str, mx.array], mx.Dtype]:
+        weights = module.sanitize(weights)
         if quantization is not None:
             _quantize(module, weights, quantization)
         _check_tensors(module, weights, str(folder))
-        target = _target_dtype(dtype, _stored_dtype(weights))
+        return weights, _target_dtype(dtype, _stored_dtype(weights))
+
+    def build() -> tuple[ModelModule, mx.Dtype]:
+        module = arch.model_class(config)
+        weights, target = prepare(module, read_weights(folder))
         _materialize(module, weights, target, stored=None)
         return module, target
 
-    worker = Worker(f"mlxchat-{arch.name}")
-    module, target = _on(worker, build)
+    def build_part() -> tuple[ModelModule, mx.Dtype]:
+        assert group is not None and distributed is not None
+        module = arch.model_class(config)
+        files = read_weights(folder)
+        weights, target = prepare(module, dict(files))
+        _split(module, arch, group, distributed)
+        plan = _part_plan(module, weights, files)
+        del files, weights  # what this rank does not hold is never read
+        _materialize_part(module, plan, tensor_locations(folder), target)
+        mx.eval(mx.distributed.all_sum(mx.array(1), group=group))  # every rank is ready
+        return module, target
+
+    worker = Worker(f"mlxchat-{arch.name}", side_by_side=group is None)
+    module, target = _on(worker, build if group is None else build_part)
     image_processor = _image_processor(module, folder)
-    return GenerativeModel(
+    kind: type[GenerativeModel] = GenerativeModel
+    extra: dict[str, Any] = {}
+    if group is not None:
+        from .distributed import DistributedModel
+
+        kind, extra = DistributedModel, {"group": group, "mode": distributed}
+    return kind(
+        **extra,
         module=module,
         config=config,
         architecture=arch,
@@ -281,6 +322,58 @@ def _materialize(module: nn.Module, weights: dict[str, mx.array], target: mx.Dty
     module.eval()
     for parameter in dict(tree_flatten(module.parameters())).values():
         mx.eval(parameter)
+
+
+def _split(module: ModelModule, arch: Architecture, group: mx.distributed.Group, mode: str) -> None:
+    method = "shard" if mode == "tensor" else "pipeline"
+    split = getattr(module, method, None)
+    if split is None:
+        raise DistributedError(f"{arch.name} ({type(module).__name__}) cannot run distributed={mode!r}: its module "
+                               f"has no {method}(group) method (mlxchat.layers.CausalLM provides one)")
+    split(group)
+
+
+Part = tuple[str, mx.array, str | None, Slice | None]
+"""A parameter of this rank: its name, the sanitized tensor it comes from, the checkpoint tensor that is (when
+sanitize only renamed it), and the slice of it this rank holds (``None``: all of it)."""
+
+
+def _part_plan(module: nn.Module, weights: dict[str, mx.array], files: dict[str, mx.array]) -> list[Part]:
+    """What each parameter of a split module is made of (``files``: the checkpoint's tensors as read, before
+    sanitize, which tells the tensors it only renamed by identity)."""
+    names = {id(value): name for name, value in files.items()}
+    slices = shard_slices(module)
+    plan = []
+    for name in dict(tree_flatten(module.parameters())):
+        value = weights.pop(name)
+        source = names.get(id(value))
+        plan.append((name, value, source if source is not None and files[source] is value else None,
+                     slices.get(name)))
+    return plan
+
+
+def _materialize_part(module: nn.Module, plan: list[Part], locations: dict[str, TensorLocation],
+                      target: mx.Dtype) -> None:
+    """Load a split module's parameters one at a time: a slice of a checkpoint tensor is read from the file
+    alone (only the bytes it holds); a slice of a tensor sanitize computed is computed, then cut; a whole
+    tensor is read as is. Each is cast as in :func:`_materialize` and evaluated before the next."""
+    cast = getattr(module, "cast_predicate", lambda name: True)
+    loaded = []
+    plan.reverse()
+    while plan:
+        name, value, source, piece = plan.pop()
+        array = None
+        if piece is not None and source is not None:
+            array = read_slice(locations[source], piece.axis, piece.ranges)
+        if array is None:
+            array = piece.take(value) if piece is not None else value
+        del value
+        if mx.issubdtype(array.dtype, mx.floating) and cast(name):
+            array = array.astype(target)
+        mx.eval(array)
+        loaded.append((name, array))
+    module.load_weights(loaded, strict=True)
+    module.eval()
 
 
 def _on(worker: Worker, build: Callable[[], T]) -> T:

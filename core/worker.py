@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import collections
 import queue
 import threading
 import weakref
@@ -85,7 +86,12 @@ class Worker:
     every live worker and then clears the main thread's streams.
     """
 
-    def __init__(self, name: str = "mlxchat-worker"):
+    def __init__(self, name: str = "mlxchat-worker", side_by_side: bool = True):
+        self.side_by_side = side_by_side
+        """Whether stream jobs advance side by side (a split model's ranks take rank 0's jobs one at a time)."""
+        self._later: collections.deque[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]]] = (
+            collections.deque()
+        )
         self._jobs: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]] | None] = (
             queue.SimpleQueue()
         )
@@ -103,10 +109,10 @@ class Worker:
         mx.set_default_stream(mx.new_stream(mx.default_device()))
         closing = False
         try:
-            while not closing or self._tasks:
+            while not closing or self._tasks or self._later:
                 while not closing:
                     try:
-                        job = self._jobs.get(block=not self._tasks)
+                        job = self._jobs.get(block=not self._tasks and not self._later)
                     except queue.Empty:
                         break
                     if job is None:
@@ -114,7 +120,9 @@ class Worker:
                         for task in self._tasks:
                             task.handoff.abandon()
                     else:
-                        self._start_job(*job)
+                        self._later.append(job)
+                while self._later and (self.side_by_side or not self._tasks):
+                    self._start_job(*self._later.popleft())
                 if not self._advance() and self._tasks:
                     self._wake.wait(_IDLE_WAIT)
                     self._wake.clear()
@@ -126,6 +134,8 @@ class Worker:
             return
         if fn is _StreamTask:
             produce, cancel, handoff = args
+            if self._closed:
+                handoff.abandon()
             self._tasks.append(_Task(future, handoff))
             try:
                 self._tasks[-1].iterator = produce(cancel)

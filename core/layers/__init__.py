@@ -6,6 +6,19 @@ from .gated_delta import GatedDeltaNet, RMSNormGated, gated_delta_chunked, gated
 from .mlp import SwiGLU, gate_function, gelu_tanh_gate, silu_gate
 from .moe import SparseMoE, SwitchGLU, SwitchLinear, softmax_top_k, stack_experts
 from .norms import RMSNorm
+from .parallel import (
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    VocabParallelHead,
+    all_reduce,
+    balanced,
+    head_split,
+    input_unit,
+    shard_experts,
+    shard_layers,
+    slice_inputs,
+    slice_outputs,
+)
 from .rope import MRoPE, ProportionalRoPE, RoPE, rotate
 from .short_conv import ShortConv, depthwise_weight
 from .vision import AxialRoPE, attend_all
@@ -21,20 +34,31 @@ __all__ = [
     "RMSNorm",
     "RMSNormGated",
     "RoPE",
+    "RowParallelLinear",
     "ShortConv",
     "SparseMoE",
     "SwiGLU",
     "SwitchGLU",
     "SwitchLinear",
+    "VocabParallelEmbedding",
+    "VocabParallelHead",
+    "all_reduce",
     "attend",
     "attend_all",
+    "balanced",
     "depthwise_weight",
     "gate_function",
     "gated_delta_chunked",
     "gated_delta_step",
     "gelu_tanh_gate",
+    "head_split",
+    "input_unit",
     "rotate",
+    "shard_experts",
+    "shard_layers",
     "silu_gate",
+    "slice_inputs",
+    "slice_outputs",
     "softmax_top_k",
     "stack_experts",
     "window_mask",

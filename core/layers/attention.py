@@ -7,6 +7,7 @@ import mlx.nn as nn
 
 from ..cache import KeysValues, RowCaches
 from .norms import RMSNorm
+from .parallel import RowParallelLinear, head_split, slice_outputs
 from .rope import RoPE
 
 
@@ -66,7 +67,7 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=bias)
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
-        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
+        self.o_proj: nn.Module = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
         self.qk_norm = qk_norm_eps is not None
         if qk_norm_eps is not None:
             self.q_norm = RMSNorm(head_dim, qk_norm_eps)
@@ -85,6 +86,18 @@ class Attention(nn.Module):
         q, k = self.rope(q, offset), self.rope(k, offset)
         out = attend(q, k, v, cache, self.scale, window=self.window)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(batch, length, -1))
+
+    def shard(self, group: mx.distributed.Group) -> None:
+        """Tensor parallel: each rank keeps some query heads and the KV heads they read (see
+        :func:`~mlxchat.layers.parallel.head_split`); the output projection sums the ranks' heads."""
+        split = head_split(self.num_heads, self.num_kv_heads, group.size())
+        (q0, q1), (k0, k1) = split[group.rank()]
+        d = self.head_dim
+        slice_outputs(self.q_proj, [(q0 * d, q1 * d)])
+        slice_outputs(self.k_proj, [(k0 * d, k1 * d)])
+        slice_outputs(self.v_proj, [(k0 * d, k1 * d)])
+        self.o_proj = RowParallelLinear(self.o_proj, [(a * d, b * d) for (a, b), _ in split], group)
+        self.num_heads, self.num_kv_heads = q1 - q0, k1 - k0
 
 
 def window_mask(length: int, key_length: int, window: int, blocks: mx.array | None = None) -> mx.array | None:

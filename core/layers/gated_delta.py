@@ -20,6 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..cache import StateCache
+from .parallel import RowParallelLinear, head_split, slice_outputs
 
 CHUNK_SIZE = 64
 L2_EPS = 1e-6
@@ -220,7 +221,7 @@ class GatedDeltaNet(nn.Module):
         self.A_log = mx.zeros((num_value_heads,))
         self.dt_bias = mx.ones((num_value_heads,))
         self.norm = RMSNormGated(value_head_dim, eps)
-        self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
+        self.out_proj: nn.Module = nn.Linear(self.value_dim, hidden_size, bias=False)
 
     def __call__(self, x: mx.array, cache: StateCache | None = None) -> mx.array:
         batch, length, _ = x.shape
@@ -259,3 +260,24 @@ class GatedDeltaNet(nn.Module):
         z = self.in_proj_z(x).reshape(batch, length, heads, self.value_head_dim)
         out = self.norm(out.astype(x.dtype), z)
         return self.out_proj(out.reshape(batch, length, self.value_dim))
+
+    def shard(self, group: mx.distributed.Group) -> None:
+        """Tensor parallel by heads: each rank keeps some value heads and the key heads they read (replicated
+        when there are fewer key heads than ranks), with their conv channels, decays and gates; the output
+        projection sums the ranks' heads."""
+        split = head_split(self.num_value_heads, self.num_key_heads, group.size(), "DeltaNet value heads")
+        (v0, v1), (k0, k1) = split[group.rank()]
+        dk, dv = self.key_head_dim, self.value_head_dim
+        keys = (k0 * dk, k1 * dk)
+        channels = [keys, (self.key_dim + keys[0], self.key_dim + keys[1]),
+                    (2 * self.key_dim + v0 * dv, 2 * self.key_dim + v1 * dv)]
+        slice_outputs(self.in_proj_qkv, channels)
+        slice_outputs(self.conv1d, channels)
+        slice_outputs(self.in_proj_z, [(v0 * dv, v1 * dv)])
+        for layer in (self.in_proj_b, self.in_proj_a):
+            slice_outputs(layer, [(v0, v1)])
+        slice_outputs(self, [(v0, v1)], names=("A_log", "dt_bias"))
+        self.out_proj = RowParallelLinear(self.out_proj, [(a * dv, b * dv) for (a, b), _ in split], group)
+        self.num_key_heads, self.num_value_heads = k1 - k0, v1 - v0
+        self.key_dim, self.value_dim = (k1 - k0) * dk, (v1 - v0) * dv
+        self.conv_dim = 2 * self.key_dim + self.value_dim

@@ -8,6 +8,8 @@ from functools import partial
 import mlx.core as mx
 import mlx.nn as nn
 
+from .parallel import RowParallelLinear, balanced, input_unit, slice_outputs
+
 
 @partial(mx.compile, shapeless=True)
 def silu_gate(gate: mx.array, x: mx.array) -> mx.array:
@@ -47,8 +49,17 @@ class SwiGLU(nn.Module):
         super().__init__()
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.down_proj: nn.Module = nn.Linear(intermediate_size, hidden_size, bias=bias)
         self._gate = gate_function(activation)
 
     def __call__(self, x: mx.array) -> mx.array:
         return self.down_proj(self._gate(self.gate_proj(x), self.up_proj(x)))
+
+    def shard(self, group: mx.distributed.Group, *, reduce: bool = True) -> None:
+        """Tensor parallel: each rank keeps a slice of the hidden units (whole quantization groups of
+        ``down_proj``); ``reduce=False`` leaves the sum of the ranks' outputs to the caller."""
+        width = self.gate_proj["weight"].shape[0]
+        parts = balanced(width, group.size(), input_unit(self.down_proj), what="MLP hidden units")
+        slice_outputs(self.gate_proj, [parts[group.rank()]])
+        slice_outputs(self.up_proj, [parts[group.rank()]])
+        self.down_proj = RowParallelLinear(self.down_proj, parts, group, reduce=reduce)

@@ -15,6 +15,7 @@ import mlx.nn as nn
 from ..errors import CheckpointError
 from ..quantized import gather_quantized_matmul
 from .mlp import SwiGLU, gate_function
+from .parallel import ExpertSplit, all_reduce, shard_experts
 
 # Below this many (token, expert) pairs, sorting tokens by expert costs more than it saves.
 _SORT_THRESHOLD = 64
@@ -60,7 +61,12 @@ class QuantizedSwitchLinear(nn.Module):
 
 class SwitchGLU(nn.Module):
     """Gated experts (SiLU by default, see :class:`SwiGLU`): ``x [..., D]`` and ``indices [..., k]`` give
-    ``[..., k, D]``."""
+    ``[..., k, D]``.
+
+    Split by expert (:func:`~mlxchat.layers.parallel.shard_experts`), a rank holds the experts of
+    ``expert_range`` only and gives zeros for the others."""
+
+    expert_range: range | None = None
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, activation: str = "silu"):
         super().__init__()
@@ -70,6 +76,15 @@ class SwitchGLU(nn.Module):
         self._gate = gate_function(activation)
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        held = None
+        if self.expert_range is not None:
+            local = indices - self.expert_range.start
+            held = (local >= 0) & (local < len(self.expert_range))
+            indices = mx.where(held, local, 0)
+        out = self._experts(x, indices)
+        return out if held is None else mx.where(held[..., None], out, 0)
+
+    def _experts(self, x: mx.array, indices: mx.array) -> mx.array:
         top_k, shape = indices.shape[-1], indices.shape
         x = mx.expand_dims(x, (-2, -3))
         sort = indices.size >= _SORT_THRESHOLD
@@ -99,6 +114,8 @@ def softmax_top_k(logits: mx.array, top_k: int, normalize: bool) -> tuple[mx.arr
 
 class SparseMoE(nn.Module):
     """Router ``gate`` + experts ``switch_mlp``, and an optional sigmoid-gated ``shared_expert``."""
+
+    group: mx.distributed.Group | None = None
 
     def __init__(
         self,
@@ -130,7 +147,15 @@ class SparseMoE(nn.Module):
         y = (self.switch_mlp(x, indices) * weights[..., None]).sum(axis=-2)
         if self.has_shared:
             y = y + mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return y
+        return all_reduce(y, self.group)
+
+    def shard(self, group: mx.distributed.Group, experts: ExpertSplit | None = None) -> None:
+        """Tensor parallel: the router stays whole, the experts (and the shared expert) split; the ranks' parts
+        of the output meet in one all-reduce."""
+        shard_experts(self.switch_mlp, group, experts)
+        if self.has_shared:
+            self.shared_expert.shard(group, reduce=False)
+        self.group = group
 
 
 _PER_EXPERT = re.compile(r"^(.*)\.experts\.(\d+)\.(\w+)\.(weight|scales|biases)$")

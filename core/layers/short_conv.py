@@ -7,6 +7,7 @@ import mlx.nn as nn
 
 from ..cache import StateCache
 from ..errors import CheckpointError
+from .parallel import RowParallelLinear, balanced, input_unit, slice_outputs
 
 
 class ShortConv(nn.Module):
@@ -23,7 +24,7 @@ class ShortConv(nn.Module):
         self.kernel_size = kernel_size
         self.in_proj = nn.Linear(dims, 3 * dims, bias=bias)
         self.conv = nn.Conv1d(dims, dims, kernel_size, groups=dims, bias=bias)
-        self.out_proj = nn.Linear(dims, dims, bias=bias)
+        self.out_proj: nn.Module = nn.Linear(dims, dims, bias=bias)
 
     def __call__(self, h: mx.array, cache: StateCache | None = None) -> mx.array:
         b, c, x = mx.split(self.in_proj(h), 3, axis=-1)
@@ -48,6 +49,16 @@ class ShortConv(nn.Module):
         if "bias" in self.conv:
             y = y + self.conv.bias
         return self.out_proj(c * y)
+
+    def shard(self, group: mx.distributed.Group) -> None:
+        """Tensor parallel by channels: each rank keeps its channels of ``B``, ``C`` and ``x`` and of the
+        convolution; the output projection sums the ranks' channels."""
+        dims = self.out_proj["weight"].shape[0]
+        parts = balanced(dims, group.size(), input_unit(self.out_proj), what="conv channels")
+        a, b = parts[group.rank()]
+        slice_outputs(self.in_proj, [(a, b), (dims + a, dims + b), (2 * dims + a, 2 * dims + b)])
+        slice_outputs(self.conv, [(a, b)])
+        self.out_proj = RowParallelLinear(self.out_proj, parts, group)
 
 
 def depthwise_weight(name: str, weight: mx.array) -> mx.array:

@@ -40,11 +40,17 @@ from mlxchat.plugin import (
     RoPE,
     RopeConfig,
     RowCaches,
+    RowParallelLinear,
     SlidingWindowCache,
     SwiGLU,
     SwitchGLU,
+    VocabParallelEmbedding,
+    all_reduce,
     embed_with_images,
     gelu_tanh_gate,
+    head_split,
+    shard_experts,
+    slice_outputs,
     softmax_top_k,
     stack_experts,
     window_mask,
@@ -250,6 +256,20 @@ class Gemma4Attention(nn.Module):
         out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(batch, length, -1))
 
+    def shard(self, group: mx.distributed.Group) -> None:
+        """Tensor parallel by heads; a KV-shared layer splits like the owner of its K/V (same head counts), so
+        each rank's shared K/V are the heads its queries read."""
+        split = head_split(self.num_heads, self.num_kv_heads, group.size())
+        (q0, q1), (k0, k1) = split[group.rank()]
+        d = self.head_dim
+        slice_outputs(self.q_proj, [(q0 * d, q1 * d)])
+        if self.owns_kv:
+            slice_outputs(self.k_proj, [(k0 * d, k1 * d)])
+            if not self.values_from_keys:
+                slice_outputs(self.v_proj, [(k0 * d, k1 * d)])
+        self.o_proj = RowParallelLinear(self.o_proj, [(a * d, b * d) for (a, b), _ in split], group)
+        self.num_heads, self.num_kv_heads = q1 - q0, k1 - k0
+
 
 class Gemma4Router(nn.Module):
     """Softmax over all experts of the weightless-normed, ``scale``-weighted input; top-k renormalised, then
@@ -271,6 +291,8 @@ class Gemma4Router(nn.Module):
 class Gemma4Block(nn.Module):
     """Attention and feed-forward, each sandwiched between two norms; then the layer's per-layer-embedding
     residual, and the whole hidden state times ``layer_scalar``."""
+
+    group: mx.distributed.Group | None = None
 
     def __init__(self, config: Gemma4Config, layer: int):
         super().__init__()
@@ -305,13 +327,22 @@ class Gemma4Block(nn.Module):
         if self.moe:
             weights, indices = self.router(h)
             experts = self.switch_mlp(self.pre_feedforward_layernorm_2(h), indices)
-            experts = (experts * weights[..., None]).sum(-2)
+            experts = all_reduce((experts * weights[..., None]).sum(-2), self.group)
             f = self.post_feedforward_layernorm_1(f) + self.post_feedforward_layernorm_2(experts)
         h = h + self.post_feedforward_layernorm(f)
         if per_layer_input is not None:
             gated = gelu_tanh_gate(self.per_layer_input_gate(h), per_layer_input)
             h = h + self.post_per_layer_input_norm(self.per_layer_projection(gated))
         return h * self.layer_scalar
+
+    def shard(self, group: mx.distributed.Group) -> None:
+        """Tensor parallel: attention by heads, the MLP by hidden units, the experts (router whole) with their
+        own all-reduce before their norm; the per-layer-input projections are small and stay whole."""
+        self.self_attn.shard(group)
+        self.mlp.shard(group)
+        if self.moe:
+            shard_experts(self.switch_mlp, group)
+            self.group = group
 
 
 class Gemma4TextModel(Decoder):
@@ -387,9 +418,11 @@ class Gemma4ForCausalLM(CausalLM):
     ``embed_vision`` when the checkpoint has them."""
 
     model: Gemma4TextModel
+    vision_parts = ("vision_tower", "embed_vision")
 
     def __init__(self, config: Gemma4Config):
         super().__init__(config, Gemma4TextModel(config))
+        self.embeds_on_every_rank = bool(config.hidden_size_per_layer_input)  # per-layer inputs read them
         self.softcap = config.final_logit_softcapping
         self.atomic_images = config.use_bidirectional_attention == "vision"
         if config.has_vision:
@@ -411,6 +444,23 @@ class Gemma4ForCausalLM(CausalLM):
         if self.softcap:
             logits = softcap(logits, mx.array(self.softcap, logits.dtype))
         return logits
+
+    def shard(self, group: mx.distributed.Group) -> None:
+        """Tensor parallel (see :meth:`CausalLM.shard`); the per-layer embedding table splits by vocabulary too."""
+        super().shard(group)
+        if self.model.ple_dim:
+            self.model.embed_tokens_per_layer = VocabParallelEmbedding(self.model.embed_tokens_per_layer, group)
+
+    def pipeline_units(self) -> list[range]:
+        """KV-shared layers stay on the rank of the layers whose K/V they read (and of those in between)."""
+        config: Gemma4Config = self.config  # type: ignore[assignment]
+        first, count = config.first_shared_layer, config.num_hidden_layers
+        if first >= count:
+            return super().pipeline_units()
+        owners = [max(i for i in range(first) if config.layer_types[i] == kind)
+                  for kind in set(config.layer_types[first:])]
+        start = min(owners)
+        return [range(i, i + 1) for i in range(start)] + [range(start, count)]
 
     def make_cache(self) -> list[LayerCache]:
         """One cache per layer that owns K/V: sliding layers keep their window, global layers everything."""

@@ -38,11 +38,14 @@ from mlxchat.plugin import (
     RMSNorm,
     RoPE,
     RopeConfig,
+    RowParallelLinear,
     SparseMoE,
     StateCache,
     SwiGLU,
     attend,
     embed_with_images,
+    head_split,
+    slice_outputs,
     stack_experts,
 )
 
@@ -140,6 +143,17 @@ class GatedAttention(nn.Module):
         out = attend(q, k, v, cache, self.head_dim**-0.5).swapaxes(1, 2)
         return self.o_proj((out * mx.sigmoid(gate)).reshape(batch, length, -1))
 
+    def shard(self, group: mx.distributed.Group) -> None:
+        """Tensor parallel by heads (``q_proj``'s rows hold each head's query and gate side by side)."""
+        split = head_split(self.num_heads, self.num_kv_heads, group.size())
+        (q0, q1), (k0, k1) = split[group.rank()]
+        d = self.head_dim
+        slice_outputs(self.q_proj, [(2 * q0 * d, 2 * q1 * d)])
+        slice_outputs(self.k_proj, [(k0 * d, k1 * d)])
+        slice_outputs(self.v_proj, [(k0 * d, k1 * d)])
+        self.o_proj = RowParallelLinear(self.o_proj, [(a * d, b * d) for (a, b), _ in split], group)
+        self.num_heads, self.num_kv_heads = q1 - q0, k1 - k0
+
 
 class Qwen35Block(nn.Module):
     def __init__(self, config: Qwen35Config, layer: int, rope: RoPE):
@@ -236,6 +250,7 @@ class Qwen35ForCausalLM(CausalLM):
 
     model: Qwen35Model
     atomic_images = False  # the text model is causal over image tokens: a chunk may end inside an image
+    vision_parts = ("visual",)
 
     def __init__(self, config: Qwen35Config):
         if config.has_vision:
