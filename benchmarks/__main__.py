@@ -60,6 +60,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
         help="checkpoints for the session scenarios: keys or 'none' (default: the first; with "
         "--full also the first hybrid one)",
     )
+    add(
+        "--batching",
+        help="checkpoints for the batched decoding rows (1, 2, 4, 8 generations together): keys or 'none' "
+        "(default: the first)",
+    )
     add("--chat-turns", type=int, default=10, help="turns of the chat scenario (default 10)")
     add(
         "--history-tokens",
@@ -140,7 +145,7 @@ def _children_cpu() -> float:
 
 @dataclass(frozen=True)
 class Task:
-    kind: str  # "speed" or "sessions"
+    kind: str  # "speed", "sessions" or "batching"
     key: str
     engine: str
     rep: int = 0
@@ -266,10 +271,15 @@ class Run:
         hybrid = [k for k in self.models if MODELS[k].hybrid][:1] if self.args.full else []
         return list(dict.fromkeys(self.models[:1] + hybrid))
 
+    def batching_models(self) -> list[str]:
+        if self.args.batching == "none":
+            return []
+        return [k for k in self.args.batching.split(",") if k in self.models] if self.args.batching else self.models[:1]
+
     def plan(self) -> list[Task]:
         """The first model's rows and scenario, then the other models, then more repetitions; engines
         alternate their order from one model (and repetition) to the next."""
-        sessions = self.session_models()
+        sessions, batching = self.session_models(), self.batching_models()
         tasks: list[Task] = []
         for index, key in enumerate(self.models):
             engines = self.engines_for(key)
@@ -277,6 +287,8 @@ class Run:
             tasks += [Task("speed", key, e, 0, first) for e in (engines if index % 2 == 0 else engines[::-1])]
             if key in sessions:
                 tasks += [Task("sessions", key, e, 0, first) for e in ("mlxchat", "mlx-lm")]
+            if key in batching:
+                tasks.append(Task("batching", key, "mlxchat", 0, first))
         for rep in range(1, self.args.reps):
             for index, key in enumerate(self.models):
                 engines = [e for e in self.engines_for(key) if e not in SHORT]
@@ -302,7 +314,8 @@ class Run:
                 self.not_measured += [note] if note not in self.not_measured else []
                 continue
             self.log(label)
-            job = self.speed_job(task) if task.kind == "speed" else self.sessions_job(task)
+            make = {"speed": self.speed_job, "sessions": self.sessions_job, "batching": self.batching_job}[task.kind]
+            job = make(task)
             self.raw.setdefault((task.kind, task.key, task.engine), []).append(self.job(job))
 
     def estimate(self, task: Task) -> float:
@@ -327,6 +340,16 @@ class Run:
             "prefill": self.args.prefill[:1] if short else self.args.prefill,
             "decode": self.args.short_decode if short else self.args.decode,
             "decode_at": self.args.prefill[0],
+            "tokenizer_size": json.loads((folder / MARKER).read_text())["tokenizer_size"],
+        }
+
+    def batching_job(self, task: Task) -> dict[str, Any]:
+        folder = self.checkpoint(task.key)
+        return {
+            "job": "batching",
+            "folder": str(folder),
+            "prompt": self.args.prefill[0],
+            "decode": self.args.decode,
             "tokenizer_size": json.loads((folder / MARKER).read_text())["tokenizer_size"],
         }
 
@@ -366,6 +389,7 @@ class Run:
                 "engines": rows,
                 "ratios": summary.comparisons(rows),
                 "sessions": summary.session_rows(sessions) if sessions else None,
+                "batching": (self.raw.get(("batching", key, "mlxchat")) or [None])[0],
             }
         notes: dict[str, str] = {}
         for model in models.values():

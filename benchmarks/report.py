@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .batching import table as batching_table
 from .engines import LABELS
 
 
@@ -171,6 +172,8 @@ def markdown(results: dict[str, Any]) -> str:
     for model in results["models"].values():
         lines += speed_table(model, settings["prefill"], settings["decode"])
         lines += sessions_table(model)
+    lines += batching_table({model["title"]: model["batching"] for model in results["models"].values()
+                             if model.get("batching")})
     if results["not_measured"]:
         lines += ["Not measured:", ""] + [f"- {item}" for item in results["not_measured"]] + [""]
     return "\n".join(lines)

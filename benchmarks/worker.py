@@ -5,7 +5,8 @@ engine starts from a clean process (its own BLAS, allocator and caches) and engi
 The result is printed as one JSON line after ``RESULT_MARK``.
 
 Jobs: ``info`` (what mlxchat runs on here), ``limits`` (bandwidth and GEMM), ``speed`` (prefill at
-several prompt lengths, decode, peak memory) and ``sessions`` (see :mod:`benchmarks.sessions`).
+several prompt lengths, decode, peak memory), ``sessions`` (see :mod:`benchmarks.sessions`) and
+``batching`` (see :mod:`benchmarks.batching`).
 """
 
 from __future__ import annotations
@@ -127,7 +128,13 @@ def sessions(job: dict[str, Any]) -> dict[str, Any]:
     return {**engine.describe(), "rows": rows, "peak_rss_bytes": peak_rss_bytes()}
 
 
-JOBS = {"info": info, "limits": limits, "speed": speed, "sessions": sessions}
+def batching(job: dict[str, Any]) -> dict[str, Any]:
+    from . import batching as together
+
+    return together.run(job)
+
+
+JOBS = {"info": info, "limits": limits, "speed": speed, "sessions": sessions, "batching": batching}
 
 
 def main() -> None:
