@@ -212,7 +212,9 @@ def load_session(path_or_repo: str | os.PathLike[str] | None = None, *,
                  resume: str | os.PathLike[str] | None = None, **options: Any) -> ChatSession:
     """Load a model and open a chat session over it in one step. ``options`` are
     :class:`~mlxchat.session.ChatSession`'s where it takes them (``system``, ``tools``, ``auto_tools``,
-    ``context_policy``, ...) and :func:`load_model`'s otherwise (``dtype``, ``context_length``, ...).
+    ``context_policy``, ...), the session's default generation settings where they are
+    :class:`~mlxchat.generation.GenerationConfig` fields (``max_tokens``, ``temperature``, ...), and
+    :func:`load_model`'s otherwise (``dtype``, ``context_length``, ...).
 
     ``resume``: a file :meth:`ChatSession.save` wrote; the session goes on from it (its transcript, system
     prompt included, and its prompt cache); session options given here replace the saved ones.
@@ -223,7 +225,13 @@ def load_session(path_or_repo: str | os.PathLike[str] | None = None, *,
 
     session_names = set(inspect.signature(ChatSession.__init__).parameters) - {"self", "model"}
     session_options = {k: v for k, v in options.items() if k in session_names}
-    model = load_model(path_or_repo, **{k: v for k, v in options.items() if k not in session_names})
+    settings = {k: v for k, v in options.items() if k in GenerationConfig.model_fields}
+    if settings:
+        given = session_options.get("default_config")
+        base = given if isinstance(given, GenerationConfig) else GenerationConfig.model_validate(given or {})
+        session_options["default_config"] = base.merged(settings)
+    loader_options = {k: v for k, v in options.items() if k not in session_names and k not in settings}
+    model = load_model(path_or_repo, **loader_options)
     if resume is not None:
         return ChatSession.load(model, resume, **session_options)
     return model.chat_session(**session_options)

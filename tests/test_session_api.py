@@ -8,6 +8,7 @@ import shutil
 import threading
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 
 import mlxchat
@@ -218,3 +219,14 @@ def test_load_session_loads_and_opens(tmp_path: Path) -> None:
     session = mlxchat.load_session(fixture_path("qwen3"), system="Be brief.", default_config={"max_tokens": 2})
     assert session.messages[0].content == "Be brief."
     assert len(session.send("Hi").tokens) <= 2
+
+
+def test_load_session_takes_generation_settings_as_options() -> None:
+    """``load_session(path, max_tokens=..., temperature=...)`` as mlx-lm users write it: generation fields are
+    the session's defaults, over ``default_config``; loader options still reach the loader."""
+    session = mlxchat.load_session(fixture_path("qwen3"), default_config={"max_tokens": 9, "seed": 3},
+                                   max_tokens=2, temperature=0.0, dtype="float32")
+    assert len(session.send("Hi").tokens) <= 2
+    assert session.model.dtype == mx.float32
+    with pytest.raises(TypeError, match="no_such_option"):
+        mlxchat.load_session(fixture_path("qwen3"), no_such_option=1)
