@@ -1,4 +1,4 @@
-"""The ``mlxchat`` command: ``generate``, ``chat``, ``serve`` and ``info``.
+"""The ``mlxchat`` command: ``generate``, ``chat``, ``serve``, ``info`` and ``profile``.
 
 Arguments are checked before any model loads (one line on stderr and exit status 2 when one is wrong);
 library errors are one line too (status 1); Ctrl-C ends ``generate`` quietly with status 130.
@@ -29,6 +29,7 @@ EPILOG = """examples:
   mlxchat chat --model ./my-checkpoint --system "Be concise."
   mlxchat serve --model Qwen/Qwen3-0.6B --port 8000     # OpenAI-compatible API
   mlxchat info
+  MLXCHAT_PROFILE=p.json mlxchat generate "Hi" && mlxchat profile p.json
 
 Without --model, the small demo model shipped inside the package is used (it knows a tiny world:
 capitals, two-digit arithmetic, unit conversions, and weather/time tools)."""
@@ -126,6 +127,10 @@ def build_parser() -> argparse.ArgumentParser:
     info = commands.add_parser("info", help="MLX version, device, BLAS and registered plugins",
                                formatter_class=_Formatter)
     info.add_argument("--json", action="store_true", help="print machine-readable JSON")
+
+    profile = commands.add_parser("profile", help="summarise a profile report (MLXCHAT_PROFILE=report.json)",
+                                  formatter_class=_Formatter)
+    profile.add_argument("report", help="a report the profiler wrote (see mlxchat.profiling)")
     return parser
 
 
@@ -134,6 +139,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "info":
             return _info(args)
+        if args.command == "profile":
+            from . import profiling
+
+            print(profiling.summary(profiling.load(args.report)))
+            return 0
         if args.command == "serve":
             return _serve(args)
         config = _config(args)

@@ -16,12 +16,14 @@ from typing import Any, Literal
 import mlx.core as mx
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from . import profiling
 from .architecture import ModelModule
 from .detokenizer import StreamingDetokenizer
 from .limits import check_depth, check_strings, check_text
 from .multimodal import MultimodalPrompt
 from .prompt_cache import PromptCache
 from .sampling import LogitsAdjuster, Sampler, make_sampler
+from .speculative import Acceptance, Drafter, speculative_tokens
 from .tokenizer import Tokenizer
 from .worker import Cancelled
 
@@ -57,6 +59,9 @@ class GenerationConfig(BaseModel):
     """More keyword arguments for the chat template (chat only)."""
     prefill_step: int = Field(512, ge=1, le=16384)
     """Prompt tokens per prefill chunk."""
+    draft_tokens: int = Field(0, ge=0, le=16)
+    """Speculative decoding: tokens the model's draft proposes per pass of the model (0: off). Needs a draft
+    (``load_model(..., draft=...)``) or a checkpoint with a multi-token-prediction head."""
 
     @field_validator("seed", mode="before")
     @classmethod
@@ -101,6 +106,10 @@ class GenerationReport(BaseModel):
     decode_tps: float = 0.0
     peak_memory_gb: float = 0.0
     finish_reason: FinishReason = "stop"
+    draft_tokens: int = 0
+    """Tokens the draft proposed (speculative decoding)."""
+    accepted_draft_tokens: int = 0
+    """Of those, the tokens the model kept."""
 
     @property
     def prefilled_tokens(self) -> int:
@@ -132,6 +141,8 @@ class DecodeStats:
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
         self.tokens = 0
+        self.drafted = 0
+        self.accepted = 0
 
 
 def decode_tokens(
@@ -154,6 +165,10 @@ def decode_tokens(
     if not pending:
         raise ValueError("decoding needs at least one prompt token to start from")
     last_logits = getattr(module, "last_logits", None) or (lambda t, c: module(t, c)[:, -1, :])
+    reply = profiling.current()
+    if reply is not None:
+        yield from _profiled_decode(last_logits, cache, pending, sampler, max_tokens, adjust, stats, reply)
+        return
 
     def step(tokens: mx.array) -> mx.array:
         logits = last_logits(tokens[None], cache.layers)
@@ -185,6 +200,34 @@ def decode_tokens(
         token = following
 
 
+def _profiled_decode(last_logits: Any, cache: PromptCache, pending: Sequence[int], sampler: Sampler, max_tokens: int,
+                     adjust: LogitsAdjuster | None, stats: DecodeStats,
+                     reply: profiling.ReplyProfile) -> Iterator[int]:
+    """:func:`decode_tokens` one step at a time, each timed in parts: the graph built, evaluated, sampled."""
+    tokens = list(pending)
+    for n in range(1, max_tokens + 1):
+        started = time.perf_counter()
+        logits = last_logits(mx.array(tokens)[None], cache.layers)
+        built = time.perf_counter()
+        mx.eval(logits)
+        evaluated = time.perf_counter()
+        if adjust is not None and adjust.active:
+            logits = adjust(logits)
+        token = sampler(logits)
+        if adjust is not None:
+            adjust.record(token)
+        value = int(token.item())  # type: ignore[arg-type]  # a token id array holds ints
+        now = time.perf_counter()
+        reply.step(1, len(tokens) if n == 1 else 0, build=built - started, eval=evaluated - built,
+                   sample=now - evaluated)
+        cache.feed(tokens)
+        if stats.first_token_at is None:
+            stats.first_token_at = now
+        stats.last_token_at, stats.tokens = now, n
+        yield value
+        tokens = [value]
+
+
 def make_report(prompt_len: int, stats: DecodeStats, finish_reason: FinishReason) -> GenerationReport:
     first = stats.first_token_at or time.perf_counter()
     ttft = first - stats.start
@@ -198,6 +241,8 @@ def make_report(prompt_len: int, stats: DecodeStats, finish_reason: FinishReason
         decode_tps=(stats.tokens - 1) / decode_time if decode_time > 0 else 0.0,
         peak_memory_gb=mx.get_peak_memory() / 1e9,
         finish_reason=finish_reason,
+        draft_tokens=stats.drafted,
+        accepted_draft_tokens=stats.accepted,
     )
 
 
@@ -245,40 +290,69 @@ def stream_generation(
     *,
     snapshot_at: Sequence[int] = (),
     cancel: Cancelled | None = None,
+    drafter: Drafter | None = None,
 ) -> Iterator[GenerationChunk]:
     """Text chunks of one generation, one per token (its text may be empty while a character or a possible
     stop string is incomplete); the last chunk carries ``finish_reason`` and the report.
 
-    A set ``cancel`` (checked between prefill chunks and after every token) ends it with
-    ``finish_reason="cancelled"``. The cache stays consistent however it ends.
+    With a ``drafter`` and ``config.draft_tokens`` set, tokens are decoded speculatively
+    (:mod:`mlxchat.speculative`). A set ``cancel`` (checked between prefill chunks and after every token)
+    ends it with ``finish_reason="cancelled"``. The cache stays consistent however it ends.
     """
+    reply = profiling.begin()
+    try:
+        yield from _generation(module, tokenizer, prompt, cache, config, eos_ids, vocab_size, snapshot_at, cancel,
+                               drafter if config.draft_tokens else None, reply)
+    finally:
+        profiling.end(reply, None)
+
+
+def _generation(module: ModelModule, tokenizer: Tokenizer, prompt: Sequence[int] | MultimodalPrompt,
+                cache: PromptCache, config: GenerationConfig, eos_ids: set[int], vocab_size: int,
+                snapshot_at: Sequence[int], cancel: Cancelled | None, drafter: Drafter | None,
+                reply: profiling.ReplyProfile | None) -> Iterator[GenerationChunk]:
     mx.reset_peak_memory()
     stats = DecodeStats()
     detok = StreamingDetokenizer(tokenizer)
+    detokenize = profiling.timed("detokenize", detok.add)
     stops = StopStrings(config.stop)
     finish: FinishReason = "length"
     hit = False
     if not prompt:
         raise ValueError("cannot generate from an empty prompt")
+    ids = prompt.ids if isinstance(prompt, MultimodalPrompt) else prompt
+    follow = drafter.begin(cache, ids) if drafter is not None else None
     stats.cached, pending = cache.prefill(module, prompt, snapshot_at=snapshot_at, step=config.prefill_step,
-                                          cancel=cancel)
+                                          cancel=cancel, follow=follow)
     adjust = LogitsAdjuster(vocab_size, config.repetition_penalty, config.presence_penalty,
                             config.frequency_penalty, config.logit_bias)
-    adjust.start(prompt.ids if isinstance(prompt, MultimodalPrompt) else prompt)
-    sampler = make_sampler(config.temperature, config.top_p, config.top_k, config.min_p, config.seed)
-    tokens = iter(()) if cancel else decode_tokens(module, cache, pending, sampler, config.max_tokens,
-                                                   adjust=adjust, stats=stats)
-    for token in tokens:
-        if token in eos_ids:
-            finish = "stop"
-            break
-        text, hit = stops.feed(detok.add(token))
-        yield GenerationChunk(text=text, token=token)
-        if hit:
-            finish = "stop"
-            break
-        if cancel:
-            break
+    adjust.start(ids)
+    tokens: Iterator[int]
+    if cancel:
+        tokens = iter(())
+    elif drafter is not None:
+        acceptance = Acceptance(config.temperature, config.top_p, config.top_k, config.min_p, config.seed)
+        tokens = speculative_tokens(module, cache, pending, drafter, acceptance, config.draft_tokens,
+                                    config.max_tokens, adjust=adjust, stats=stats)
+    else:
+        sampler = make_sampler(config.temperature, config.top_p, config.top_k, config.min_p, config.seed)
+        tokens = decode_tokens(module, cache, pending, sampler, config.max_tokens, adjust=adjust, stats=stats)
+    try:
+        for token in tokens:
+            if token in eos_ids:
+                finish = "stop"
+                break
+            text, hit = stops.feed(detokenize(token))
+            yield GenerationChunk(text=text, token=token)
+            if hit:
+                finish = "stop"
+                break
+            if cancel:
+                break
+    finally:
+        close = getattr(tokens, "close", None)
+        if close is not None:
+            close()  # the decoder leaves the cache as it should be before the report is made
     if cancel and not hit and finish == "length":
         finish = "cancelled"
     if not hit:
@@ -286,4 +360,6 @@ def stream_generation(
         tail = text if hit else text + stops.flush()
         if tail:
             yield GenerationChunk(text=tail)
-    yield GenerationChunk(finish_reason=finish, report=make_report(len(prompt), stats, finish))
+    report = make_report(len(prompt), stats, finish)
+    profiling.end(reply, report)
+    yield GenerationChunk(finish_reason=finish, report=report)

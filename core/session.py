@@ -31,6 +31,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 from pydantic import BaseModel, Field
 
+from . import profiling
 from .errors import (
     ContextLengthError,
     InvalidInputError,
@@ -796,10 +797,11 @@ class ChatSession:
         tokens: list[int] = []
         report: GenerationReport | None = None
         assert self._cache is not None
+        parse = profiling.timed("parse", parser.feed)
         for chunk in self._model.run_generation(plan.prompt, self._cache, config, cancel, plan.snapshot_at):
             if chunk.token is not None:
                 tokens.append(chunk.token)
-            yield from parser.feed(chunk.text)
+            yield from parse(chunk.text)
             report = chunk.report or report
         yield from parser.finish()
         self._cache.snapshot()
