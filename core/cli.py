@@ -171,7 +171,7 @@ def _info(args: argparse.Namespace) -> int:
         blas += ", single-row products routed to sgemv"
     rows = [("mlxchat", info["mlxchat"]), ("MLX", info["mlx"]), ("Python", info["python"]),
             ("platform", info["platform"]), ("device", info["device"]), ("CPU cores", info["cpu_count"]),
-            ("BLAS", blas), ("quantized", info["quantized_kernels"])]
+            ("BLAS", blas), ("quantized", info["quantized_kernels"]), ("fused", info["fused_kernels"])]
     if info["blas_note"]:
         rows.append(("note", info["blas_note"]))
     for name, types in info["plugins"].items():

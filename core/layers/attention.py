@@ -5,6 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from .. import kernels
 from ..cache import KeysValues
 from .norms import RMSNorm
 from .rope import RoPE
@@ -22,10 +23,15 @@ def attend(
     """Causal attention of ``[B, heads, L, D]`` queries over the cache plus this chunk's keys and values;
     with a ``window``, each query sees only itself and the ``window - 1`` positions before it.
 
-    Keys and values keep their own (fewer) heads: grouped-query attention is done by the kernel.
+    Keys and values keep their own (fewer) heads: grouped-query attention is done by the kernel (on a CPU,
+    :func:`mlxchat.kernels.attention` for the causal and unmasked cases).
     """
     if cache is not None:
         keys, values = cache.update_and_fetch(keys, values)
+    if window is None and (mask is None or mask == "causal"):
+        fused = kernels.attention(queries, keys, values, scale, causal=mask == "causal" or queries.shape[2] > 1)
+        if fused is not None:
+            return fused
     if window is not None:
         mask = window_mask(queries.shape[2], keys.shape[2], window)
     elif mask is None and queries.shape[2] > 1:

@@ -19,6 +19,7 @@ from functools import partial
 import mlx.core as mx
 import mlx.nn as nn
 
+from .. import kernels
 from ..cache import StateCache
 
 CHUNK_SIZE = 64
@@ -33,7 +34,7 @@ def l2_normalize(x: mx.array, scale: float = 1.0) -> mx.array:
     """
     dims = x.shape[-1]
     weight = mx.full((dims,), scale / math.sqrt(dims), dtype=x.dtype)
-    return mx.fast.rms_norm(x, weight, L2_EPS / dims)
+    return kernels.rms_norm(x, weight, L2_EPS / dims)
 
 
 @partial(mx.compile, shapeless=True)
@@ -174,7 +175,9 @@ class RMSNormGated(nn.Module):
         self.eps = eps
 
     def __call__(self, x: mx.array, gate: mx.array) -> mx.array:
-        return _gate_silu(mx.fast.rms_norm(x, self.weight, self.eps), gate)
+        normed = kernels.rms_norm(x, self.weight, self.eps)
+        fused = kernels.silu_mul(gate, normed) if gate.dtype == normed.dtype else None
+        return fused if fused is not None else _gate_silu(normed, gate)
 
 
 @partial(mx.compile, shapeless=True)
