@@ -3,7 +3,7 @@ speed on this pair (on random weights acceptance means nothing).
 
     python -m benchmarks.draft [--out benchmarks/drafts/demo-draft] [--steps 1500]
 
-The draft is a 2-layer Qwen3 of hidden size 128 (about 0.43M parameters against the demo's 1.8M) trained
+The draft is a 2-layer Qwen3 of hidden size 128 (0.53M parameters against the demo's 1.8M) trained
 with :mod:`mlxchat.train` on the demo's own training data, rendered through the demo's template and encoded
 with the demo's tokenizer (a draft must share its target's vocabulary), loss on the assistant's turns
 only. Seeded: the same command rebuilds the same draft. A few minutes on 2 cores.

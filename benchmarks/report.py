@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from .engines import LABELS
+from .speculative import table as speculative_table
 
 
 def _num(value: float | None) -> str:
@@ -161,6 +162,7 @@ def markdown(results: dict[str, Any]) -> str:
     for model in results["models"].values():
         lines += speed_table(model, settings["prefill"], settings["decode"])
         lines += sessions_table(model)
+    lines += speculative_table(results.get("speculative") or {})
     if results["not_measured"]:
         lines += ["Not measured:", ""] + [f"- {item}" for item in results["not_measured"]] + [""]
     return "\n".join(lines)

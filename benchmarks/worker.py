@@ -5,7 +5,8 @@ engine starts from a clean process (its own BLAS, allocator and caches) and engi
 The result is printed as one JSON line after ``RESULT_MARK``.
 
 Jobs: ``info`` (what mlxchat runs on here), ``limits`` (bandwidth and GEMM), ``speed`` (prefill at
-several prompt lengths, decode, peak memory) and ``sessions`` (see :mod:`benchmarks.sessions`).
+several prompt lengths, decode, peak memory), ``sessions`` (see :mod:`benchmarks.sessions`) and
+``speculative`` (see :mod:`benchmarks.speculative`).
 """
 
 from __future__ import annotations
@@ -111,7 +112,13 @@ def sessions(job: dict[str, Any]) -> dict[str, Any]:
     return {**engine.describe(), "rows": rows, "peak_rss_bytes": peak_rss_bytes()}
 
 
-JOBS = {"info": info, "limits": limits, "speed": speed, "sessions": sessions}
+def speculative(job: dict[str, Any]) -> dict[str, Any]:
+    from . import speculative as pairs
+
+    return pairs.run(job)
+
+
+JOBS = {"info": info, "limits": limits, "speed": speed, "sessions": sessions, "speculative": speculative}
 
 
 def main() -> None:

@@ -7,7 +7,8 @@ exponentials) cost more than every matrix product together; and on the CPU ``mx.
 operations each, so a decode step's graph holds over 4,000 of them, each with its own dispatch.
 ``mlxchat._kernels`` (C++ in ``core/native/kernels.cpp``, built like ``mlxchat._quantized``) does the
 softmax of attention (the causal mask applied as it goes), ``silu(g) * x`` and RMS normalization each in
-one vectorized pass, and rotate-half RoPE, as MLX primitives.
+one vectorized pass, rotate-half RoPE, and ``exp`` and ``silu`` alone (Qwen3.5's DeltaNet), as MLX
+primitives.
 
 They are used when the extension was built for the running MLX, the default device is the CPU and the
 arrays are float32; otherwise (a GPU, other dtypes) MLX's own operations run. Gradients go through MLX's
@@ -40,6 +41,11 @@ def _native() -> tuple[ModuleType | None, str]:
     if module.mlx_version() != running:
         return None, f"built for MLX {module.mlx_version()}, running {running}"
     return module, ""
+
+
+def fused(*arrays: mx.array) -> bool:
+    """Whether the kernels run for these arrays (built, on the CPU, float32)."""
+    return _applies(*arrays) is not None
 
 
 def _applies(*arrays: mx.array) -> ModuleType | None:
@@ -79,6 +85,43 @@ def silu_mul(gate: mx.array, x: mx.array) -> mx.array | None:
     if gate.shape != x.shape or _applies(gate, x) is None:
         return None
     return _silu_mul_native(gate, x)  # type: ignore[no-any-return,return-value]
+
+
+# -- exp and silu alone ------------------------------------------------------------------------------------
+
+
+@mx.custom_function
+def _exp_native(x: mx.array) -> mx.array:
+    module = _native()[0]
+    assert module is not None
+    return module.exp(x)  # type: ignore[no-any-return]
+
+
+@_exp_native.vjp
+def _exp_vjp(primal: mx.array, cotangent: mx.array, output: mx.array) -> mx.array:
+    return cotangent * output
+
+
+@mx.custom_function
+def _silu_native(x: mx.array) -> mx.array:
+    module = _native()[0]
+    assert module is not None
+    return module.silu(x)  # type: ignore[no-any-return]
+
+
+@_silu_native.vjp
+def _silu_vjp(primal: mx.array, cotangent: mx.array, output: mx.array) -> mx.array:
+    return mx.vjp(nn.silu, [primal], [cotangent])[1][0]
+
+
+def exp(x: mx.array) -> mx.array:
+    """``mx.exp``, vectorized on a CPU (float32)."""
+    return _exp_native(x) if _applies(x) is not None else mx.exp(x)  # type: ignore[no-any-return]
+
+
+def silu(x: mx.array) -> mx.array:
+    """``x * sigmoid(x)``, vectorized on a CPU (float32)."""
+    return _silu_native(x) if _applies(x) is not None else nn.silu(x)  # type: ignore[no-any-return]
 
 
 # -- RMS norm -----------------------------------------------------------------------------------------------

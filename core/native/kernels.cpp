@@ -6,8 +6,9 @@
  * of attention cost more than the matrix products around them in a prefill; and mx.fast.rms_norm falls
  * back to seven separate operations (mx.fast.rope to about twenty). These primitives do each in one
  * vectorized pass: the softmax of attention scores with the causal mask applied as it goes, silu(g) * u,
- * RMS normalization and rotate-half RoPE. exp is a
- * degree-7 polynomial of 2^f with an exact power-of-two scaling (about 1 ulp; MLX's within a few ulp of it).
+ * RMS normalization, rotate-half RoPE, and exp and silu alone. exp is a
+ * degree-7 polynomial of 2^f with an exact power-of-two scaling (about 1 ulp; MLX's within a few ulp of it), 0
+ * below -87.3 and saturating at 3.3e38 above 88.7 (the softmax and the gates never reach that far).
  *
  * They are ordinary nodes of MLX's lazy graph, evaluated on the CPU stream, built and used like
  * mlxchat._quantized (Linux, the MLX version they were built against, float32 on the CPU device).
@@ -53,13 +54,15 @@ const Isa isa = best_isa();
 // -- exp ------------------------------------------------------------------------------------------------
 
 constexpr float kLog2e = 1.44269504088896341f;
-constexpr float kLow = -87.3f, kHigh = 88.7f;
+constexpr float kLow = -87.3f, kHigh = 88.7f;  // float32 exp leaves the normal range beyond these
 // 2^f = e^(f ln 2) on [-0.5, 0.5]: Taylor coefficients (ln 2)^i / i!, i = 0..7 (error below 1e-8)
 constexpr float kC[8] = {1.0f, 0.693147180559945f, 0.240226506959101f, 0.0555041086648216f,
                          0.00961812910762848f, 0.00133335581464284f, 0.000154035303933816f, 1.52527338040598e-05f};
 
+/* exp(x): 0 below kLow (where float32 exp underflows; -inf included), clamped above kHigh. */
 inline float exp_scalar(float x) {
-  x = std::fmin(std::fmax(x, kLow), kHigh);
+  if (!(x >= kLow)) return x != x ? x : 0.0f;
+  x = std::fmin(x, kHigh);
   const float t = x * kLog2e, n = std::nearbyint(t), f = t - n;
   float p = kC[7];
   for (int i = 6; i >= 0; --i) p = p * f + kC[i];
@@ -67,25 +70,27 @@ inline float exp_scalar(float x) {
 }
 
 #if defined(__x86_64__)
-MLXK_AVX512 inline __m512 exp512(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(kLow)), _mm512_set1_ps(kHigh));
+MLXK_AVX512 inline __m512 exp512(__m512 in) {
+  const __mmask16 live = _mm512_cmp_ps_mask(in, _mm512_set1_ps(kLow), _CMP_GE_OQ);
+  const __m512 x = _mm512_min_ps(_mm512_max_ps(in, _mm512_set1_ps(kLow)), _mm512_set1_ps(kHigh));
   const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(kLog2e));
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, n);
   __m512 p = _mm512_set1_ps(kC[7]);
   for (int i = 6; i >= 0; --i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kC[i]));
-  return _mm512_scalef_ps(p, n);
+  return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, n));
 }
 
-MLXK_AVX2 inline __m256 exp256(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(kLow)), _mm256_set1_ps(kHigh));
+MLXK_AVX2 inline __m256 exp256(__m256 in) {
+  const __m256 live = _mm256_cmp_ps(in, _mm256_set1_ps(kLow), _CMP_GE_OQ);
+  const __m256 x = _mm256_min_ps(_mm256_max_ps(in, _mm256_set1_ps(kLow)), _mm256_set1_ps(kHigh));
   const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(kLog2e));
   const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m256 f = _mm256_sub_ps(t, n);
   __m256 p = _mm256_set1_ps(kC[7]);
   for (int i = 6; i >= 0; --i) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kC[i]));
   const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+  return _mm256_and_ps(live, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
 }
 
 MLXK_AVX2 inline float hsum256(__m256 v) {
@@ -206,6 +211,50 @@ void silu_mul_all(const float* g, const float* u, float* out, int64_t n) {
   if (isa == Isa::avx2) return silu_mul_avx2(g, u, out, n);
 #endif
   silu_mul_scalar(g, u, out, n);
+}
+
+// -- exp, silu ------------------------------------------------------------------------------------------
+
+enum class Unary { exp, silu };
+
+template <Unary OP>
+void unary_scalar(const float* x, float* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = OP == Unary::exp ? exp_scalar(x[i]) : x[i] / (1.0f + exp_scalar(-x[i]));
+}
+
+#if defined(__x86_64__)
+template <Unary OP>
+MLXK_AVX512 void unary_avx512(const float* x, float* out, int64_t n) {
+  const int64_t whole = n - n % 16;
+  for (int64_t i = 0; i < whole; i += 16) {
+    const __m512 v = _mm512_loadu_ps(x + i);
+    _mm512_storeu_ps(out + i, OP == Unary::exp ? exp512(v)
+                                               : _mm512_div_ps(v, _mm512_add_ps(_mm512_set1_ps(1.0f),
+                                                                                exp512(_mm512_sub_ps(_mm512_setzero_ps(), v)))));
+  }
+  unary_scalar<OP>(x + whole, out + whole, n - whole);
+}
+
+template <Unary OP>
+MLXK_AVX2 void unary_avx2(const float* x, float* out, int64_t n) {
+  const int64_t whole = n - n % 8;
+  for (int64_t i = 0; i < whole; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    _mm256_storeu_ps(out + i, OP == Unary::exp ? exp256(v)
+                                               : _mm256_div_ps(v, _mm256_add_ps(_mm256_set1_ps(1.0f),
+                                                                                exp256(_mm256_sub_ps(_mm256_setzero_ps(), v)))));
+  }
+  unary_scalar<OP>(x + whole, out + whole, n - whole);
+}
+#endif
+
+template <Unary OP>
+void unary_all(const float* x, float* out, int64_t n) {
+#if defined(__x86_64__)
+  if (isa == Isa::avx512) return unary_avx512<OP>(x, out, n);
+  if (isa == Isa::avx2) return unary_avx2<OP>(x, out, n);
+#endif
+  unary_scalar<OP>(x, out, n);
 }
 
 // -- RMS norm --------------------------------------------------------------------------------------------
@@ -342,6 +391,33 @@ class SiluMul : public Kernel {
   }
 };
 
+class UnaryKernel : public Kernel {
+ public:
+  UnaryKernel(mx::Stream stream, Unary op) : Kernel(stream), op_(op) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    dispatch(inputs, out, [op = op_](std::vector<mx::array>& in, mx::array& o) {
+      const float* x = in[0].data<float>();
+      float* y = o.data<float>();
+      if (op == Unary::exp)
+        unary_all<Unary::exp>(x, y, int64_t(o.size()));
+      else
+        unary_all<Unary::silu>(x, y, int64_t(o.size()));
+    });
+  }
+
+  const char* name() const override {
+    return op_ == Unary::exp ? "MlxchatExp" : "MlxchatSilu";
+  }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return op_ == static_cast<const UnaryKernel&>(other).op_;
+  }
+
+ private:
+  Unary op_;
+};
+
 class RmsNorm : public Kernel {
  public:
   RmsNorm(mx::Stream stream, float eps) : Kernel(stream), eps_(eps) {}
@@ -439,6 +515,11 @@ mx::array silu_mul(const mx::array& g, const mx::array& u) {
   return mx::array(g.shape(), mx::float32, std::make_shared<SiluMul>(cpu_stream()), {row_contiguous(g), row_contiguous(u)});
 }
 
+mx::array unary(const mx::array& x, Unary op) {
+  check_float32(x, "x");
+  return mx::array(x.shape(), mx::float32, std::make_shared<UnaryKernel>(cpu_stream(), op), {row_contiguous(x)});
+}
+
 mx::array rms_norm(const mx::array& x, const mx::array& w, float eps) {
   check_float32(x, "x");
   check_float32(w, "weight");
@@ -466,6 +547,8 @@ NB_MODULE(_kernels, m) {
   m.def("softmax", &softmax, nb::arg("scores"), nb::arg("queries") = 0,
         "Softmax over the last axis; with queries > 0, under the causal mask of that many trailing queries.");
   m.def("silu_mul", &silu_mul, nb::arg("gate"), nb::arg("x"), "silu(gate) * x.");
+  m.def("exp", [](const mx::array& x) { return unary(x, Unary::exp); }, nb::arg("x"), "exp(x), vectorized.");
+  m.def("silu", [](const mx::array& x) { return unary(x, Unary::silu); }, nb::arg("x"), "x * sigmoid(x).");
   m.def("rms_norm", &rms_norm, nb::arg("x"), nb::arg("weight"), nb::arg("eps"), "weight * x / rms(x).");
   m.def("rope", &rope, nb::arg("x"), nb::arg("inv_freq"), nb::arg("dims"), nb::arg("offset"),
         "Rotate-half RoPE of x [..., L, D] at positions offset.. over its first dims features.");
