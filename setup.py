@@ -1,10 +1,13 @@
 """Builds the optional native pieces (Linux only; mlxchat runs without them, on MLX's own kernels):
 
 - ``mlxchat._blas_route``: the BLAS single-row route (see mlxchat.runtime).
-- ``mlxchat._quantized``: quantized matmuls on the CPU as MLX primitives (see mlxchat.quantized). It is
-  compiled against the MLX headers of the build environment and with nanobind, the binding library MLX's
-  own Python module is built with; mlxchat uses it only when the MLX it runs with is that same version
-  (``pip install --no-build-isolation -e .`` builds against the MLX already installed).
+- ``mlxchat._quantized``: quantized matmuls on the CPU as MLX primitives (see mlxchat.quantized).
+- ``mlxchat._kernels``: fused float32 CPU kernels as MLX primitives (softmax, SwiGLU gate, RMS norm; see
+  mlxchat.kernels).
+
+The last two are compiled against the MLX headers of the build environment and with nanobind, the binding
+library MLX's own Python module is built with; mlxchat uses them only when the MLX it runs with is that same
+version (``pip install --no-build-isolation -e .`` builds against the MLX already installed).
 """
 
 import sys
@@ -13,7 +16,7 @@ from pathlib import Path
 from setuptools import Extension, setup
 
 
-def quantized_extension() -> Extension | None:
+def mlx_extension(name: str, source: str, depends: list[str]) -> Extension | None:
     try:
         import mlx
         import nanobind
@@ -24,9 +27,9 @@ def quantized_extension() -> Extension | None:
         return None
     nb_dir = Path(nanobind.source_dir()).parent
     return Extension(
-        "mlxchat._quantized",
-        sources=["core/native/quantized.cpp", str(nb_dir / "src" / "nb_combined.cpp")],
-        depends=["core/native/qmatmul_kernels.h"],
+        name,
+        sources=[source, str(nb_dir / "src" / "nb_combined.cpp")],
+        depends=depends,
         include_dirs=[
             "core/native",
             str(mlx_dir / "include"),
@@ -59,8 +62,11 @@ if sys.platform.startswith("linux"):
             optional=True,
         )
     )
-    quantized = quantized_extension()
-    if quantized is not None:
-        ext_modules.append(quantized)
+    for extension in (
+        mlx_extension("mlxchat._quantized", "core/native/quantized.cpp", ["core/native/qmatmul_kernels.h"]),
+        mlx_extension("mlxchat._kernels", "core/native/kernels.cpp", []),
+    ):
+        if extension is not None:
+            ext_modules.append(extension)
 
 setup(ext_modules=ext_modules)

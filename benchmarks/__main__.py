@@ -83,6 +83,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
         action="store_true",
         help="smoke run: first model, one repetition, prefill 128, decode 16, 3-turn chat",
     )
+    add(
+        "--speculative",
+        action="store_true",
+        help="also measure speculative decoding: the demo model and a draft trained for it (built once, a few "
+        "minutes), acceptance and decode tok/s with and without it (benchmarks/speculative.py)",
+    )
+    add("--speculative-prompts", type=int, default=8, help="held-out demo questions for --speculative (default 8)")
     add("--checkpoints", type=Path, default=DEFAULT_DIR, help="where checkpoints are kept")
     add(
         "--out",
@@ -161,6 +168,7 @@ class Run:
         self.start = time.time()
         self.not_measured: list[str] = []
         self.raw: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+        self.speculative_results: dict[str, Any] | None = None
 
     def elapsed(self) -> float:
         return time.time() - self.start
@@ -296,6 +304,13 @@ class Run:
         return tasks
 
     # -- measuring --------------------------------------------------------------------------------
+
+    def speculative(self) -> None:
+        """The speculative-decoding rows (--speculative), after the rest; always run when asked for."""
+        self.log("speculative decoding: the demo model and its draft")
+        job = {"job": "speculative", "prompts": self.args.speculative_prompts, "draft_tokens": [2, 4],
+               "max_tokens": 16 if self.args.quick else 64, "heavy": True}
+        self.speculative_results = self.job(job)
 
     def execute(self, tasks: list[Task]) -> None:
         budget = self.args.budget * 60
@@ -434,6 +449,7 @@ class Run:
             },
             "not_measured": self.not_measured,
             "models": models,
+            "speculative": self.speculative_results,
             "duration_s": self.elapsed(),
         }
 
@@ -451,6 +467,8 @@ def main(argv: list[str]) -> None:
     run = Run(parse(argv), argv)
     run.prepare()
     run.execute(run.plan())
+    if run.args.speculative:
+        run.speculative()
     write(run.collect(), run.args.out)
 
 

@@ -6,6 +6,7 @@ from typing import Any
 
 from .batching import table as batching_table
 from .engines import LABELS
+from .speculative import table as speculative_table
 
 
 def _num(value: float | None) -> str:
@@ -174,6 +175,7 @@ def markdown(results: dict[str, Any]) -> str:
         lines += sessions_table(model)
     lines += batching_table({model["title"]: model["batching"] for model in results["models"].values()
                              if model.get("batching")})
+    lines += speculative_table(results.get("speculative") or {})
     if results["not_measured"]:
         lines += ["Not measured:", ""] + [f"- {item}" for item in results["not_measured"]] + [""]
     return "\n".join(lines)

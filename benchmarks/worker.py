@@ -5,8 +5,8 @@ engine starts from a clean process (its own BLAS, allocator and caches) and engi
 The result is printed as one JSON line after ``RESULT_MARK``.
 
 Jobs: ``info`` (what mlxchat runs on here), ``limits`` (bandwidth and GEMM), ``speed`` (prefill at
-several prompt lengths, decode, peak memory), ``sessions`` (see :mod:`benchmarks.sessions`) and
-``batching`` (see :mod:`benchmarks.batching`).
+several prompt lengths, decode, peak memory), ``sessions`` (see :mod:`benchmarks.sessions`), ``batching``
+(see :mod:`benchmarks.batching`) and ``speculative`` (see :mod:`benchmarks.speculative`).
 """
 
 from __future__ import annotations
@@ -134,7 +134,14 @@ def batching(job: dict[str, Any]) -> dict[str, Any]:
     return together.run(job)
 
 
-JOBS = {"info": info, "limits": limits, "speed": speed, "sessions": sessions, "batching": batching}
+def speculative(job: dict[str, Any]) -> dict[str, Any]:
+    from . import speculative as pairs
+
+    return pairs.run(job)
+
+
+JOBS = {"info": info, "limits": limits, "speed": speed, "sessions": sessions, "batching": batching,
+        "speculative": speculative}
 
 
 def main() -> None:

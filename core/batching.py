@@ -35,10 +35,12 @@ def batched_last_logits(module: ModelModule, tokens: Sequence[int] | mx.array,
     attention and recurrent state of each row stay its own (:class:`~mlxchat.cache.RowCaches`)."""
     layers = [RowCaches([cache.layers[i] for cache in caches]) for i in range(len(caches[0].layers))]
     column = tokens[:, None] if isinstance(tokens, mx.array) else mx.array(list(tokens))[:, None]
-    return _last_logits(module)(column, layers)
+    return last_logits_of(module)(column, layers)
 
 
-def _last_logits(module: ModelModule) -> Any:
+def last_logits_of(module: ModelModule) -> Any:
+    """The module's logits at the last position: its own ``last_logits`` when it has one (skipping the
+    head's work for the other positions)."""
     return getattr(module, "last_logits", None) or (lambda t, c: module(t, c)[:, -1, :])
 
 
@@ -51,6 +53,8 @@ class DecodeStats:
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
         self.tokens = 0
+        self.drafted = 0
+        self.accepted = 0
 
 
 class DecodeRow(Together):
@@ -78,7 +82,7 @@ class DecodeRow(Together):
         (its forward pass is queued already, so the device never waits on Python)."""
         module = rows[0].module
         if len(rows) == 1:
-            logits = _last_logits(module)(rows[0].current[None], rows[0].cache.layers)
+            logits = last_logits_of(module)(rows[0].current[None], rows[0].cache.layers)
         else:
             tokens = mx.concatenate([row.current for row in rows])
             logits = batched_last_logits(module, tokens, [row.cache for row in rows])
@@ -100,7 +104,7 @@ def decode_steps(module: ModelModule, cache: PromptCache, pending: Sequence[int]
     if not pending:
         raise ValueError("decoding needs at least one prompt token to start from")
     row = DecodeRow(module, cache, sampler, adjust)
-    row.current = row.pick(_last_logits(module)(mx.array(list(pending))[None], cache.layers))
+    row.current = row.pick(last_logits_of(module)(mx.array(list(pending))[None], cache.layers))
     cache.feed(pending)
     mx.async_eval(row.current)
     for n in range(1, max_tokens + 1):

@@ -30,6 +30,7 @@ import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from . import profiling
 from .checkpoint import read_json
 from .errors import CheckpointError, TemplateError
 from .tokenizer import Tokenizer
@@ -246,12 +247,13 @@ class ChatTemplate:
         marked_tools = self._mark(plain_data(tools), self._data_re) if tools else None
         marked = self._render(normalized, marked_tools, add_generation_prompt,
                               self._mark(plain_data(kwargs), self._marks_re))
-        pieces = self._markers_re.split(marked)
-        ids = self.tokenizer.encode(pieces[0])
-        for i, piece in enumerate(pieces[1:], start=1):
-            if not piece:
-                continue
-            ids += self.tokenizer.encode_plain(piece) if i % 2 == 1 else self.tokenizer.encode(piece)
+        with profiling.span("tokenize"):
+            pieces = self._markers_re.split(marked)
+            ids = self.tokenizer.encode(pieces[0])
+            for i, piece in enumerate(pieces[1:], start=1):
+                if not piece:
+                    continue
+                ids += self.tokenizer.encode_plain(piece) if i % 2 == 1 else self.tokenizer.encode(piece)
         return self._markers_re.sub(lambda m: m.group(1) or "", marked), ids
 
     def _mark(self, value: Any, pattern: re.Pattern[str]) -> Any:
@@ -269,8 +271,9 @@ class ChatTemplate:
                 kwargs: dict[str, Any]) -> str:
         context = {**self.tokenizer.special_tokens, **kwargs}
         try:
-            return self._template.render(messages=messages, tools=tools, documents=None,
-                                         add_generation_prompt=add_generation_prompt, **context)
+            with profiling.span("template_render"):
+                return self._template.render(messages=messages, tools=tools, documents=None,
+                                             add_generation_prompt=add_generation_prompt, **context)
         except jinja2.TemplateError as exc:
             raise TemplateError(f"chat template: {exc}") from exc
         except (TypeError, ValueError, AttributeError) as exc:

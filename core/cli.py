@@ -1,4 +1,4 @@
-"""The ``mlxchat`` command: ``generate``, ``chat``, ``serve`` and ``info``.
+"""The ``mlxchat`` command: ``generate``, ``chat``, ``serve``, ``info`` and ``profile``.
 
 Arguments are checked before any model loads (one line on stderr and exit status 2 when one is wrong);
 library errors are one line too (status 1); Ctrl-C ends ``generate`` quietly with status 130.
@@ -30,6 +30,7 @@ EPILOG = """examples:
   mlxchat serve --model Qwen/Qwen3-0.6B --port 8000     # OpenAI-compatible API
   mlx.launch --backend ring -n 2 -- mlxchat generate --distributed tensor --model Qwen/Qwen3-0.6B "Hi"
   mlxchat info
+  MLXCHAT_PROFILE=p.json mlxchat generate "Hi" && mlxchat profile p.json
 
 Without --model, the small demo model shipped inside the package is used (it knows a tiny world:
 capitals, two-digit arithmetic, unit conversions, and weather/time tools)."""
@@ -143,6 +144,10 @@ def build_parser() -> argparse.ArgumentParser:
     info = commands.add_parser("info", help="MLX version, device, BLAS, registered plugins, the process group",
                                formatter_class=_Formatter)
     info.add_argument("--json", action="store_true", help="print machine-readable JSON")
+
+    profile = commands.add_parser("profile", help="summarise a profile report (MLXCHAT_PROFILE=report.json)",
+                                  formatter_class=_Formatter)
+    profile.add_argument("report", help="a report the profiler wrote (see mlxchat.profiling)")
     return parser
 
 
@@ -151,6 +156,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "info":
             return _info(args)
+        if args.command == "profile":
+            from . import profiling
+
+            print(profiling.summary(profiling.load(args.report)))
+            return 0
         if args.command == "serve":
             return _serve(args)
         config = _config(args)
@@ -180,7 +190,7 @@ def _info(args: argparse.Namespace) -> int:
         blas += ", single-row products routed to sgemv"
     rows = [("mlxchat", info["mlxchat"]), ("MLX", info["mlx"]), ("Python", info["python"]),
             ("platform", info["platform"]), ("device", info["device"]), ("CPU cores", info["cpu_count"]),
-            ("BLAS", blas), ("quantized", info["quantized_kernels"])]
+            ("BLAS", blas), ("quantized", info["quantized_kernels"]), ("fused", info["fused_kernels"])]
     if info["blas_note"]:
         rows.append(("note", info["blas_note"]))
     for name, types in info["plugins"].items():

@@ -17,14 +17,16 @@ from typing import Any, Literal
 import mlx.core as mx
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from . import profiling
 from .architecture import ModelModule
-from .batching import DecodeRow, DecodeStats, decode_steps
+from .batching import DecodeRow, DecodeStats, decode_steps, last_logits_of
 from .detokenizer import StreamingDetokenizer
 from .layers.parallel import from_rank_zero
 from .limits import check_depth, check_strings, check_text
 from .multimodal import MultimodalPrompt
 from .prompt_cache import PromptCache
 from .sampling import LogitsAdjuster, Sampler, make_sampler
+from .speculative import Acceptance, Drafter, speculative_tokens
 from .tokenizer import Tokenizer
 from .worker import Cancelled
 
@@ -60,6 +62,9 @@ class GenerationConfig(BaseModel):
     """More keyword arguments for the chat template (chat only)."""
     prefill_step: int = Field(512, ge=1, le=16384)
     """Prompt tokens per prefill chunk."""
+    draft_tokens: int = Field(0, ge=0, le=16)
+    """Speculative decoding: tokens the model's draft proposes per pass of the model (0: off). Needs a draft
+    (``load_model(..., draft=...)``) or a checkpoint with a multi-token-prediction head."""
     reply_prefix: str = ""
     """Text the reply is made to start with (a tool-call opener, say): its tokens count as the reply's first,
     streamed, parsed and returned like generated ones, and the model writes on from there. Control-token
@@ -110,6 +115,10 @@ class GenerationReport(BaseModel):
     """Seconds from the start of the request to the first generated token."""
     prefill_tps: float = 0.0
     decode_tps: float = 0.0
+    draft_tokens: int = 0
+    """Tokens the draft proposed (speculative decoding)."""
+    accepted_draft_tokens: int = 0
+    """Of those, the tokens the model kept."""
     peak_memory_gb: float = 0.0
     finish_reason: FinishReason = "stop"
 
@@ -151,11 +160,44 @@ def decode_tokens(
     builds the next one before it reads its own token, so the device never waits on Python. ``adjust``
     applies penalties and biases to the logits before ``sampler`` picks a token.
     """
+    reply = profiling.current()
+    if reply is not None:
+        yield from _profiled_decode(last_logits_of(module), cache, pending, sampler, max_tokens, adjust,
+                                    stats or DecodeStats(), reply)
+        return
     for item in decode_steps(module, cache, pending, sampler, max_tokens, adjust=adjust, stats=stats):
         if isinstance(item, DecodeRow):
             DecodeRow.run_together([item])
         else:
             yield item
+
+
+def _profiled_decode(last_logits: Any, cache: PromptCache, pending: Sequence[int], sampler: Sampler, max_tokens: int,
+                     adjust: LogitsAdjuster | None, stats: DecodeStats,
+                     reply: profiling.ReplyProfile) -> Iterator[int]:
+    """:func:`decode_tokens` one step at a time, each timed in parts: the graph built, evaluated, sampled."""
+    tokens = list(pending)
+    for n in range(1, max_tokens + 1):
+        started = time.perf_counter()
+        logits = last_logits(mx.array(tokens)[None], cache.layers)
+        built = time.perf_counter()
+        mx.eval(logits)
+        evaluated = time.perf_counter()
+        if adjust is not None and adjust.active:
+            logits = adjust(logits)
+        token = sampler(logits)
+        if adjust is not None:
+            adjust.record(token)
+        value = int(token.item())  # type: ignore[arg-type]  # a token id array holds ints
+        now = time.perf_counter()
+        reply.step(1, len(tokens) if n == 1 else 0, build=built - started, eval=evaluated - built,
+                   sample=now - evaluated)
+        cache.feed(tokens)
+        if stats.first_token_at is None:
+            stats.first_token_at = now
+        stats.last_token_at, stats.tokens = now, n
+        yield value
+        tokens = [value]
 
 
 def make_report(prompt_len: int, stats: DecodeStats, finish_reason: FinishReason) -> GenerationReport:
@@ -169,6 +211,8 @@ def make_report(prompt_len: int, stats: DecodeStats, finish_reason: FinishReason
         ttft_s=ttft,
         prefill_tps=(prompt_len - stats.cached) / ttft if ttft > 0 else 0.0,
         decode_tps=(stats.tokens - 1) / decode_time if decode_time > 0 else 0.0,
+        draft_tokens=stats.drafted,
+        accepted_draft_tokens=stats.accepted,
         peak_memory_gb=mx.get_peak_memory() / 1e9,
         finish_reason=finish_reason,
     )
@@ -218,16 +262,33 @@ def stream_generation(
     *,
     snapshot_at: Sequence[int] = (),
     cancel: Cancelled | None = None,
+    drafter: Drafter | None = None,
 ) -> Iterator[GenerationChunk | DecodeRow]:
     """Text chunks of one generation, one per token (its text may be empty while a character or a possible
-    stop string is incomplete); the last chunk carries ``finish_reason`` and the report.
+    stop string is incomplete); the last chunk carries ``finish_reason`` and the report. Its
+    :class:`~mlxchat.batching.DecodeRow` items are decode steps for whoever runs it to run (the worker
+    runs them with other generations').
 
-    A set ``cancel`` (checked between prefill chunks and after every token) ends it with
-    ``finish_reason="cancelled"``. The cache stays consistent however it ends.
+    With a ``drafter`` and ``config.draft_tokens`` set, tokens are decoded speculatively
+    (:mod:`mlxchat.speculative`). A set ``cancel`` (checked between prefill chunks and after every token)
+    ends it with ``finish_reason="cancelled"``. The cache stays consistent however it ends.
     """
+    reply = profiling.begin()
+    try:
+        yield from _generation(module, tokenizer, prompt, cache, config, eos_ids, vocab_size, snapshot_at, cancel,
+                               drafter if config.draft_tokens else None, reply)
+    finally:
+        profiling.end(reply, None)
+
+
+def _generation(module: ModelModule, tokenizer: Tokenizer, prompt: Sequence[int] | MultimodalPrompt,
+                cache: PromptCache, config: GenerationConfig, eos_ids: set[int], vocab_size: int,
+                snapshot_at: Sequence[int], cancel: Cancelled | None, drafter: Drafter | None,
+                reply: profiling.ReplyProfile | None) -> Iterator[GenerationChunk | DecodeRow]:
     mx.reset_peak_memory()
     stats = DecodeStats()
     detok = StreamingDetokenizer(tokenizer)
+    detokenize = profiling.timed("detokenize", detok.add)
     stops = StopStrings(config.stop)
     finish: FinishReason = "length"
     hit = False
@@ -238,28 +299,35 @@ def stream_generation(
     at_once = forced if after is None else []
     ids = [*(prompt.ids if isinstance(prompt, MultimodalPrompt) else prompt), *at_once]
     full = MultimodalPrompt(tuple(ids), prompt.images) if isinstance(prompt, MultimodalPrompt) else ids
-    reused, pending = cache.prefill(module, full, snapshot_at=snapshot_at, step=config.prefill_step, cancel=cancel)
+    follow = drafter.begin(cache, ids) if drafter is not None else None
+    reused, pending = cache.prefill(module, full, snapshot_at=snapshot_at, step=config.prefill_step, cancel=cancel,
+                                    follow=follow)
     stats.cached = min(reused, len(prompt))
     adjust = LogitsAdjuster(vocab_size, config.repetition_penalty, config.presence_penalty,
                             config.frequency_penalty, config.logit_bias)
     adjust.start(ids)
     sampler = make_sampler(config.temperature, config.top_p, config.top_k, config.min_p, config.seed)
-
     group = getattr(module, "group", None)
     if group is not None:  # a model split over processes: every rank takes rank 0's token
         sampler = from_rank_zero(sampler, group)
 
     def decode(start: Sequence[int], budget: int) -> Iterator[int | DecodeRow]:
-        """Decoding whose steps the worker may run with other generations' (``DecodeRow`` items); a split
-        model's ranks decode one generation at a time (each step is a collective of every rank)."""
-        if group is not None:
+        """Decoding whose steps the worker may run with other generations' (``DecodeRow`` items). Alone: a
+        split model (each step is a collective of every rank), a profiled reply (each step timed) and
+        speculative decoding (several tokens a pass)."""
+        if group is not None or reply is not None or drafter is not None:
             return decode_alone(start, budget)
         return decode_steps(module, cache, start, sampler, budget, adjust=adjust, stats=stats) if budget > 0 \
             else iter(())
 
     def decode_alone(start: Sequence[int], budget: int) -> Iterator[int]:
-        return decode_tokens(module, cache, start, sampler, budget, adjust=adjust, stats=stats) if budget > 0 \
-            else iter(())
+        if budget <= 0:
+            return iter(())
+        if drafter is not None:
+            acceptance = Acceptance(config.temperature, config.top_p, config.top_k, config.min_p, config.seed)
+            return speculative_tokens(module, cache, start, drafter, acceptance, config.draft_tokens, budget,
+                                      adjust=adjust, stats=stats)
+        return decode_tokens(module, cache, start, sampler, budget, adjust=adjust, stats=stats)
 
     tokens: Iterator[int | DecodeRow]
     if cancel:
@@ -271,21 +339,26 @@ def stream_generation(
     else:
         tokens = _prefixed_after(decode_alone, tokenizer, pending, forced, after, config.max_tokens)
     produced = 0
-    for token in tokens:
-        if isinstance(token, DecodeRow):  # a step the worker runs, with other generations' when it can
-            yield token
-            continue
-        if token in eos_ids:
-            finish = "stop"
-            break
-        produced += 1
-        text, hit = stops.feed(detok.add(token))
-        yield GenerationChunk(text=text, token=token)
-        if hit:
-            finish = "stop"
-            break
-        if cancel:
-            break
+    try:
+        for token in tokens:
+            if isinstance(token, DecodeRow):  # a step the worker runs, with other generations' when it can
+                yield token
+                continue
+            if token in eos_ids:
+                finish = "stop"
+                break
+            produced += 1
+            text, hit = stops.feed(detokenize(token))
+            yield GenerationChunk(text=text, token=token)
+            if hit:
+                finish = "stop"
+                break
+            if cancel:
+                break
+    finally:
+        close = getattr(tokens, "close", None)
+        if close is not None:
+            close()  # the decoder leaves the cache as it should be before the report is made
     if cancel and not hit and finish == "length":
         finish = "cancelled"
     if not hit:
@@ -295,7 +368,9 @@ def stream_generation(
             yield GenerationChunk(text=tail)
     if forced:  # decoding ran in parts: count the reply as a whole
         stats.tokens = produced + (finish == "stop" and not hit)
-    yield GenerationChunk(finish_reason=finish, report=make_report(len(prompt), stats, finish))
+    report = make_report(len(prompt), stats, finish)
+    profiling.end(reply, report)
+    yield GenerationChunk(finish_reason=finish, report=report)
 
 
 def _prefixed_after(decode: Callable[[Sequence[int], int], Iterator[int]], tokenizer: Tokenizer,

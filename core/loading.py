@@ -53,9 +53,17 @@ def load_model(
     revision: str | None = None,
     context_length: int | None = None,
     distributed: Literal["tensor", "pipeline"] | None = None,
+    draft: str | os.PathLike[str] | GenerativeModel | None = None,
+    draft_tokens: int = 4,
 ) -> GenerativeModel:
     """Load a checkpoint (local folder or Hugging Face repo id; by default the demo model shipped in the
     package, :mod:`mlxchat.demo`) with the plugin its config.json names.
+
+    ``draft`` turns on speculative decoding (:meth:`GenerativeModel.with_draft`): a smaller checkpoint
+    sharing this one's tokenizer (a folder or repo id, loaded in the same dtype and closed with this model,
+    or a loaded model), or ``"mtp"`` for the checkpoint's own multi-token-prediction head; it proposes
+    ``draft_tokens`` tokens per pass by default. A checkpoint with an MTP head drafts with it whenever a
+    request sets ``draft_tokens`` and no draft is given.
 
     ``dtype`` is what floating-point weights are computed in; by default the checkpoint's own on a GPU
     and float32 on the CPU (see :func:`mlxchat.runtime.default_dtype`). Quantized weights stay quantized.
@@ -124,7 +132,7 @@ def load_model(
         from .distributed import DistributedModel
 
         kind, extra = DistributedModel, {"group": group, "mode": distributed}
-    return kind(
+    model = kind(
         **extra,
         module=module,
         config=config,
@@ -140,6 +148,22 @@ def load_model(
         context_length=context_length,
         image_processor=image_processor,
     )
+    return model if draft is None else _with_draft(model, draft, draft_tokens)
+
+
+def _with_draft(model: GenerativeModel, draft: str | os.PathLike[str] | GenerativeModel,
+                draft_tokens: int) -> GenerativeModel:
+    if isinstance(draft, GenerativeModel) or draft == "mtp":
+        return model.with_draft(draft, draft_tokens)  # type: ignore[arg-type]
+    loaded = load_model(draft, dtype=model.dtype)
+    try:
+        speculative = model.with_draft(loaded, draft_tokens)
+    except BaseException:
+        loaded.close()
+        model.close()
+        raise
+    speculative._owns_draft = True
+    return speculative
 
 
 def build_model(

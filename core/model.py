@@ -2,20 +2,30 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import queue
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import mlx.core as mx
 from pydantic import BaseModel, ConfigDict
 
+from . import profiling
 from .architecture import Architecture, ModelModule
 from .batching import DecodeRow
 from .chat_template import ChatTemplate
 from .config import ModelConfig
-from .errors import ContextLengthError, GenerationError, ImageError, InvalidInputError, MlxchatError, TemplateError
+from .errors import (
+    CheckpointError,
+    ContextLengthError,
+    GenerationError,
+    ImageError,
+    InvalidInputError,
+    MlxchatError,
+    TemplateError,
+)
 from .generation import GenerationChunk, GenerationConfig, GenerationResult, stream_generation
 from .images import ImageProcessor, ImageSource, ProcessedImage
 from .limits import check_text, check_token_ids
@@ -29,6 +39,7 @@ from .multimodal import (
     split_image_parts,
 )
 from .prompt_cache import DEFAULT_MAX_SNAPSHOTS, PromptCache
+from .speculative import Drafter, ModelDrafter, MtpDrafter
 from .tokenizer import Tokenizer
 from .worker import END, Cancelled, Worker
 
@@ -104,6 +115,11 @@ class GenerativeModel:
         self.image_processor = image_processor
         """Preprocessing for the vision tower (``None``: the model reads no images)."""
         self.worker = worker
+        self.draft: GenerativeModel | Literal["mtp"] | None = None
+        """What drafts for speculative decoding (:meth:`with_draft`): a smaller model, the checkpoint's own
+        multi-token-prediction head (``"mtp"``), or nothing."""
+        self._drafter: Drafter | None = MtpDrafter(module) if getattr(module, "has_mtp", False) else None
+        self._owns_draft = False
 
     def __repr__(self) -> str:
         return f"GenerativeModel({self.architecture.name}, {self.path}, dtype={self.dtype})"
@@ -215,7 +231,8 @@ class GenerativeModel:
     def encode(self, prompt: Prompt) -> list[int]:
         """Token ids of a raw text prompt (with the BOS the tokenizer adds), or the ids given (checked)."""
         if isinstance(prompt, str):
-            ids = self.tokenizer.encode(check_text(prompt, "the prompt"), add_special_tokens=True)
+            with profiling.span("tokenize"):
+                ids = self.tokenizer.encode(check_text(prompt, "the prompt"), add_special_tokens=True)
         else:
             ids = check_token_ids(prompt, self.config.vocab_size, "prompt token id")
         if not ids:
@@ -273,6 +290,56 @@ class GenerativeModel:
         if prompt.images:
             prompt.check(self._vision().image_tokens.marker)
         return prompt
+
+    # -- speculative decoding -------------------------------------------------------------------------
+
+    @property
+    def has_mtp(self) -> bool:
+        """Whether the checkpoint has a multi-token-prediction head (it drafts when ``draft_tokens`` is set
+        and no draft model is given)."""
+        return bool(getattr(self.module, "has_mtp", False))
+
+    def with_draft(self, draft: GenerativeModel | Literal["mtp"], draft_tokens: int = 4) -> GenerativeModel:
+        """This model (same weights, worker and sessions' caches) decoding speculatively: ``draft`` proposes
+        ``draft_tokens`` tokens per pass (the default ``GenerationConfig.draft_tokens`` from now on; a
+        request may change it, 0 turns it off). ``draft`` is a smaller model sharing this one's tokenizer,
+        or ``"mtp"``, this checkpoint's multi-token-prediction head.
+
+        The draft runs on this model's worker; its own worker stays idle (close it with this model's by
+        loading it through :func:`mlxchat.load_model`'s ``draft=``).
+        """
+        if draft == "mtp":
+            if not self.has_mtp:
+                raise CheckpointError(f"{self.path or 'this model'} has no multi-token-prediction head (mtp.* "
+                                      "weights); give a draft model instead")
+            drafter: Drafter = MtpDrafter(self.module)
+        elif isinstance(draft, GenerativeModel):
+            self._check_draft(draft)
+            drafter = ModelDrafter(draft.module, self.config.vocab_size, draft.config.vocab_size)
+        else:
+            raise InvalidInputError(f'draft must be a GenerativeModel or "mtp", got {draft!r}')
+        model = copy.copy(self)
+        model.draft, model._drafter = draft, drafter
+        model.defaults = self.defaults.model_copy(update={"draft_tokens": draft_tokens})
+        return model
+
+    def _check_draft(self, draft: GenerativeModel) -> None:
+        mine = self.tokenizer.backend.get_vocab(with_added_tokens=True)
+        theirs = draft.tokenizer.backend.get_vocab(with_added_tokens=True)
+        if mine != theirs:
+            differ = sorted(set(mine.items()) ^ set(theirs.items()))[:3]
+            raise CheckpointError(
+                f"the draft {draft.path or draft} does not share this model's tokenizer ({len(theirs)} tokens "
+                f"against {len(mine)}; e.g. {', '.join(f'{t!r}: {i}' for t, i in differ)}): a draft must "
+                "tokenize exactly as the model does")
+
+    def _drafter_for(self, config: GenerationConfig) -> Drafter | None:
+        if not config.draft_tokens:
+            return None
+        if self._drafter is None:
+            raise InvalidInputError("draft_tokens needs a draft: load_model(..., draft=...) or "
+                                    "model.with_draft(draft_model), or a checkpoint with an MTP head")
+        return self._drafter
 
     # -- running ------------------------------------------------------------------------------------
 
@@ -381,8 +448,10 @@ class GenerativeModel:
             prepared = self.encode(prompt)
         # Snapshots before each image: a changed image then costs only what follows it.
         snapshot_at = [s.start for s in prepared.images] if isinstance(prepared, MultimodalPrompt) else []
+        timed = profiling.take_pending()  # rendering and tokenizing, done here, belong to the worker's reply
 
         def produce(cancel: Cancelled) -> Iterator[GenerationChunk | DecodeRow]:
+            profiling.give_pending(timed)
             used = cache if cache is not None else self.make_prompt_cache()
             yield from self.run_generation(prepared, used, config, cancel, snapshot_at)
 
@@ -406,9 +475,11 @@ class GenerativeModel:
             prompt = check_token_ids(prompt, self.config.vocab_size, "prompt token id")
         check_token_ids(config.logit_bias, self.config.vocab_size, "logit_bias token id")
         config = self.fit(len(prompt), config)
+        drafter = self._drafter_for(config)
         try:
             yield from stream_generation(self.module, self.tokenizer, prompt, cache, config, self.eos_ids,
-                                         self.config.vocab_size, snapshot_at=snapshot_at, cancel=cancel)
+                                         self.config.vocab_size, snapshot_at=snapshot_at, cancel=cancel,
+                                         drafter=drafter)
         except MlxchatError:
             cache.clear()
             raise
@@ -472,8 +543,10 @@ class GenerativeModel:
         return ChatSession(self, system=system, **options)
 
     def close(self) -> None:
-        """Stop the worker thread (sessions over this model stop working)."""
+        """Stop the worker thread (sessions over this model stop working), and a draft loaded with it."""
         self.worker.close()
+        if self._owns_draft and isinstance(self.draft, GenerativeModel):
+            self.draft.close()
 
     def __enter__(self) -> GenerativeModel:
         return self

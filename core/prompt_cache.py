@@ -16,11 +16,13 @@ both (see :mod:`mlxchat.multimodal`).
 from __future__ import annotations
 
 import copy
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
+from . import profiling
 from .cache import Arrays, LayerCache, cache_arrays
 from .errors import ImageError, SavedStateError
 from .multimodal import ImageKey, MultimodalPrompt, chunk_bounds, encode_images
@@ -29,6 +31,8 @@ if TYPE_CHECKING:
     from .worker import Cancelled
 
 DEFAULT_MAX_SNAPSHOTS = 12
+Follower = Callable[[int, mx.array], list[mx.array]]
+"""Reads the target's hidden states during prefill (see :meth:`PromptCache.prefill`)."""
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
@@ -52,6 +56,10 @@ class PromptCache:
         self._snapshots: dict[int, list[Any]] = {}
         self._wanted: set[int] = set()
         self.needs_snapshots = any(not layer.trimmable for layer in self.layers)
+        self.draft: Any = None
+        """The speculative drafter's own state over the same conversation (a draft model's prompt cache, an
+        MTP head's cache), kept here so that it travels with the session; made and kept in step by
+        :mod:`mlxchat.speculative`."""
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -67,6 +75,7 @@ class PromptCache:
         self.images = []
         self._snapshots = {}
         self._wanted = set()
+        self.draft = None
 
     def feed(self, tokens: Sequence[int], images: Sequence[ImageKey] = ()) -> None:
         """Record tokens that were just run through the model with these layer caches, and the images whose
@@ -88,9 +97,27 @@ class PromptCache:
             # Drop the oldest (lowest) position: rewinds usually go back a turn or two.
             del self._snapshots[min(self._snapshots)]
 
+    def mark(self) -> tuple[int, list[Any] | None]:
+        """A point to return to (the current position) that is not kept among the snapshots: a speculative
+        round marks where it starts, and :meth:`rewind` comes back here when layers cannot be cut back."""
+        return len(self.tokens), [layer.snapshot() for layer in self.layers] if self.needs_snapshots else None
+
+    def rewind(self, position: int, mark: tuple[int, list[Any] | None]) -> int:
+        """Cut back to hold the first ``position`` tokens, or where every layer cannot, to ``mark`` (taken
+        at or before ``position``); return the position held. The caller feeds the rest again."""
+        position = min(position, len(self.tokens))
+        if all(layer.can_trim_to(position) for layer in self.layers):
+            self._rewind(position, None)
+            return position
+        at, snapshot = mark
+        if at > position or snapshot is None:
+            raise ValueError(f"a mark at {at} cannot bring the cache back to {position}")
+        self._rewind(at, snapshot)
+        return at
+
     def prefill(self, module: Any, prompt: Sequence[int] | MultimodalPrompt, *,
                 snapshot_at: Iterable[int] = (), step: int = 512,
-                cancel: Cancelled | None = None) -> tuple[int, list[int]]:
+                cancel: Cancelled | None = None, follow: Follower | None = None) -> tuple[int, list[int]]:
         """Make the cache hold ``prompt`` but for its last tokens; return ``(reused, pending)``: how many
         prompt tokens the cache already held, and the tail left for the first decode step (which runs it in
         the same pass over the weights that gives the next token's logits).
@@ -105,29 +132,42 @@ class PromptCache:
         A prompt with images (a :class:`~mlxchat.multimodal.MultimodalPrompt`) reuses only images held
         identically, runs every image through here (the decode step takes text only), encodes each image
         once, gives each chunk its image inputs, and never splits an image that must stay whole.
+
+        ``follow(start, hidden)``: a drafter that reads the target's last hidden states (an MTP head; the
+        module is then a :class:`~mlxchat.layers.CausalLM`) gets every chunk's ``[1, length, hidden]``
+        from position ``start`` and returns its own arrays, evaluated with the chunk's.
         """
         ids = list(prompt.ids) if isinstance(prompt, MultimodalPrompt) else list(prompt)
         images = prompt.images if isinstance(prompt, MultimodalPrompt) else ()
         keys = [span.key for span in images]
         atomic = [(s.start, s.end) for s in images] if images and module.atomic_images else []
-        reused = self.reuse(ids, keys if images else None)
-        inside = [s for s, e in atomic if s < reused < e]
-        if inside:  # an image attended as a whole is prefilled as a whole
-            reused = self.reuse(ids[: inside[0] + 1], keys)
+        with profiling.span("cache_reuse"):
+            reused = self.reuse(ids, keys if images else None)
+            inside = [s for s, e in atomic if s < reused < e]
+            if inside:  # an image attended as a whole is prefilled as a whole
+                reused = self.reuse(ids[: inside[0] + 1], keys)
         text_tail = len(ids) - max((s.end for s in images), default=0)
         if text_tail < 1:
             raise ImageError("a prompt must go on after its last image (the next token's logits come from text)")
         keep = min(text_tail, 1 if self.needs_snapshots else min(len(ids) - reused, step))
         self._wanted = {p for p in snapshot_at if reused < p <= len(ids)} if self.needs_snapshots else set()
         features = encode_images(module, [span for span in images if span.end > reused])
+        reply = profiling.current()
         for a, b in chunk_bounds(reused, len(ids) - keep, step, self._wanted, atomic):
             if cancel:
                 break
+            started = time.perf_counter() if reply else 0.0
             spans = [s for s in images if s.start < b and s.end > a]
             inputs = module.image_inputs(prompt, a, b, features) if spans else {}
-            module(mx.array(ids[a:b])[None], self.layers, **inputs)
-            mx.eval(self.arrays())
+            tokens = mx.array(ids[a:b])[None]
+            if follow is None:
+                module(tokens, self.layers, **inputs)
+                mx.eval(self.arrays())
+            else:
+                mx.eval(self.arrays(), follow(a, module.model(tokens, self.layers, **inputs)))
             self.feed(ids[a:b], images=[s.key for s in images if a <= s.start < b])
+            if reply:
+                reply.prefill_chunk(a, b, time.perf_counter() - started)
         return reused, ids[len(self):]
 
     def reuse(self, prompt: Sequence[int], images: Sequence[ImageKey] | None = None) -> int:

@@ -4,8 +4,10 @@ MLX's Linux CPU wheel links the reference (netlib) BLAS, which multiplies float3
 GFLOP/s. Symbols resolve through the global scope first, so a ``cblas_sgemm`` loaded with RTLD_GLOBAL
 *before* ``mlx.core`` is imported is the one MLX calls. :func:`configure_blas` (run when ``mlxchat`` is
 imported) loads the ``mlxchat._blas_route`` shim that way: it sends one-row products (all of decode) to
-``sgemv``, which reads weights several times faster than ``sgemm`` with M == 1, and everything else to
-OpenBLAS. Which OpenBLAS, in order:
+``sgemv``, which reads weights several times faster than ``sgemm`` with M == 1, products of 2 to 8 rows
+against a weight matrix (a speculative round's verify pass, a short prompt) to its own few-rows kernel,
+which reads the weights once for all rows (OpenBLAS's sgemm packs them: about a third of the speed), and
+everything else to OpenBLAS. Which OpenBLAS, in order:
 
 1. the system's (Debian/Ubuntu ``libopenblas0-pthread``, Fedora ``openblas``...), loaded globally as well;
 2. the one inside numpy's wheel (scipy-openblas, a 64-bit-integer build whose symbols carry a
@@ -16,7 +18,8 @@ Environment:
 
 - ``MLXCHAT_BLAS``: ``system`` or ``numpy`` to pick one of the above, a path to a CBLAS library, or ``off``
   to keep MLX's bundled one.
-- ``MLXCHAT_GEMV``: ``0`` disables the single-row route.
+- ``MLXCHAT_GEMV``: ``0`` disables the route (single rows and few rows alike).
+- ``MLXCHAT_ROWS``: the most rows of x the few-rows kernel takes (default 8, at most 8; ``0``: none).
 """
 
 from __future__ import annotations
@@ -117,8 +120,10 @@ def _load_route(blas_path: str) -> Any:
     route = ctypes.CDLL(spec.origin, mode=ctypes.RTLD_GLOBAL)
     route.mlxchat_blas_route_init.argtypes = [ctypes.c_char_p]
     route.mlxchat_blas_route_set_gemv.argtypes = [ctypes.c_int]
+    route.mlxchat_blas_route_set_rows.argtypes = [ctypes.c_int]
     if route.mlxchat_blas_route_init(blas_path.encode()) not in (32, 64):
         return None
+    route.mlxchat_blas_route_set_rows(int(os.environ.get("MLXCHAT_ROWS") or 8))
     return route
 
 
@@ -201,7 +206,7 @@ def runtime_info() -> dict[str, Any]:
     """MLX version, device, BLAS and plugins: what ``mlxchat info`` prints."""
     import mlx.core as mx
 
-    from .quantized import kernel_info
+    from . import kernels, quantized
     from .registry import registry
 
     state = configure_blas()
@@ -215,7 +220,8 @@ def runtime_info() -> dict[str, Any]:
         "blas_path": state.path,
         "gemv_route": state.gemv_route,
         "blas_note": state.note,
-        **kernel_info(),
+        **quantized.kernel_info(),
+        **kernels.kernel_info(),
         "cpu_count": os.cpu_count(),
         "plugins": {name: sorted(arch.model_types) for name, arch in registry().architectures().items()},
     }

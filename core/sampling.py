@@ -42,6 +42,15 @@ class LogitsAdjuster:
             or self._bias is not None
         )
 
+    @property
+    def state(self) -> tuple[mx.array, mx.array]:
+        """What the tokens recorded so far left (to return to after a speculative round)."""
+        return self._seen, self._counts
+
+    @state.setter
+    def state(self, value: tuple[mx.array, mx.array]) -> None:
+        self._seen, self._counts = value
+
     def start(self, prompt: Sequence[int]) -> None:
         if self.repetition_penalty != 1.0 and prompt:
             self._seen = self._seen.at[mx.array(list(prompt))].add(True)
@@ -67,15 +76,13 @@ class LogitsAdjuster:
         return logits
 
 
-def make_sampler(
-    temperature: float, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, seed: int | None = None
-) -> Sampler:
-    """A function from logits ``[1, vocab]`` to a token id ``[1]``. Temperature 0 is greedy."""
-    if temperature <= 0:
-        return lambda logits: mx.argmax(logits, axis=-1)
-    state = {"key": mx.random.key(seed) if seed is not None else None}
+def make_filter(temperature: float, top_p: float = 1.0, top_k: int = 0,
+                min_p: float = 0.0) -> Callable[[mx.array], mx.array]:
+    """A function from logits ``[..., vocab]`` to the logits sampling draws from (temperature > 0): scaled
+    by the temperature, with the tokens top-k, min-p and top-p rule out at ``-inf``. Row by row, so a
+    speculative round filters all its positions at once."""
 
-    def sample(logits: mx.array) -> mx.array:
+    def filtered(logits: mx.array) -> mx.array:
         logits = logits.astype(mx.float32) / temperature
         if top_k and top_k < logits.shape[-1]:
             kth = mx.sort(logits, axis=-1)[..., -top_k][..., None]
@@ -91,9 +98,30 @@ def make_sampler(
             drop_sorted = (mx.cumsum(sorted_probs, axis=-1) - sorted_probs) >= top_p
             drop = mx.put_along_axis(mx.zeros_like(drop_sorted), order, drop_sorted, axis=-1)
             logits = mx.where(drop, -mx.inf, logits)
-        key = None
-        if state["key"] is not None:
-            state["key"], key = mx.random.split(state["key"])
-        return mx.random.categorical(logits, key=key)
+        return logits
 
-    return sample
+    return filtered
+
+
+class RandomKeys:
+    """Keys for MLX's random draws: split from ``seed`` one after another (reproducible), or MLX's global
+    generator's when there is no seed."""
+
+    def __init__(self, seed: int | None):
+        self._key = mx.random.key(seed) if seed is not None else None
+
+    def next(self) -> mx.array | None:
+        if self._key is None:
+            return None
+        self._key, key = mx.random.split(self._key)
+        return key
+
+
+def make_sampler(
+    temperature: float, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, seed: int | None = None
+) -> Sampler:
+    """A function from logits ``[1, vocab]`` to a token id ``[1]``. Temperature 0 is greedy."""
+    if temperature <= 0:
+        return lambda logits: mx.argmax(logits, axis=-1)
+    filtered, keys = make_filter(temperature, top_p, top_k, min_p), RandomKeys(seed)
+    return lambda logits: mx.random.categorical(filtered(logits), key=keys.next())

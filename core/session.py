@@ -33,6 +33,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 from pydantic import BaseModel, Field
 
+from . import profiling
 from .batching import DecodeRow
 from .errors import (
     ContextLengthError,
@@ -837,13 +838,14 @@ class ChatSession:
         tokens: list[int] = []
         report: GenerationReport | None = None
         assert self._cache is not None
+        parse = profiling.timed("parse", parser.feed)
         for chunk in self._model.run_generation(plan.prompt, self._cache, config, cancel, plan.snapshot_at):
             if isinstance(chunk, DecodeRow):  # a decode step, for the worker to run (with others' if it can)
                 yield chunk
                 continue
             if chunk.token is not None:
                 tokens.append(chunk.token)
-            yield from parser.feed(chunk.text)
+            yield from parse(chunk.text)
             report = chunk.report or report
         yield from parser.finish()
         self._cache.snapshot()

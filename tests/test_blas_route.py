@@ -1,6 +1,7 @@
 """MLX's float32 matmuls are right on every OpenBLAS mlxchat can put under it (the system's, with 32-bit
 integers, and the one in numpy's wheel, with 64-bit integers and affixed symbols), through both ways of the
-route: single-row (and single-column) products to sgemv, everything else to sgemm.
+route: single-row (and single-column) products to sgemv, a few rows against a large enough weight matrix to
+the few-rows kernel, everything else to sgemm.
 
 The BLAS is chosen when mlxchat is imported, so each library is checked in its own process.
 """
@@ -29,6 +30,8 @@ cases = {
     "strided row x W.T": lambda: (rng.standard_normal((300, 3))[:, 1:2].T, rng.standard_normal((77, 300)), "t"),
     "W x column": lambda: (rng.standard_normal((77, 300)), rng.standard_normal((300, 1)), "n"),
     "W.T x column": lambda: (rng.standard_normal((300, 77)).T, rng.standard_normal((300, 1)), "n"),
+    "few rows x W.T (verify)": lambda: (rng.standard_normal((5, 300)), rng.standard_normal((301, 300)), "t"),
+    "eight rows x W.T": lambda: (rng.standard_normal((8, 257)), rng.standard_normal((700, 257)), "t"),
     "rows x W.T (prefill)": lambda: (rng.standard_normal((33, 300)), rng.standard_normal((77, 300)), "t"),
     "rows.T x W": lambda: (rng.standard_normal((300, 33)).T, rng.standard_normal((300, 77)), "n"),
 }
@@ -65,8 +68,8 @@ def test_products_are_right_through_sgemv_and_sgemm(blas: str) -> None:
     assert ("system" in str(result["library"])) == (blas == "system")
     for name, error in result["errors"].items():  # type: ignore[attr-defined]
         assert error < 1e-5, f"{name}: relative error {error:.1e}"
-    # single rows and columns went to sgemv, the rest to sgemm
-    assert result["counts"] == [[1, 0]] * 5 + [[0, 1]] * 2
+    # single rows and columns went to sgemv, a few rows to the few-rows kernel, the rest to sgemm
+    assert result["counts"] == [[1, 0]] * 7 + [[0, 1]] * 2
 
 
 @pytest.mark.parametrize("blas", LIBRARIES)
@@ -75,7 +78,7 @@ def test_without_the_gemv_route_everything_is_sgemm_and_still_right(blas: str) -
     assert not result["gemv_route"]
     assert all(error < 1e-5 for error in result["errors"].values())  # type: ignore[attr-defined]
     if blas == "numpy":  # reachable only through the route, which now sends everything to sgemm
-        assert result["counts"] == [[0, 1]] * 7
+        assert result["counts"] == [[0, 1]] * 9
 
 
 def test_the_default_is_the_system_openblas_else_numpys(monkeypatch: pytest.MonkeyPatch) -> None:

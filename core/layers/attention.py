@@ -5,6 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from .. import kernels
 from ..cache import KeysValues, RowCaches
 from .norms import RMSNorm
 from .parallel import RowParallelLinear, head_split, slice_outputs
@@ -23,8 +24,9 @@ def attend(
     """Causal attention of ``[B, heads, L, D]`` queries over the cache plus this chunk's keys and values;
     with a ``window``, each query sees only itself and the ``window - 1`` positions before it.
 
-    Keys and values keep their own (fewer) heads: grouped-query attention is done by the kernel. With the
-    caches of several sequences (:class:`~mlxchat.cache.RowCaches`) each row attends over its own.
+    Keys and values keep their own (fewer) heads: grouped-query attention is done by the kernel (on a CPU,
+    :func:`mlxchat.kernels.attention` for the causal and unmasked cases). With the caches of several sequences
+    (:class:`~mlxchat.cache.RowCaches`) each row attends over its own.
     """
     if isinstance(cache, RowCaches):
         rows: list[KeysValues] = cache.caches  # type: ignore[assignment]
@@ -32,6 +34,10 @@ def attend(
                                       window) for i, row in enumerate(rows)], axis=0)
     if cache is not None:
         keys, values = cache.update_and_fetch(keys, values)
+    if window is None and (mask is None or mask == "causal"):
+        fused = kernels.attention(queries, keys, values, scale, causal=mask == "causal" or queries.shape[2] > 1)
+        if fused is not None:
+            return fused
     if window is not None:
         mask = window_mask(queries.shape[2], keys.shape[2], window)
     elif mask is None and queries.shape[2] > 1:

@@ -19,6 +19,7 @@ from functools import partial
 import mlx.core as mx
 import mlx.nn as nn
 
+from .. import kernels
 from ..cache import StateCache
 from .parallel import RowParallelLinear, head_split, slice_outputs
 
@@ -34,7 +35,7 @@ def l2_normalize(x: mx.array, scale: float = 1.0) -> mx.array:
     """
     dims = x.shape[-1]
     weight = mx.full((dims,), scale / math.sqrt(dims), dtype=x.dtype)
-    return mx.fast.rms_norm(x, weight, L2_EPS / dims)
+    return kernels.rms_norm(x, weight, L2_EPS / dims)
 
 
 @partial(mx.compile, shapeless=True)
@@ -54,14 +55,23 @@ def causal_conv_silu(window: mx.array, weight: mx.array) -> mx.array:
     """
     kernel = weight.shape[0]
     length = window.shape[1] - kernel + 1
-    return _taps_silu([window[:, i : i + length] for i in range(kernel)], weight)
+    shifted = [window[:, i : i + length] for i in range(kernel)]
+    if kernels.fused(window, weight):  # MLX's CPU sigmoid is scalar: the silu runs vectorized on its own
+        return kernels.silu(_taps(shifted, weight))
+    return _taps_silu(shifted, weight)
+
+
+@partial(mx.compile, shapeless=True)
+def _taps(shifted: list[mx.array], weight: mx.array) -> mx.array:
+    out = shifted[0] * weight[0]
+    for i in range(1, len(shifted)):
+        out = out + shifted[i] * weight[i]
+    return out
 
 
 @partial(mx.compile, shapeless=True)
 def _taps_silu(shifted: list[mx.array], weight: mx.array) -> mx.array:
-    out = shifted[0] * weight[0]
-    for i in range(1, len(shifted)):
-        out = out + shifted[i] * weight[i]
+    out = _taps(shifted, weight)
     return out * mx.sigmoid(out)
 
 
@@ -71,7 +81,6 @@ def _triangles(size: int) -> tuple[mx.array, mx.array]:
     return rows >= cols, rows == cols
 
 
-@partial(mx.compile, shapeless=True)
 def _intra_chunk(gamma: mx.array, beta: mx.array, kk: mx.array, qk: mx.array, lower: mx.array,
                  diagonal: mx.array) -> tuple[mx.array, mx.array]:
     """Per-chunk matrices from cumulative log-decays ``gamma [..., C]`` and ``kk = K K^T``, ``qk = Q K^T``:
@@ -80,7 +89,18 @@ def _intra_chunk(gamma: mx.array, beta: mx.array, kk: mx.array, qk: mx.array, lo
       the sequential delta-rule corrections of a chunk into one product;
     - ``attn``: ``lower(q_i . k_j exp(gamma_i - gamma_j))``, the causal read inside the chunk.
     """
-    decay = mx.exp(mx.where(lower, gamma[..., :, None] - gamma[..., None, :], -mx.inf))
+    decay = kernels.exp(_log_decay_between(gamma, lower))  # vectorized on a CPU (MLX's exp is scalar there)
+    return _decayed(decay, beta, kk, qk, diagonal)
+
+
+@partial(mx.compile, shapeless=True)
+def _log_decay_between(gamma: mx.array, lower: mx.array) -> mx.array:
+    return mx.where(lower, gamma[..., :, None] - gamma[..., None, :], -mx.inf)
+
+
+@partial(mx.compile, shapeless=True)
+def _decayed(decay: mx.array, beta: mx.array, kk: mx.array, qk: mx.array,
+             diagonal: mx.array) -> tuple[mx.array, mx.array]:
     system = mx.where(diagonal, 1.0, kk * decay * beta[..., :, None])
     return system, qk * decay
 
@@ -175,7 +195,9 @@ class RMSNormGated(nn.Module):
         self.eps = eps
 
     def __call__(self, x: mx.array, gate: mx.array) -> mx.array:
-        return _gate_silu(mx.fast.rms_norm(x, self.weight, self.eps), gate)
+        normed = kernels.rms_norm(x, self.weight, self.eps)
+        fused = kernels.silu_mul(gate, normed) if gate.dtype == normed.dtype else None
+        return fused if fused is not None else _gate_silu(normed, gate)
 
 
 @partial(mx.compile, shapeless=True)

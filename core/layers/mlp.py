@@ -8,12 +8,19 @@ from functools import partial
 import mlx.core as mx
 import mlx.nn as nn
 
+from .. import kernels
 from .parallel import RowParallelLinear, balanced, input_unit, slice_outputs
 
 
 @partial(mx.compile, shapeless=True)
-def silu_gate(gate: mx.array, x: mx.array) -> mx.array:
+def _silu_gate(gate: mx.array, x: mx.array) -> mx.array:
     return nn.silu(gate) * x
+
+
+def silu_gate(gate: mx.array, x: mx.array) -> mx.array:
+    """``silu(gate) * x``: one vectorized pass on a CPU (:mod:`mlxchat.kernels`), one fused kernel elsewhere."""
+    fused = kernels.silu_mul(gate, x)
+    return fused if fused is not None else _silu_gate(gate, x)
 
 
 @partial(mx.compile, shapeless=True)

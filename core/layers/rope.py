@@ -13,6 +13,7 @@ from typing import cast
 import mlx.core as mx
 import mlx.nn as nn
 
+from .. import kernels
 from ..config import RopeConfig
 from ..errors import CheckpointError
 
@@ -109,6 +110,8 @@ class RoPE(nn.Module):
         # mx.fast.rope takes wavelength divisors; the plain and dynamic cases keep its `base` fast path.
         plain = rope.rope_type in ("default", "dynamic")
         self._freqs = None if plain else mx.array([1.0 / f for f in inv_freq], dtype=mx.float32)
+        self._static_inv_freq = mx.array(inv_freq, dtype=mx.float32)
+        """For :func:`mlxchat.kernels.rope` (a dynamic RoPE's, once its base grows, is made per call)."""
 
     def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
         """``offset``: the position of ``x``'s first token, or one per row of a batch (``[B]``)."""
@@ -123,6 +126,11 @@ class RoPE(nn.Module):
             seen = max(offset + x.shape[-2], self.max_positions)
             growth = self.dynamic_factor * seen / self.max_positions - (self.dynamic_factor - 1)
             base = self.base * growth ** (self.dims / (self.dims - 2))
+        inv_freq = self._static_inv_freq if base == self.base else mx.array(
+            [base ** (-2 * j / self.dims) for j in range(self.dims // 2)], dtype=mx.float32)
+        fused = kernels.rope(x, inv_freq, self.dims, offset) if isinstance(offset, int) else None
+        if fused is not None:
+            return fused
         return mx.fast.rope(
             x,
             self.dims,

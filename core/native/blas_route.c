@@ -1,19 +1,36 @@
 /*
- * MLX's cblas_sgemm, routed: single-row products to sgemv, everything to the BLAS mlxchat chose.
+ * MLX's cblas_sgemm, routed: single-row products to sgemv, a few rows to our own kernel, everything else to
+ * the BLAS mlxchat chose.
  *
  * MLX's CPU backend calls cblas_sgemm for every float32 matmul, including the one-row products that make
- * up all of decode. OpenBLAS's sgemm with M == 1 reads weights at a third of the speed of its sgemv. This
- * library exports cblas_sgemm; loaded with RTLD_GLOBAL before MLX, it takes MLX's calls, sends products
- * with one row (or one column) of output to sgemv, and hands everything else to the real sgemm of the
- * BLAS named in mlxchat_blas_route_init.
+ * up all of decode. OpenBLAS's sgemm with M == 1 reads weights at a third of the speed of its sgemv, and
+ * with 2 <= M <= 8 (a speculative round's verify pass, a short turn's prefill) at a third of it too: it
+ * packs the whole weight matrix for a handful of rows. This library exports cblas_sgemm; loaded with
+ * RTLD_GLOBAL before MLX, it takes MLX's calls, sends products with one row (or one column) of output to
+ * sgemv, products of a few rows of x against a weight matrix stored [out, in] (x @ W.T) to the few-rows
+ * kernel below, which reads the weights once for all rows on every core, and hands everything else to
+ * the real sgemm of the BLAS named in mlxchat_blas_route_init.
  *
  * That BLAS is either a plain CBLAS (cblas_sgemm with 32-bit integers: Debian's libopenblas) or the
  * OpenBLAS inside numpy's wheel (scipy-openblas: 64-bit integers, symbols scipy_cblas_sgemm64_), which
  * exports no cblas_sgemm of its own and so is reachable only through this route. It is built on Linux
  * only (macOS uses Accelerate through Metal).
  */
+#define _GNU_SOURCE
 #include <dlfcn.h>
+#include <limits.h>
+#include <linux/futex.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };
 
@@ -30,6 +47,7 @@ static sgemv32_fn sgemv32;
 static sgemm64_fn sgemm64;
 static sgemv64_fn sgemv64;
 static int gemv_route = 1;
+static int small_rows = 8; /* products of 2..small_rows rows of x go to the few-rows kernel (0: none) */
 
 /*
  * Bind to the BLAS at `path`. Returns 32 or 64 (the integer width of the interface found), 0 if the library
@@ -56,7 +74,14 @@ void mlxchat_blas_route_set_gemv(int on) {
     gemv_route = on;
 }
 
-/* How many products went each way since load: [gemv, gemm]. For tests and runtime_info. */
+/* The most rows of x the few-rows kernel takes (0 sends them to sgemm; at most FEW_MAX). */
+#define FEW_MAX 8
+void mlxchat_blas_route_set_rows(int rows) {
+    small_rows = rows < 0 ? 0 : rows > FEW_MAX ? FEW_MAX : rows;
+}
+
+/* How many products went each way since load: [read once (sgemv, few rows), gemm]. For tests and
+ * runtime_info. */
 static long routed_counts[2];
 void mlxchat_blas_route_counts(long *out) {
     out[0] = __atomic_load_n(&routed_counts[0], __ATOMIC_RELAXED);
@@ -69,6 +94,216 @@ static void sgemv(int order, int trans, int m, int n, float alpha, const float *
         sgemv32(order, trans, m, n, alpha, a, lda, x, inc_x, beta, y, inc_y);
     else
         sgemv64(order, trans, m, n, alpha, a, lda, x, inc_x, beta, y, inc_y);
+}
+
+/* -- the few-rows kernel ------------------------------------------------------------------------------ */
+
+/*
+ * c[m, n] = alpha * sum_k a[m, k] * b[n, k] (+ beta * c[m, n]) for M <= FEW_MAX rows of a: weight rows are
+ * streamed two at a time, each loaded once and multiplied into every row of a (which stays in cache), and
+ * each row's sum is reduced at its end. Summation order differs from the BLAS's only as float32 order does.
+ */
+typedef struct {
+    int m, n, k, lda, ldb, ldc;
+    const float *a, *b;
+    float *c;
+    float alpha, beta;
+} few_job;
+
+static void store(const few_job *j, int m, int n, float sum) {
+    float *out = j->c + (long)m * j->ldc + n;
+    *out = j->alpha * sum + (j->beta != 0.0f ? j->beta * *out : 0.0f);
+}
+
+static void few_scalar(const few_job *j, int n0, int n1) {
+    for (int n = n0; n < n1; ++n)
+        for (int m = 0; m < j->m; ++m) {
+            const float *x = j->a + (long)m * j->lda, *w = j->b + (long)n * j->ldb;
+            float sum = 0.0f;
+            for (int k = 0; k < j->k; ++k) sum += x[k] * w[k];
+            store(j, m, n, sum);
+        }
+}
+
+#if defined(__x86_64__)
+/* M given as a constant by the callers below, so that the accumulators stay in registers. */
+#define FEW_KERNEL(NAME, TARGET, VEC, WIDTH, ZERO, LOAD, FMA, REDUCE)                                          \
+    __attribute__((target(TARGET), always_inline)) static inline void NAME##_m(const few_job *j, int n0, int n1, \
+                                                                              const int M) {                 \
+        const int K = j->k, whole = K - K % WIDTH;                                                           \
+        for (int n = n0; n < n1; n += 2) {                                                                   \
+            const int pair = n + 1 < n1;                                                                     \
+            const float *w0 = j->b + (long)n * j->ldb, *w1 = pair ? w0 + j->ldb : w0;                        \
+            VEC acc0[FEW_MAX], acc1[FEW_MAX];                                                                \
+            for (int m = 0; m < M; ++m) acc0[m] = acc1[m] = ZERO;                                            \
+            for (int k = 0; k < whole; k += WIDTH) {                                                         \
+                _mm_prefetch((const char *)(w0 + 2 * (long)j->ldb + k), _MM_HINT_T0);                        \
+                _mm_prefetch((const char *)(w1 + 2 * (long)j->ldb + k), _MM_HINT_T0);                        \
+                const VEC v0 = LOAD(w0 + k), v1 = LOAD(w1 + k);                                              \
+                for (int m = 0; m < M; ++m) {                                                                \
+                    const VEC x = LOAD(j->a + (long)m * j->lda + k);                                         \
+                    acc0[m] = FMA(x, v0, acc0[m]);                                                           \
+                    acc1[m] = FMA(x, v1, acc1[m]);                                                           \
+                }                                                                                            \
+            }                                                                                                \
+            for (int m = 0; m < M; ++m) {                                                                    \
+                const float *x = j->a + (long)m * j->lda;                                                    \
+                float s0 = REDUCE(acc0[m]), s1 = REDUCE(acc1[m]);                                            \
+                for (int k = whole; k < K; ++k) {                                                            \
+                    s0 += x[k] * w0[k];                                                                      \
+                    s1 += x[k] * w1[k];                                                                      \
+                }                                                                                            \
+                store(j, m, n, s0);                                                                          \
+                if (pair) store(j, m, n + 1, s1);                                                            \
+            }                                                                                                \
+        }                                                                                                    \
+    }                                                                                                        \
+    __attribute__((target(TARGET))) static void NAME(const few_job *j, int n0, int n1) {                     \
+        switch (j->m) {                                                                                      \
+        case 1: NAME##_m(j, n0, n1, 1); break;                                                               \
+        case 2: NAME##_m(j, n0, n1, 2); break;                                                               \
+        case 3: NAME##_m(j, n0, n1, 3); break;                                                               \
+        case 4: NAME##_m(j, n0, n1, 4); break;                                                               \
+        case 5: NAME##_m(j, n0, n1, 5); break;                                                               \
+        case 6: NAME##_m(j, n0, n1, 6); break;                                                               \
+        case 7: NAME##_m(j, n0, n1, 7); break;                                                               \
+        default: NAME##_m(j, n0, n1, 8); break;                                                              \
+        }                                                                                                    \
+    }
+
+__attribute__((target("avx2,fma"))) static inline float reduce256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+FEW_KERNEL(few_avx512, "avx512f,avx2,fma", __m512, 16, _mm512_setzero_ps(), _mm512_loadu_ps, _mm512_fmadd_ps,
+           _mm512_reduce_add_ps)
+FEW_KERNEL(few_avx2, "avx2,fma", __m256, 8, _mm256_setzero_ps(), _mm256_loadu_ps, _mm256_fmadd_ps, reduce256)
+#endif
+
+typedef void (*few_fn)(const few_job *, int, int);
+
+static few_fn few_kernel(void) {
+#if defined(__x86_64__)
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f")) return few_avx512;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return few_avx2;
+#endif
+    return few_scalar;
+}
+
+/*
+ * A small pool: the caller and (cores - 1) workers claim parts of a job (ranges of weight rows) through one
+ * word holding (job number, next part), so a worker that wakes late never runs a part of a job it did not
+ * read: it reads the job (a copy the pool owns) only after claiming a part, which keeps the job running.
+ * Workers spin about 50 us after a job (a decode step issues the next within microseconds), then sleep
+ * on a futex. A process that forks runs on the calling thread alone in the child.
+ */
+static struct {
+    pthread_once_t once;
+    int threads, parts;
+    few_fn kernel;
+    _Atomic uint64_t claim;
+    _Atomic unsigned posted, sleepers;
+    _Atomic int done;
+    few_job job;
+    pthread_mutex_t busy;
+} pool = {.once = PTHREAD_ONCE_INIT, .busy = PTHREAD_MUTEX_INITIALIZER};
+
+static void pause_cpu(void) {
+#if defined(__x86_64__)
+    _mm_pause();
+#endif
+}
+
+static double seconds(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec + 1e-9 * t.tv_nsec;
+}
+
+static void run_part(const few_job *j, int part) {
+    const int per = (j->n + pool.parts - 1) / pool.parts, step = per + per % 2; /* even: rows go in pairs */
+    const int n0 = part * step, n1 = n0 + step < j->n ? n0 + step : j->n;
+    if (n0 < n1) pool.kernel(j, n0, n1);
+}
+
+/* Claims and runs parts of job `id` until none is left. */
+static void help(uint32_t id) {
+    uint64_t word = atomic_load_explicit(&pool.claim, memory_order_acquire);
+    while ((uint32_t)(word >> 32) == id) {
+        const int part = (int)(word & 0xffffffffu);
+        if (part >= pool.parts) return;
+        if (atomic_compare_exchange_weak_explicit(&pool.claim, &word, word + 1, memory_order_acq_rel,
+                                                  memory_order_acquire)) {
+            run_part(&pool.job, part);
+            atomic_fetch_add_explicit(&pool.done, 1, memory_order_release);
+            word = atomic_load_explicit(&pool.claim, memory_order_acquire);
+        }
+    }
+}
+
+static void *work(void *unused) {
+    (void)unused;
+    unsigned seen = atomic_load_explicit(&pool.posted, memory_order_acquire);
+    for (;;) {
+        const double until = seconds() + 50e-6;
+        unsigned now;
+        for (int i = 1; (now = atomic_load_explicit(&pool.posted, memory_order_acquire)) == seen; ++i) {
+            pause_cpu();
+            if (i % 64 == 0 && seconds() > until) {
+                atomic_fetch_add(&pool.sleepers, 1);
+                syscall(SYS_futex, &pool.posted, FUTEX_WAIT_PRIVATE, seen, NULL, NULL, 0);
+                atomic_fetch_sub(&pool.sleepers, 1);
+            }
+        }
+        seen = now;
+        help((uint32_t)(atomic_load_explicit(&pool.claim, memory_order_acquire) >> 32));
+    }
+    return NULL;
+}
+
+static void forked_child(void) {
+    pool.threads = 1; /* the workers did not come along: run on the calling thread */
+    pthread_mutex_init(&pool.busy, NULL);
+}
+
+static void start_pool(void) {
+    cpu_set_t set;
+    pool.threads = sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : 1;
+    pool.kernel = few_kernel();
+    pool.parts = 4 * pool.threads;
+    for (int i = 1; i < pool.threads; ++i) {
+        pthread_t thread;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        if (pthread_create(&thread, &attr, work, NULL) != 0) pool.threads = i;
+        pthread_attr_destroy(&attr);
+    }
+    pthread_atfork(NULL, NULL, forked_child);
+}
+
+static void few_rows(int m, int n, int k, float alpha, const float *a, int lda, const float *b, int ldb, float beta,
+                     float *c, int ldc) {
+    pthread_once(&pool.once, start_pool);
+    const few_job j = {m, n, k, lda, ldb, ldc, a, b, c, alpha, beta};
+    if (pool.threads <= 1 || pthread_mutex_trylock(&pool.busy) != 0) { /* a second stream finds it busy */
+        pool.kernel(&j, 0, n);
+        return;
+    }
+    static uint32_t id;
+    ++id;
+    pool.job = j;
+    atomic_store_explicit(&pool.done, 0, memory_order_relaxed);
+    atomic_store_explicit(&pool.claim, (uint64_t)id << 32, memory_order_release);
+    atomic_fetch_add_explicit(&pool.posted, 1, memory_order_release);
+    if (atomic_load(&pool.sleepers)) syscall(SYS_futex, &pool.posted, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+    help(id);
+    while (atomic_load_explicit(&pool.done, memory_order_acquire) < pool.parts) pause_cpu();
+    pthread_mutex_unlock(&pool.busy);
 }
 
 void cblas_sgemm(int order, int trans_a, int trans_b, int m, int n, int k, float alpha, const float *a, int lda,
@@ -90,6 +325,13 @@ void cblas_sgemm(int order, int trans_a, int trans_b, int m, int n, int k, float
             sgemv(ROW_MAJOR, NO_TRANS, m, k, alpha, a, lda, b, inc_b, beta, c, ldc);
         else
             sgemv(ROW_MAJOR, TRANS, k, m, alpha, a, lda, b, inc_b, beta, c, ldc);
+        __atomic_fetch_add(&routed_counts[0], 1, __ATOMIC_RELAXED);
+        return;
+    }
+    if (gemv_route && order == ROW_MAJOR && trans_a == NO_TRANS && trans_b == TRANS && m <= small_rows &&
+        (long)n * k >= 65536) {
+        /* x[m, k] @ W[n, k].T, W large enough for the weights' reading to be what it costs */
+        few_rows(m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
         __atomic_fetch_add(&routed_counts[0], 1, __ATOMIC_RELAXED);
         return;
     }

@@ -7,8 +7,11 @@ Checkpoints are released as a vision-language model: the text model sits under `
 ``model.language_model.*``, the vision tower (:mod:`.vision`) under ``model.visual.*``. Image features
 replace the ``<|image_pad|>`` embeddings, and the attention layers then rotate by 3-D positions
 (multimodal RoPE, see :mod:`mlxchat.multimodal`); text-only prompts run exactly as a text model. A
-checkpoint without the tower (mlx-lm's conversions) loads as a text model. The multi-token-prediction
-head is not used.
+checkpoint without the tower (mlx-lm's conversions) loads as a text model.
+
+Released checkpoints carry a multi-token-prediction head (``mtp.*``, :class:`MultiTokenPredictor`);
+speculative decoding uses it as its draft (:mod:`mlxchat.speculative`). Checkpoints without it (mlx-lm
+drops it when converting) load without one.
 """
 
 from __future__ import annotations
@@ -76,6 +79,9 @@ class Qwen35Config(ModelConfig):
     mrope_section: tuple[int, int, int] = (11, 11, 10)
     vision_config: Qwen35VisionConfig | None = None
     image_token_id: int | None = None
+    # the multi-token-prediction head (released checkpoints: one layer, the decoder's embedding)
+    mtp_num_hidden_layers: int = 0
+    mtp_use_dedicated_embeddings: bool = False
 
     @classmethod
     def default_layer_types(cls, data: dict[str, Any]) -> list[str]:
@@ -112,6 +118,11 @@ class Qwen35Config(ModelConfig):
     @property
     def has_vision(self) -> bool:
         return self.vision_config is not None and self.image_token_id is not None
+
+    @property
+    def has_mtp(self) -> bool:
+        """A head mlxchat runs: one layer that shares the decoder's embedding (what Qwen releases)."""
+        return self.mtp_num_hidden_layers == 1 and not self.mtp_use_dedicated_embeddings
 
 
 class GatedAttention(nn.Module):
@@ -156,10 +167,10 @@ class GatedAttention(nn.Module):
 
 
 class Qwen35Block(nn.Module):
-    def __init__(self, config: Qwen35Config, layer: int, rope: RoPE):
+    def __init__(self, config: Qwen35Config, kind: LayerType, rope: RoPE):
         super().__init__()
         h, eps = config.hidden_size, config.rms_norm_eps
-        self.is_linear = config.layer_types[layer] == "linear_attention"
+        self.is_linear = kind == "linear_attention"
         self.input_layernorm = RMSNorm(h, eps)
         if self.is_linear:
             self.linear_attn = GatedDeltaNet(h, config.linear_num_key_heads, config.linear_num_value_heads,
@@ -205,6 +216,29 @@ class Qwen35Model(Decoder):
         return self.norm(h)
 
 
+class MultiTokenPredictor(nn.Module):
+    """The multi-token-prediction head (``mtp.*``, as Qwen3-Next's): the decoder's output at position ``i``
+    (after its final norm) and the embedding of token ``i + 1``, each RMS-normed, concatenated
+    ``[embedding | hidden]`` and projected back to the hidden size by ``fc``, go through one more decoder
+    layer (full attention, with its own KV cache) and a final norm; the shared ``lm_head`` then predicts
+    token ``i + 2``. Fed its own output, it goes on to predict further tokens (vLLM's MTP proposer)."""
+
+    def __init__(self, config: Qwen35Config, rope: RoPE):
+        super().__init__()
+        h, eps = config.hidden_size, config.rms_norm_eps
+        self.pre_fc_norm_embedding = RMSNorm(h, eps)
+        self.pre_fc_norm_hidden = RMSNorm(h, eps)
+        self.fc = nn.Linear(2 * h, h, bias=False)
+        self.layers = [Qwen35Block(config, "full_attention", rope)]
+        self.norm = RMSNorm(h, eps)
+
+    def __call__(self, hidden: mx.array, embeddings: mx.array, cache: Sequence[KVCache]) -> mx.array:
+        x = self.fc(mx.concatenate([self.pre_fc_norm_embedding(embeddings), self.pre_fc_norm_hidden(hidden)],
+                                   axis=-1))
+        x = self.layers[0](x, cache[0], cache[0].position)
+        return self.norm(x)
+
+
 def mrope_positions(prompt: MultimodalPrompt, start: int, end: int, merge: int) -> np.ndarray:
     """3-D rotary positions ``[3, end - start]`` of a prompt slice, as transformers' ``get_rope_index``:
     text at its index plus the shift so far; an image at ``(s, s + row, s + column)`` of its merged grid,
@@ -236,8 +270,10 @@ def mrope_positions(prompt: MultimodalPrompt, start: int, end: int, merge: int) 
 # Norms that HF-layout checkpoints store zero-centred (the forward multiplies by 1 + w). The gated norm
 # of the DeltaNet (`linear_attn.norm`) is not one of them.
 _ZERO_CENTRED = (".input_layernorm.weight", ".post_attention_layernorm.weight", "model.norm.weight",
-                 ".q_norm.weight", ".k_norm.weight")
-_SKIPPED = ("mtp.", "model.mtp.")
+                 ".q_norm.weight", ".k_norm.weight", "mtp.norm.weight", "mtp.pre_fc_norm_hidden.weight",
+                 "mtp.pre_fc_norm_embedding.weight")
+# Where the MTP head sits: released layout (top level), some conversions (under model.).
+_MTP = ("mtp.", "model.mtp.")
 # Where the vision tower sits: released (HF) layout, mlx-vlm's conversions.
 _VISUAL = ("model.visual.", "visual.", "vision_tower.")
 # Qwen3-VL / Qwen3.5 preprocessor_config.json values, for checkpoints that ship none.
@@ -257,16 +293,32 @@ class Qwen35ForCausalLM(CausalLM):
             rope: RoPE = MRoPE(config.rotary_dims, config.rope, config.mrope_section, config.max_position_embeddings)
         else:
             rope = RoPE(config.rotary_dims, config.rope, config.max_position_embeddings)
-        blocks = [Qwen35Block(config, i, rope) for i in range(config.num_hidden_layers)]
+        blocks = [Qwen35Block(config, kind, rope) for kind in config.layer_types]
         super().__init__(config, Qwen35Model(config.vocab_size, config.hidden_size, blocks,
                                              RMSNorm(config.hidden_size, config.rms_norm_eps)))
         if config.has_vision:
             assert config.vision_config is not None and config.image_token_id is not None
             self.visual = Qwen35VisionModel(config.vision_config)
             self.image_tokens = ImageTokens(config.image_token_id)
+        if config.has_mtp:
+            self.mtp = MultiTokenPredictor(config, rope)
 
     def make_cache(self) -> list[LayerCache]:
         return [StateCache(2) if block.is_linear else KVCache() for block in self.model.layers]
+
+    # -- the multi-token-prediction head (see mlxchat.speculative.MtpDrafter) ------------------------
+
+    @property
+    def has_mtp(self) -> bool:
+        return "mtp" in self
+
+    def make_mtp_cache(self) -> list[KVCache]:
+        return [KVCache()]
+
+    def mtp_step(self, hidden: mx.array, tokens: mx.array, cache: Sequence[KVCache]) -> mx.array:
+        """The head's output ``[1, L, H]`` for target (or its own) states ``hidden [1, L, H]`` and the tokens
+        after them ``[1, L]``, one row per position, appended to its cache."""
+        return self.mtp(hidden, self.model.embed(tokens), cache)
 
     # -- images (see mlxchat.architecture.VisionModule) ---------------------------------------------
 
@@ -314,12 +366,14 @@ class Qwen35ForCausalLM(CausalLM):
             if prefix is not None:
                 tower["visual." + key[len(prefix):]] = value
                 continue
-            if key.startswith("model.language_model."):
+            mtp = next((p for p in _MTP if key.startswith(p)), None)
+            if mtp is not None:
+                key = "mtp." + key[len(mtp):]
+            elif key.startswith("model.language_model."):
                 key = "model." + key[len("model.language_model."):]
             elif key.startswith("language_model."):  # mlx-lm: language_model.{model,lm_head}.*
                 key = key[len("language_model."):]
-            if not key.startswith(_SKIPPED):
-                renamed[key] = value
+            renamed[key] = value
         convs = {k: v for k, v in renamed.items() if k.endswith("linear_attn.conv1d.weight")}
         for key, value in convs.items():
             if value.ndim != 3 or 1 not in value.shape[1:]:
@@ -337,6 +391,10 @@ class Qwen35ForCausalLM(CausalLM):
                 renamed.update(self._sanitize_tower(tower))
             else:
                 del self.visual  # a text-only copy of the checkpoint: serve it as a text model
+        if "mtp" not in self or not any(k.startswith("mtp.") for k in renamed):
+            renamed = {k: v for k, v in renamed.items() if not k.startswith("mtp.")}
+            if "mtp" in self:
+                del self.mtp  # a checkpoint without the head (mlx-lm's conversions)
         return stack_experts(super().sanitize(renamed))
 
     def _sanitize_tower(self, tower: dict[str, mx.array]) -> dict[str, mx.array]:

@@ -1,0 +1,131 @@
+"""Where a decode step's time goes beyond reading the weights: ``python -m benchmarks.anatomy [--model NAME]``.
+
+On random weights of a named config (``mlxchat.build_model``, nothing on disk; default Qwen3-0.6B shapes),
+after a 128-token prompt, it times in one process, alternating, each a median of ``--reps``:
+
+- ``step``: one decode step (the model's forward for one token, its logits evaluated);
+- ``matmuls``: the step's matrix products alone: the same weights times a random row, one graph;
+- ``bandwidth``: one matrix-vector product over as many bytes as the step's weights (the bound);
+- ``ops``: how many operations the step's graph holds besides the products, and ``per_op``, the time of a
+  graph of as many small elementwise operations on a hidden-size row (what MLX spends per operation).
+
+The differences say what the rest is: ``matmuls - bandwidth`` is what the products lose to the bound
+(calls too small to stream at full speed), ``step - matmuls`` the other operations. The profiler
+(``MLXCHAT_PROFILE``) says how a step splits between building the graph, evaluating it and sampling;
+this says what the evaluation is made of. Timings on a shared machine move with its load: compare rows
+of one run only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+
+def graph_ops(outputs: Any) -> tuple[int, int]:
+    """(operations, matrix products) in the graph of ``outputs``, counted from MLX's DOT export."""
+    import mlx.core as mx
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "graph.dot"
+        mx.export_to_dot(str(path), outputs)
+        names = [line.split('label ="')[1].split('"')[0] for line in path.read_text().splitlines()
+                 if 'label ="' in line]
+    return len(names), sum(1 for name in names if name.startswith(("Matmul", "Quantized", "Gather")))
+
+
+def measure(name: str, reps: int, prompt: int) -> dict[str, Any]:
+    import mlxchat  # first: it puts OpenBLAS under MLX  # noqa: I001
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    model = mlxchat.build_model(name)
+
+    def run() -> dict[str, Any]:
+        module = model.module
+        matrices = [w for _, w in tree_flatten(module.parameters()) if w.ndim == 2]
+        weight_bytes = sum(w.nbytes for w in matrices)
+        tied = model.config.tie_word_embeddings
+        if not tied:  # the embedding is looked up, not read whole
+            matrices = [w for k, w in tree_flatten(module.parameters()) if w.ndim == 2 and "embed_tokens" not in k]
+        step_bytes = sum(w.nbytes for w in matrices)
+        rows = {w.shape[1]: mx.random.normal((1, w.shape[1])) for w in matrices}
+        big = mx.random.normal((max(1, step_bytes // 4 // 4096), 4096))
+        probe = mx.random.normal((1, 4096))
+        mx.eval(big, probe, *rows.values())
+        cache = model.make_prompt_cache()
+        cache.prefill(module, list(range(300, 300 + prompt)), step=512)
+        token = mx.array([[7]])
+        graph = module.last_logits(token, cache.layers)
+        ops, products = graph_ops(graph)
+        for layer in cache.layers:
+            layer.trim_to(len(cache))
+        hidden = mx.random.normal((1, 1, model.config.hidden_size))
+        mx.eval(hidden)
+
+        def elementwise() -> mx.array:
+            x = hidden
+            for _ in range(ops - products):
+                x = x * 1.0001 + 0.5
+            return x
+
+        times: dict[str, list[float]] = {"step": [], "matmuls": [], "bandwidth": [], "per_op": []}
+        for _ in range(reps):
+            start = time.perf_counter()
+            mx.eval(module.last_logits(token, cache.layers))
+            times["step"].append(time.perf_counter() - start)
+            for layer in cache.layers:
+                layer.trim_to(len(cache))
+            start = time.perf_counter()
+            mx.eval([rows[w.shape[1]] @ w.T for w in matrices])
+            times["matmuls"].append(time.perf_counter() - start)
+            start = time.perf_counter()
+            mx.eval(probe @ big.T)
+            times["bandwidth"].append(time.perf_counter() - start)
+            start = time.perf_counter()
+            mx.eval(elementwise())
+            times["per_op"].append((time.perf_counter() - start) / (2 * max(ops - products, 1)))
+        medians = {k: statistics.median(v) for k, v in times.items()}
+        return {"model": name, "weight_bytes": weight_bytes, "step_bytes": step_bytes, "ops": ops,
+                "products": products, "seconds": medians,
+                "bandwidth_gbs": big.nbytes / medians["bandwidth"] / 1e9,
+                "matmul_gbs": step_bytes / medians["matmuls"] / 1e9}
+
+    try:
+        return model.worker.run(run)
+    finally:
+        model.close()
+
+
+def describe(r: dict[str, Any]) -> str:
+    s = r["seconds"]
+    bound = r["step_bytes"] / (r["bandwidth_gbs"] * 1e9)
+    others = r["ops"] - r["products"]
+    return "\n".join([
+        f"{r['model']}: a decode step reads {r['step_bytes'] / 1e9:.2f} GB of weights in {r['products']} products; "
+        f"its graph has {others} other operations",
+        f"  step              {s['step'] * 1e3:8.1f} ms",
+        f"  products alone    {s['matmuls'] * 1e3:8.1f} ms  ({r['matmul_gbs']:.1f} GB/s)",
+        f"  bandwidth bound   {bound * 1e3:8.1f} ms  ({r['bandwidth_gbs']:.1f} GB/s, one large product)",
+        f"  other operations  {(s['step'] - s['matmuls']) * 1e3:8.1f} ms  (an elementwise op costs "
+        f"{s['per_op'] * 1e6:.1f} us here: {others} x that = {others * s['per_op'] * 1e3:.1f} ms)",
+        f"  decode at {bound / s['step']:.0%} of the bound; the products lose {(s['matmuls'] - bound) * 1e3:.1f} ms "
+        f"to it, the other operations take {(s['step'] - s['matmuls']) * 1e3:.1f} ms",
+    ])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.anatomy", description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="qwen3-0.6b", help="a name from mlxchat.configs (default qwen3-0.6b)")
+    parser.add_argument("--reps", type=int, default=9)
+    parser.add_argument("--prompt", type=int, default=128, help="tokens in the cache before the step")
+    args = parser.parse_args()
+    print(describe(measure(args.model, args.reps, args.prompt)))
+
+
+if __name__ == "__main__":
+    main()

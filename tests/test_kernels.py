@@ -1,0 +1,87 @@
+"""The fused CPU kernels (mlxchat.kernels) equal MLX's own operations: softmax of attention under the
+causal mask (one query, a chunk after cached keys, a whole prompt; grouped-query heads), silu(g) * x, RMS
+norm and RoPE, values and gradients; and MLX's operations run where a kernel does not apply."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from mlxchat import kernels
+
+pytestmark = pytest.mark.skipif(kernels._native()[0] is None, reason=f"fused kernels: {kernels._native()[1]}")
+
+
+def close(a: mx.array, b: mx.array, tolerance: float = 2e-6) -> None:
+    scale = max(float(mx.abs(b).max()), 1.0)
+    assert float(mx.abs(a - b).max()) <= tolerance * scale
+
+
+@pytest.mark.parametrize(("length", "keys"), [(1, 1), (1, 300), (5, 40), (33, 33), (64, 200)])
+def test_attention_equals_mlx_causal_and_grouped(length: int, keys: int) -> None:
+    q = mx.random.normal((2, 6, length, 32), key=mx.random.key(1))
+    k = mx.random.normal((2, 3, keys, 32), key=mx.random.key(2))
+    v = mx.random.normal((2, 3, keys, 24), key=mx.random.key(3)) * 3
+    for causal in (True, False):
+        ours = kernels.attention(q, k, v, 0.2, causal)
+        assert ours is not None
+        mask = "causal" if causal and length > 1 else None
+        close(ours, mx.fast.scaled_dot_product_attention(q, k, v, scale=0.2, mask=mask))
+
+
+def test_attention_gradients_equal_mlx() -> None:
+    q, k, v = (mx.random.normal((1, 4, 6, 16), key=mx.random.key(i)) for i in range(3))
+
+    def loss(fn, q, k, v):  # noqa: ANN001, ANN202
+        return (fn(q, k, v) * mx.arange(16)).sum()
+
+    ours = mx.grad(lambda *a: loss(lambda q, k, v: kernels.attention(q, k, v, 0.3, True), *a), argnums=(0, 1, 2))
+    theirs = mx.grad(lambda *a: loss(lambda q, k, v: mx.fast.scaled_dot_product_attention(
+        q, k, v, scale=0.3, mask="causal"), *a), argnums=(0, 1, 2))
+    for a, b in zip(ours(q, k, v), theirs(q, k, v), strict=True):
+        close(a, b, 1e-5)
+
+
+def test_silu_mul_equals_mlx_over_the_whole_range() -> None:
+    gate = mx.concatenate([mx.linspace(-100, 100, 4001), mx.random.normal((999,)) * 5])
+    x = mx.random.normal((5000,))
+    close(kernels.silu_mul(gate, x), nn.silu(gate) * x)
+    grads = mx.grad(lambda g, x: kernels.silu_mul(g, x).sum(), argnums=(0, 1))(gate, x)
+    expected = mx.grad(lambda g, x: (nn.silu(g) * x).sum(), argnums=(0, 1))(gate, x)
+    for a, b in zip(grads, expected, strict=True):
+        close(a, b)
+
+
+def test_rms_norm_equals_mlx_on_strided_input() -> None:
+    x = mx.random.normal((3, 40, 70)).swapaxes(0, 1)  # not row-contiguous
+    w = mx.random.normal((70,))
+    close(kernels.rms_norm(x, w, 1e-6), mx.fast.rms_norm(x, w, 1e-6))
+    ours = mx.grad(lambda x, w: (kernels.rms_norm(x, w, 1e-5) ** 2).sum(), argnums=(0, 1))(x, w)
+    theirs = mx.grad(lambda x, w: (mx.fast.rms_norm(x, w, 1e-5) ** 2).sum(), argnums=(0, 1))(x, w)
+    for a, b in zip(ours, theirs, strict=True):
+        close(a, b, 1e-5)
+
+
+@pytest.mark.parametrize(("dims", "offset"), [(32, 0), (16, 7), (8, 1000)])
+def test_rope_equals_mlx_and_its_gradient_turns_back(dims: int, offset: int) -> None:
+    x = mx.random.normal((2, 3, 9, 32))
+    inv_freq = mx.array([10000.0 ** (-2 * j / dims) for j in range(dims // 2)], dtype=mx.float32)
+    ours = kernels.rope(x, inv_freq, dims, offset)
+    assert ours is not None
+    close(ours, mx.fast.rope(x, dims, traditional=False, base=10000.0, scale=1.0, offset=offset), 2e-5)
+    weights = mx.random.normal((32,))
+    grad = mx.grad(lambda x: (kernels.rope(x, inv_freq, dims, offset) * weights).sum())(x)
+    expected = mx.grad(lambda x: (mx.fast.rope(x, dims, traditional=False, base=10000.0, scale=1.0,
+                                               offset=offset) * weights).sum())(x)
+    close(grad, expected, 2e-5)
+
+
+def test_mlx_runs_where_a_kernel_does_not_apply() -> None:
+    half = mx.random.normal((1, 2, 3, 8)).astype(mx.float16)
+    assert kernels.attention(half, half, half, 0.5, True) is None
+    assert kernels.silu_mul(mx.ones((3,)), mx.ones((2, 3))) is None  # shapes that broadcast: the caller's op
+    w = mx.ones((8,), mx.float16)
+    assert kernels.rms_norm(half, w, 1e-6).dtype == mx.float16
+    assert np.allclose(np.array(kernels.rms_norm(half, w, 1e-6)), np.array(mx.fast.rms_norm(half, w, 1e-6)))
