@@ -12,7 +12,8 @@ primitives.
 
 They are used when the extension was built for the running MLX, the default device is the CPU and the
 arrays are float32; otherwise (a GPU, other dtypes) MLX's own operations run. Gradients go through MLX's
-operations (:func:`mx.custom_function`), so training is unchanged. Results differ from MLX's only in the
+operations (each primitive differentiates the same function written in MLX's ops; RoPE by the opposite
+rotation), so training is unchanged. Results differ from MLX's only in the
 order of float32 additions and in ``exp`` (a polynomial, about 1 ulp). ``MLXCHAT_KERNELS=off`` keeps MLX's.
 """
 
@@ -74,95 +75,35 @@ def kernel_info() -> dict[str, Any]:
     return {"fused_kernels": f"mlxchat native ({module.isa()})" if module is not None else f"MLX's own ({why})"}
 
 
-# -- silu(gate) * x -----------------------------------------------------------------------------------------
-
-
-def _silu_mul_reference(gate: mx.array, x: mx.array) -> mx.array:
-    return nn.silu(gate) * x
-
-
-@mx.custom_function
-def _silu_mul_native(gate: mx.array, x: mx.array) -> mx.array:
-    module = _native()[0]
-    assert module is not None
-    return module.silu_mul(gate, x)  # type: ignore[no-any-return]
-
-
-@_silu_mul_native.vjp
-def _silu_mul_vjp(primals: Any, cotangent: mx.array, output: mx.array) -> Any:
-    return mx.vjp(_silu_mul_reference, list(primals), [cotangent])[1]
+# -- elementwise ------------------------------------------------------------------------------------------
 
 
 def silu_mul(gate: mx.array, x: mx.array) -> mx.array | None:
     """``silu(gate) * x`` in one pass, or ``None`` where the kernel does not apply (the caller's own op runs)."""
-    if gate.shape != x.shape or _applies(gate, x) is None:
+    module = _applies(gate, x)
+    if module is None or gate.shape != x.shape:
         return None
-    return _silu_mul_native(gate, x)  # type: ignore[no-any-return,return-value]
-
-
-# -- exp and silu alone ------------------------------------------------------------------------------------
-
-
-@mx.custom_function
-def _exp_native(x: mx.array) -> mx.array:
-    module = _native()[0]
-    assert module is not None
-    return module.exp(x)  # type: ignore[no-any-return]
-
-
-@_exp_native.vjp
-def _exp_vjp(primal: mx.array, cotangent: mx.array, output: mx.array) -> mx.array:
-    return cotangent * output
-
-
-@mx.custom_function
-def _silu_native(x: mx.array) -> mx.array:
-    module = _native()[0]
-    assert module is not None
-    return module.silu(x)  # type: ignore[no-any-return]
-
-
-@_silu_native.vjp
-def _silu_vjp(primal: mx.array, cotangent: mx.array, output: mx.array) -> mx.array:
-    return mx.vjp(nn.silu, [primal], [cotangent])[1][0]
+    return module.silu_mul(gate, x)  # type: ignore[no-any-return]
 
 
 def exp(x: mx.array) -> mx.array:
     """``mx.exp``, vectorized on a CPU (float32)."""
-    return _exp_native(x) if _applies(x) is not None else mx.exp(x)  # type: ignore[no-any-return, return-value]
+    module = _applies(x)
+    return mx.exp(x) if module is None else module.exp(x)
 
 
 def silu(x: mx.array) -> mx.array:
     """``x * sigmoid(x)``, vectorized on a CPU (float32)."""
-    return _silu_native(x) if _applies(x) is not None else nn.silu(x)  # type: ignore[no-any-return, return-value]
-
-
-# -- RMS norm -----------------------------------------------------------------------------------------------
-
-
-@cache
-def _rms_norm_native(eps: float) -> Any:
-    def reference(x: mx.array, weight: mx.array) -> mx.array:
-        return mx.fast.rms_norm(x, weight, eps)
-
-    @mx.custom_function
-    def forward(x: mx.array, weight: mx.array) -> mx.array:
-        module = _native()[0]
-        assert module is not None
-        return module.rms_norm(x, weight, eps)
-
-    @forward.vjp
-    def backward(primals: Any, cotangent: mx.array, output: mx.array) -> Any:
-        return mx.vjp(reference, list(primals), [cotangent])[1]
-
-    return forward
+    module = _applies(x)
+    return nn.silu(x) if module is None else module.silu(x)
 
 
 def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
     """``weight * x / sqrt(mean(x^2) + eps)`` over the last axis (``mx.fast.rms_norm``)."""
-    if weight.ndim != 1 or _applies(x, weight) is None:
+    module = _applies(x, weight)
+    if module is None or weight.ndim != 1:
         return mx.fast.rms_norm(x, weight, eps)
-    return _rms_norm_native(float(eps))(x, weight)  # type: ignore[no-any-return]
+    return module.rms_norm(x, weight, eps)  # type: ignore[no-any-return]
 
 
 # -- rotary embedding ---------------------------------------------------------------------------------------
@@ -178,30 +119,7 @@ def rope(x: mx.array, inv_freq: mx.array, dims: int, offset: int) -> mx.array | 
     return module.rope(x, inv_freq, dims, offset)  # type: ignore[no-any-return]
 
 
-# -- the softmax of attention -------------------------------------------------------------------------------
-
-
-@cache
-def _softmax_native(queries: int) -> Any:
-    def reference(scores: mx.array) -> mx.array:
-        if queries:
-            keys = scores.shape[-1]
-            visible = mx.arange(keys)[None] <= (mx.arange(queries) + keys - queries)[:, None]
-            rows = scores.reshape(-1, queries, keys)
-            return mx.softmax(mx.where(visible, rows, -mx.inf), axis=-1).reshape(scores.shape)
-        return mx.softmax(scores, axis=-1)
-
-    @mx.custom_function
-    def forward(scores: mx.array) -> mx.array:
-        module = _native()[0]
-        assert module is not None
-        return module.softmax(scores, queries)
-
-    @forward.vjp
-    def backward(primal: mx.array, cotangent: mx.array, output: mx.array) -> mx.array:
-        return mx.vjp(reference, [primal], [cotangent])[1][0]  # one input: the primal comes alone
-
-    return forward
+# -- attention ----------------------------------------------------------------------------------------------
 
 
 def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, causal: bool) -> mx.array | None:
@@ -217,7 +135,9 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
     kv_heads = keys.shape[1]
     if heads % kv_heads:
         return None
+    module = _applies(queries, keys, values)
+    assert module is not None
     grouped = (queries * scale).reshape(batch, kv_heads, heads // kv_heads * length, dims)
     scores = grouped @ keys.swapaxes(-1, -2)  # [B, kv_heads, group * L, T]
-    probs = _softmax_native(length if causal and length > 1 else 0)(scores)
+    probs = module.softmax(scores, length if causal and length > 1 else 0)
     return (probs @ values).reshape(batch, heads, length, values.shape[-1])  # type: ignore[no-any-return]

@@ -59,7 +59,7 @@ class PromptCache:
         self.draft: Any = None
         """The speculative drafter's own state over the same conversation (a draft model's prompt cache, an
         MTP head's cache), kept here so that it travels with the session; made and kept in step by
-        :mod:`mlxchat.speculative`."""
+        :mod:`mlxchat.speculative`. Its ``held()`` counts in :attr:`nbytes`."""
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -208,6 +208,11 @@ class PromptCache:
     def arrays(self) -> list[Any]:
         return cache_arrays(self.layers)
 
+    def held(self) -> list[Any]:
+        """Everything the cache keeps alive, as nested lists of arrays: layer states, snapshots, the drafter's."""
+        draft = self.draft.held() if self.draft is not None else []
+        return [layer.state for layer in self.layers] + list(self._snapshots.values()) + draft
+
     def state_dict(self) -> tuple[Arrays, dict[str, Any]]:
         """Everything that makes this cache what it is, as named arrays and JSON fields: the tokens and
         images it holds, each layer's state, and each snapshot (saved as the state its layer would hold
@@ -283,9 +288,10 @@ class PromptCache:
 
     @property
     def nbytes(self) -> int:
-        """Memory the layer caches and their snapshots hold (an array shared by several counts once)."""
+        """Memory the layer caches, their snapshots and the drafter's state hold (an array shared by several
+        counts once)."""
         seen: dict[int, int] = {}
-        stack: list[Any] = [layer.state for layer in self.layers] + list(self._snapshots.values())
+        stack: list[Any] = self.held()
         while stack:
             item = stack.pop()
             if isinstance(item, mx.array):

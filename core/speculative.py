@@ -245,6 +245,9 @@ class _DraftState:
         self.fed: list[int] = []
         """The committed tokens the last proposal fed before its drafts."""
 
+    def held(self) -> list[Any]:
+        return self.cache.held()
+
 
 class ModelDrafter:
     """A smaller model of the same vocabulary drafts by decoding on its own cache (greedy, or sampling with
@@ -322,6 +325,9 @@ class MtpCache:
         self.queued: list[mx.array] = []
         """Target states ``[1, L, H]`` of the positions after the rows, in order."""
         self.tokens: list[int] = []
+
+    def held(self) -> list[Any]:
+        return [layer.state for layer in self.layers] + self.queued
 
     @property
     def rows(self) -> int:

@@ -137,6 +137,18 @@ def test_the_cache_ends_as_plain_decoding_leaves_it(name: str) -> None:
         speculative.draft.close()
 
 
+def test_the_drafts_state_counts_in_the_cache_memory() -> None:
+    """A server bounds its idle caches by their bytes: the draft's cache and the MTP head's rows count."""
+    for folder, make in ((FIXTURES / "qwen3", lambda m: m.with_draft(m)), (MTP, lambda m: m)):
+        model = load_fixture(folder)
+        cache = model.make_prompt_cache()
+        plain = model.make_prompt_cache()
+        prompt = prompt_of(folder)
+        make(model).generate(prompt, {**GREEDY, "draft_tokens": 2}, cache=cache)
+        model.generate(prompt, GREEDY, cache=plain)
+        assert cache.draft is not None and cache.nbytes > plain.nbytes
+
+
 def test_rejection_sampling_keeps_the_target_distribution() -> None:
     """Drafts drawn from q, kept with probability min(1, p/q), a rejection redrawn from max(0, p - q): the
     token that comes out has distribution p, whatever q is."""

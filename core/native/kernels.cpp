@@ -23,8 +23,10 @@
 #include <nanobind/stl/string.h>
 
 #include "mlx/backend/cpu/encoder.h"
+#include "mlx/fast.h"
 #include "mlx/mlx.h"
 #include "mlx/primitives.h"
+#include "mlx/transforms.h"
 #include "mlx/version.h"
 
 #if defined(__x86_64__)
@@ -311,11 +313,27 @@ mx::Stream cpu_stream() {
   return mx::default_stream(mx::Device::cpu);
 }
 
-mx::array row_contiguous(const mx::array& a) {
-  return a.is_available() && a.flags().row_contiguous ? a : mx::contiguous(a, false, cpu_stream());
+/* Copies any float32 array into contiguous row-major order. */
+void copy_contiguous(const mx::array& a, float* out) {
+  const float* src = a.data<float>();
+  std::vector<int> index(a.ndim(), 0);
+  for (size_t i = 0; i < a.size(); ++i) {
+    int64_t offset = 0;
+    for (size_t d = 0; d < a.ndim(); ++d) offset += int64_t(index[d]) * a.strides()[d];
+    out[i] = src[offset];
+    for (int d = int(a.ndim()) - 1; d >= 0; --d) {
+      if (++index[d] < a.shape(d)) break;
+      index[d] = 0;
+    }
+  }
 }
 
-/* Shared plumbing: a float32 output as shaped as input 0, computed by `run` on the stream's thread. */
+/*
+ * Shared plumbing: a float32 output shaped as input 0, computed by `run(inputs, data, out)` on the stream's
+ * thread, `data` being each input's values in row-major order (copied there only when the input is laid out
+ * otherwise, so that no copy is added to the graph). The gradient is that of `reference`, the same function in
+ * MLX's own operations.
+ */
 class Kernel : public mx::UnaryPrimitive {
  public:
   explicit Kernel(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
@@ -328,7 +346,20 @@ class Kernel : public mx::UnaryPrimitive {
     return {inputs[0].shape()};
   }
 
+  std::vector<mx::array> vjp(const std::vector<mx::array>& primals, const std::vector<mx::array>& cotangents,
+                             const std::vector<int>& argnums, const std::vector<mx::array>&) override {
+    const auto grads = mx::vjp([this](const std::vector<mx::array>& in) { return std::vector<mx::array>{reference(in)}; },
+                               primals, cotangents).second;
+    std::vector<mx::array> out;
+    for (int arg : argnums) out.push_back(grads[arg]);
+    return out;
+  }
+
  protected:
+  virtual mx::array reference(const std::vector<mx::array>&) {
+    throw std::logic_error(std::string(name()) + " has no reference to differentiate");
+  }
+
   template <typename Run>
   void dispatch(const std::vector<mx::array>& inputs, mx::array& out, Run run) {
     out.set_data(mx::allocator::malloc(out.nbytes()));
@@ -338,7 +369,18 @@ class Kernel : public mx::UnaryPrimitive {
     std::vector<mx::array> held;
     for (const auto& a : inputs) held.push_back(mx::array::unsafe_weak_copy(a));
     encoder.dispatch([held = std::move(held), out = mx::array::unsafe_weak_copy(out), run]() mutable {
-      run(held, out);
+      std::vector<std::vector<float>> copies(held.size());
+      std::vector<const float*> data;
+      for (size_t i = 0; i < held.size(); ++i) {
+        if (held[i].flags().row_contiguous) {
+          data.push_back(held[i].data<float>());
+        } else {
+          copies[i].resize(held[i].size());
+          copy_contiguous(held[i], copies[i].data());
+          data.push_back(copies[i].data());
+        }
+      }
+      run(held, data, out.data<float>());
     });
   }
 };
@@ -348,14 +390,13 @@ class Softmax : public Kernel {
   Softmax(mx::Stream stream, int queries) : Kernel(stream), queries_(queries) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    dispatch(inputs, out, [queries = queries_](std::vector<mx::array>& in, mx::array& o) {
+    dispatch(inputs, out, [queries = queries_](const std::vector<mx::array>& in, const std::vector<const float*>& x,
+                                               float* y) {
       const int n = in[0].shape(-1);
       const int64_t rows = int64_t(in[0].size() / std::max(n, 1));
-      const float* x = in[0].data<float>();
-      float* y = o.data<float>();
       for (int64_t r = 0; r < rows; ++r) {
         const int visible = queries > 0 ? std::min(n, n - queries + 1 + int(r % queries)) : n;
-        softmax_row(x + r * n, y + r * n, n, std::max(visible, 0));
+        softmax_row(x[0] + r * n, y + r * n, n, std::max(visible, 0));
       }
     });
   }
@@ -368,6 +409,18 @@ class Softmax : public Kernel {
     return queries_ == static_cast<const Softmax&>(other).queries_;
   }
 
+ protected:
+  mx::array reference(const std::vector<mx::array>& in) override {
+    const auto s = stream();
+    if (queries_ == 0) return mx::softmax(in[0], {-1}, false, s);
+    const int n = in[0].shape(-1);
+    const auto visible = mx::less_equal(mx::reshape(mx::arange(n, s), {1, n}, s),
+                                        mx::reshape(mx::arange(n - queries_, n, s), {queries_, 1}, s), s);
+    const auto rows = mx::reshape(in[0], {-1, queries_, n}, s);
+    const auto masked = mx::where(visible, rows, mx::array(-INFINITY), s);
+    return mx::reshape(mx::softmax(masked, {-1}, false, s), in[0].shape(), s);
+  }
+
  private:
   int queries_;
 };
@@ -377,8 +430,8 @@ class SiluMul : public Kernel {
   using Kernel::Kernel;
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    dispatch(inputs, out, [](std::vector<mx::array>& in, mx::array& o) {
-      silu_mul_all(in[0].data<float>(), in[1].data<float>(), o.data<float>(), int64_t(o.size()));
+    dispatch(inputs, out, [](const std::vector<mx::array>& in, const std::vector<const float*>& x, float* y) {
+      silu_mul_all(x[0], x[1], y, int64_t(in[0].size()));
     });
   }
 
@@ -389,6 +442,12 @@ class SiluMul : public Kernel {
   bool is_equivalent(const mx::Primitive&) const override {
     return true;
   }
+
+ protected:
+  mx::array reference(const std::vector<mx::array>& in) override {
+    const auto s = stream();
+    return mx::multiply(mx::multiply(in[0], mx::sigmoid(in[0], s), s), in[1], s);
+  }
 };
 
 class UnaryKernel : public Kernel {
@@ -396,13 +455,11 @@ class UnaryKernel : public Kernel {
   UnaryKernel(mx::Stream stream, Unary op) : Kernel(stream), op_(op) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    dispatch(inputs, out, [op = op_](std::vector<mx::array>& in, mx::array& o) {
-      const float* x = in[0].data<float>();
-      float* y = o.data<float>();
+    dispatch(inputs, out, [op = op_](const std::vector<mx::array>& in, const std::vector<const float*>& x, float* y) {
       if (op == Unary::exp)
-        unary_all<Unary::exp>(x, y, int64_t(o.size()));
+        unary_all<Unary::exp>(x[0], y, int64_t(in[0].size()));
       else
-        unary_all<Unary::silu>(x, y, int64_t(o.size()));
+        unary_all<Unary::silu>(x[0], y, int64_t(in[0].size()));
     });
   }
 
@@ -414,6 +471,12 @@ class UnaryKernel : public Kernel {
     return op_ == static_cast<const UnaryKernel&>(other).op_;
   }
 
+ protected:
+  mx::array reference(const std::vector<mx::array>& in) override {
+    const auto s = stream();
+    return op_ == Unary::exp ? mx::exp(in[0], s) : mx::multiply(in[0], mx::sigmoid(in[0], s), s);
+  }
+
  private:
   Unary op_;
 };
@@ -423,12 +486,10 @@ class RmsNorm : public Kernel {
   RmsNorm(mx::Stream stream, float eps) : Kernel(stream), eps_(eps) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    dispatch(inputs, out, [eps = eps_](std::vector<mx::array>& in, mx::array& o) {
+    dispatch(inputs, out, [eps = eps_](const std::vector<mx::array>& in, const std::vector<const float*>& x, float* y) {
       const int d = in[0].shape(-1);
       const int64_t rows = int64_t(in[0].size() / std::max(d, 1));
-      const float *x = in[0].data<float>(), *w = in[1].data<float>();
-      float* y = o.data<float>();
-      for (int64_t r = 0; r < rows; ++r) rms_norm_row(x + r * d, w, y + r * d, d, eps);
+      for (int64_t r = 0; r < rows; ++r) rms_norm_row(x[0] + r * d, x[1], y + r * d, d, eps);
     });
   }
 
@@ -440,6 +501,11 @@ class RmsNorm : public Kernel {
     return eps_ == static_cast<const RmsNorm&>(other).eps_;
   }
 
+ protected:
+  mx::array reference(const std::vector<mx::array>& in) override {
+    return mx::fast::rms_norm(in[0], in[1], eps_, stream());
+  }
+
  private:
   float eps_;
 };
@@ -449,10 +515,11 @@ class Rope : public Kernel {
   Rope(mx::Stream stream, int dims, int offset) : Kernel(stream), dims_(dims), offset_(offset) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    dispatch(inputs, out, [dims = dims_, offset = offset_](std::vector<mx::array>& in, mx::array& o) {
+    dispatch(inputs, out, [dims = dims_, offset = offset_](const std::vector<mx::array>& in,
+                                                           const std::vector<const float*>& x, float* y) {
       const int d = in[0].shape(-1), length = in[0].shape(-2), half = dims / 2;
       const int64_t rows = int64_t(in[0].size() / std::max(d, 1));
-      const float *x = in[0].data<float>(), *inv_freq = in[1].data<float>();
+      const float* inv_freq = x[1];
       // angles as transformers computes them: float32 position times float32 inverse frequency
       std::vector<float> cos((size_t)length * half), sin((size_t)length * half);
       for (int l = 0; l < length; ++l)
@@ -461,10 +528,9 @@ class Rope : public Kernel {
           cos[(size_t)l * half + j] = std::cos(angle);
           sin[(size_t)l * half + j] = std::sin(angle);
         }
-      float* y = o.data<float>();
       for (int64_t r = 0; r < rows; ++r) {
         const size_t at = (size_t)(r % length) * half;
-        rope_row(x + r * d, y + r * d, d, half, cos.data() + at, sin.data() + at);
+        rope_row(x[0] + r * d, y + r * d, d, half, cos.data() + at, sin.data() + at);
       }
     });
   }
@@ -475,9 +541,8 @@ class Rope : public Kernel {
     std::vector<mx::array> grads;
     for (int arg : argnums) {
       if (arg != 0) throw std::invalid_argument("mlxchat rope: only x has a gradient");
-      grads.push_back(mx::array(cotangents[0].shape(), mx::float32,
-                                std::make_shared<Rope>(stream(), dims_, offset_),
-                                {row_contiguous(cotangents[0]), mx::negative(primals[1], stream())}));
+      grads.push_back(mx::array(cotangents[0].shape(), mx::float32, std::make_shared<Rope>(stream(), dims_, offset_),
+                                {cotangents[0], mx::negative(primals[1], stream())}));
     }
     return grads;
   }
@@ -543,26 +608,26 @@ void check_float32(const mx::array& a, const char* what) {
 mx::array softmax(const mx::array& x, int queries) {
   check_float32(x, "scores");
   if (queries < 0) throw std::invalid_argument("queries must be 0 or more");
-  return mx::array(x.shape(), mx::float32, std::make_shared<Softmax>(cpu_stream(), queries), {row_contiguous(x)});
+  return mx::array(x.shape(), mx::float32, std::make_shared<Softmax>(cpu_stream(), queries), {x});
 }
 
 mx::array silu_mul(const mx::array& g, const mx::array& u) {
   check_float32(g, "gate");
   check_float32(u, "x");
   if (g.shape() != u.shape()) throw std::invalid_argument("gate and x must have the same shape");
-  return mx::array(g.shape(), mx::float32, std::make_shared<SiluMul>(cpu_stream()), {row_contiguous(g), row_contiguous(u)});
+  return mx::array(g.shape(), mx::float32, std::make_shared<SiluMul>(cpu_stream()), {g, u});
 }
 
 mx::array unary(const mx::array& x, Unary op) {
   check_float32(x, "x");
-  return mx::array(x.shape(), mx::float32, std::make_shared<UnaryKernel>(cpu_stream(), op), {row_contiguous(x)});
+  return mx::array(x.shape(), mx::float32, std::make_shared<UnaryKernel>(cpu_stream(), op), {x});
 }
 
 mx::array rms_norm(const mx::array& x, const mx::array& w, float eps) {
   check_float32(x, "x");
   check_float32(w, "weight");
   if (w.ndim() != 1 || w.shape(0) != x.shape(-1)) throw std::invalid_argument("weight must be [x.shape[-1]]");
-  return mx::array(x.shape(), mx::float32, std::make_shared<RmsNorm>(cpu_stream(), eps), {row_contiguous(x), row_contiguous(w)});
+  return mx::array(x.shape(), mx::float32, std::make_shared<RmsNorm>(cpu_stream(), eps), {x, w});
 }
 
 /* Rotate-half RoPE of x [..., L, D] at positions offset .. offset + L - 1 over its first `dims` features,
@@ -575,7 +640,7 @@ mx::array rope(const mx::array& x, const mx::array& inv_freq, int dims, int offs
   if (inv_freq.ndim() != 1 || inv_freq.shape(0) != dims / 2) throw std::invalid_argument("inv_freq must be [dims / 2]");
   if (offset < 0) throw std::invalid_argument("offset must not be negative");
   return mx::array(x.shape(), mx::float32, std::make_shared<Rope>(cpu_stream(), dims, offset),
-                   {row_contiguous(x), row_contiguous(inv_freq)});
+                   {x, inv_freq});
 }
 
 }  // namespace
