@@ -315,14 +315,7 @@ async def handle(state: ServerState, request: Any) -> Any:
         await turn.finish(remembered(conversation, blocks.blocks))
         return JSONResponse(message(turn.result))
 
-    try:
-        async with watching(request, turn.cancel):
-            first = await turn.next()
-    except BaseException as exc:
-        await turn.finish()
-        if isinstance(exc, MlxchatError):
-            raise request_error(exc) from None
-        raise
+    first = await turn.first(request)
 
     async def events() -> AsyncIterator[str]:
         def sse(event: dict[str, Any]) -> str:

@@ -205,14 +205,7 @@ async def handle(state: ServerState, request: Any) -> Any:
         finally:
             await turn.finish(messages + [message_of(turn.result)] if turn.result else None)
         return JSONResponse(completion.response(results))
-    try:
-        async with watching(request, turn.cancel):
-            first = await turn.next()
-    except BaseException as exc:
-        await turn.finish()
-        if isinstance(exc, MlxchatError):
-            raise request_error(exc) from None
-        raise
+    first = await turn.first(request)
 
     async def lines() -> AsyncIterator[str]:
         try:

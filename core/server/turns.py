@@ -22,7 +22,7 @@ from ..model import GenerativeModel
 from ..prompt_cache import PromptCache
 from ..reply import TextDelta, ThinkingDelta, ToolCallEvent
 from ..session import ChatResult, ChatSession, ChatStream, ContextPolicy, Done, StreamEvent
-from .errors import ApiError
+from .errors import ApiError, request_error
 
 if TYPE_CHECKING:
     from .state import ServerState
@@ -211,6 +211,18 @@ class Turn:
 
         return [{**entry(token, logprob), "top_logprobs": [entry(t, lp) for t, lp in best]}
                 for token, (logprob, best) in zip(raw.tokens, scored, strict=True)]
+
+    async def first(self, request: Any) -> StreamEvent | None:
+        """The first event of a streamed reply, the client watched while it comes (a client that leaves
+        cancels the turn); a failure ends the turn and is raised, a model's error as the request's."""
+        try:
+            async with watching(request, self.cancel):
+                return await self.next()
+        except BaseException as exc:
+            await self.finish()
+            if isinstance(exc, MlxchatError):
+                raise request_error(exc) from None
+            raise
 
     async def finish(self, messages: Messages | None = None) -> None:
         """End the turn (stopping the model if it still runs) and give the cache back, remembering
