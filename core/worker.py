@@ -5,7 +5,9 @@ Plain jobs (:meth:`Worker.run`, :meth:`Worker.submit`) run one at a time in subm
 to the job's reader at most one item ahead of it, so a slow reader holds up only its own job. A job may
 yield a :class:`Together` item instead (a decode step): the worker waits until every runnable job has
 done so or cannot go on, then runs the waiting items of a kind together (one forward pass over the
-sequences of several jobs) and resumes their jobs. Blocking callers wait on a future; streaming readers
+sequences of several jobs) and resumes their jobs. A worker made with ``side_by_side=False`` (a model
+split over processes, whose every step is a collective) and any worker while :mod:`mlxchat.profiling` is
+on run one job at a time instead. Blocking callers wait on a future; streaming readers
 read a queue the job fills; asyncio readers await without blocking the event loop. A reader that stops
 reading sets the job's cancel flag; the job (which checks it between items) winds up at its next item.
 """
