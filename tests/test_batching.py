@@ -1,7 +1,7 @@
 """Sequences decode together: concurrent generations, several sessions driven from threads, server requests
 and ``generate_batch`` share each decode step (one pass over the weights), and every sequence gets exactly
-what it gets alone, whoever leaves early; a failed step fails only the generations in it. (That one batched step equals each row alone, on every architecture, is in the conformance
-kit: ``batched_decoding_problems``.)"""
+what it gets alone, whoever leaves early; a failed step fails only the generations in it. (That one batched
+step equals each row alone, on every architecture, is in the conformance kit: ``batched_decoding_problems``.)"""
 
 from __future__ import annotations
 
