@@ -5,7 +5,8 @@ engine starts from a clean process (its own BLAS, allocator and caches) and engi
 The result is printed as one JSON line after ``RESULT_MARK``.
 
 Jobs: ``info`` (what mlxchat runs on here), ``limits`` (bandwidth and GEMM), ``speed`` (prefill at
-several prompt lengths, decode, peak memory) and ``sessions`` (see :mod:`benchmarks.sessions`).
+several prompt lengths, decode, peak memory), ``sessions`` (see :mod:`benchmarks.sessions`) and ``vision``
+(a prompt with a picture, see :mod:`benchmarks.vision`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import json
 import random
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -111,7 +113,21 @@ def sessions(job: dict[str, Any]) -> dict[str, Any]:
     return {**engine.describe(), "rows": rows, "peak_rss_bytes": peak_rss_bytes()}
 
 
-JOBS = {"info": info, "limits": limits, "speed": speed, "sessions": sessions}
+def vision(job: dict[str, Any]) -> dict[str, Any]:
+    from .engines import peak_rss_bytes
+    from .vision import measure, open_images, picture
+
+    with tempfile.TemporaryDirectory() as scratch:
+        image = picture(Path(scratch) / "picture.png")
+        start = time.perf_counter()
+        images = open_images(job["engine"], Path(job["folder"]), image, blas_path=job.get("blas_path"),
+                             dtype=job["dtype"])
+        load_s = time.perf_counter() - start
+        result = measure(images, job["decode"])
+    return {**images.engine.describe(), "load_s": load_s, **result, "peak_rss_bytes": peak_rss_bytes()}
+
+
+JOBS = {"info": info, "limits": limits, "speed": speed, "sessions": sessions, "vision": vision}
 
 
 def main() -> None:
