@@ -2,9 +2,9 @@
 
 The driver never imports MLX: every measurement runs in a fresh process (benchmarks/worker.py). Order of
 work: what mlxchat runs on here, the machine's limits, missing checkpoints (built once), the first
-model's rows and its session scenario (always), the other models' rows, further session scenarios, then
-more repetitions. Everything after the first model starts only while the time budget allows; what the
-budget leaves out is listed under the table.
+model's rows and its session scenario (always), the other models' rows, further session scenarios, the
+image rows when asked for (``--vision``, always), then more repetitions. Everything after the first model
+starts only while the time budget allows; what the budget leaves out is listed under the table.
 """
 
 from __future__ import annotations
@@ -22,10 +22,11 @@ from pathlib import Path
 from typing import Any
 
 from . import host, report, summary
-from .checkpoints import DEFAULT_DIR, HERE, MARKER, MODELS, folder_of, is_built
-from .engines import ENGINES, QUANTIZED_BITS, SPLIT
+from .checkpoints import ALL_MODELS, DEFAULT_DIR, HERE, MARKER, MODELS, VISION_MODELS, folder_of, is_built
+from .engines import ENGINES, QUANTIZED_BITS, SPLIT, VISION_ENGINES
 from .limits import token_work
 from .sessions import document_words
+from .vision import SIDE
 from .worker import RESULT_MARK
 
 RESULTS = HERE / "results"
@@ -41,9 +42,14 @@ def parse(argv: list[str]) -> argparse.Namespace:
     add = parser.add_argument
     add(
         "--models",
-        help=f"comma-separated checkpoints (default: every one an mlxchat plugin serves, of {', '.join(MODELS)})",
+        help=f"comma-separated checkpoints (default: every one an mlxchat plugin serves, of {', '.join(MODELS)}; "
+        "'none': no text rows)",
     )
-    add("--engines", help=f"comma-separated engines (default: those available of {', '.join(ENGINES)})")
+    add(
+        "--engines",
+        help=f"comma-separated engines (default: those available of {', '.join(ENGINES)}; image rows: "
+        f"{', '.join(VISION_ENGINES)})",
+    )
     add("--reps", type=int, default=3, help="repetitions per row, at most (default 3)")
     add(
         "--budget",
@@ -74,9 +80,18 @@ def parse(argv: list[str]) -> argparse.Namespace:
     add("--follow-ups", type=int, default=2, help="questions after the long message (default 2)")
     add("--reply-tokens", type=int, default=8, help="tokens per reply in the session scenarios (default 8)")
     add(
+        "--vision",
+        nargs="?",
+        const="all",
+        metavar="KEYS",
+        help=f"image rows: a {SIDE}x{SIDE} picture and a question, vision tower, prefill and decode, beside "
+        f"mlx-vlm, on these checkpoints with their vision towers (default: all of {', '.join(VISION_MODELS)})",
+    )
+    add(
         "--full",
         action="store_true",
-        help="everything: no budget, the 4k-token history, hybrid sessions, mlx-lm (defaults) on every model",
+        help="everything: no budget, the 4k-token history, hybrid sessions, mlx-lm (defaults) on every model, "
+        "the image rows",
     )
     add(
         "--quick",
@@ -109,6 +124,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
         args.budget = 0
         args.defaults_on = args.defaults_on or "all"
         args.history_tokens = 4096 if args.history_tokens is None else args.history_tokens
+        args.vision = args.vision or "all"
     if args.quick:
         args.reps, args.prefill, args.decode, args.budget = 1, "128", 16, 0
         args.chat_turns, args.history_tokens = 3, 0
@@ -152,7 +168,7 @@ def _children_cpu() -> float:
 
 @dataclass(frozen=True)
 class Task:
-    kind: str  # "speed", "sessions" or "batching"
+    kind: str  # "speed", "sessions", "batching" or "vision"
     key: str
     engine: str
     rep: int = 0
@@ -197,18 +213,33 @@ class Run:
         self.log(f"limits of this machine ({device})")
         self.limits = self.job({"job": "limits", "device": device})
         self.models = self.select_models()
+        self.vision_models = self.select_vision_models()
+        if not self.models and not self.vision_models:
+            raise SystemExit("no model to measure:\n" + "\n".join(self.not_measured))
         self.engines = self.select_engines()
+        self.vision_engines = self.select_vision_engines()
         self.folders: dict[str, Path] = {}
         self.works: dict[str, dict[str, Any]] = {}
 
     def select_models(self) -> list[str]:
         """The requested models that an mlxchat plugin serves and that fit in memory at mlxchat's dtype."""
+        if self.args.models == "none":
+            return []
         keys = self.args.models.split(",") if self.args.models else list(MODELS)
+        return self.servable(keys, MODELS)
+
+    def select_vision_models(self) -> list[str]:
+        if not self.args.vision:
+            return []
+        keys = list(VISION_MODELS) if self.args.vision == "all" else self.args.vision.split(",")
+        return self.servable(keys, VISION_MODELS)
+
+    def servable(self, keys: list[str], known: dict[str, Any]) -> list[str]:
         chosen = []
         for key in keys:
-            if key not in MODELS:
-                raise SystemExit(f"unknown model {key!r}; known: {', '.join(MODELS)}")
-            spec = MODELS[key]
+            if key not in known:
+                raise SystemExit(f"unknown model {key!r}; known: {', '.join(known)}")
+            spec = known[key]
             reason: str | None
             if spec.model_type not in self.info["model_types"]:
                 reason = f"plugin not available (no mlxchat plugin serves model_type {spec.model_type!r} yet)"
@@ -220,23 +251,34 @@ class Run:
                 self.log(f"{spec.title}: skipped, {reason}")
             else:
                 chosen.append(key)
-        if not chosen:
-            raise SystemExit("no model to measure:\n" + "\n".join(self.not_measured))
         return chosen
 
     def select_engines(self) -> list[str]:
+        """The text rows' engines (none without text rows)."""
         wanted = self.args.engines.split(",") if self.args.engines else list(ENGINES)
         if self.args.distributed:
             wanted += [f"mlxchat-{mode}" for mode in self.args.distributed.split(",")]
-        unknown = [name for name in wanted if name not in (*ENGINES, *SPLIT)]
+        known = list(dict.fromkeys((*ENGINES, *SPLIT, *VISION_ENGINES)))
+        unknown = [name for name in wanted if name not in known]
         if unknown:
-            raise SystemExit(f"unknown engine(s) {', '.join(unknown)}; known: {', '.join(ENGINES)}")
+            raise SystemExit(f"unknown engine(s) {', '.join(unknown)}; known: {', '.join(known)}")
+        wanted = [name for name in wanted if name in ENGINES and self.models]
         if self.info["llama_cpp"] and any(name.startswith("llama.cpp") for name in wanted):
             self.not_measured.append(f"llama.cpp rows: {self.info['llama_cpp']}")
             wanted = [name for name in wanted if not name.startswith("llama.cpp")]
         if importlib.util.find_spec("mlx_lm") is None and any(name in QUANTIZED_BITS for name in wanted):
             self.not_measured.append("mlxchat 8-bit / 4-bit rows: mlx-lm (its converter makes them) is not installed")
             wanted = [name for name in wanted if name not in QUANTIZED_BITS]
+        return wanted
+
+    def select_vision_engines(self) -> list[str]:
+        if not self.vision_models:
+            return []
+        given = self.args.engines.split(",") if self.args.engines else VISION_ENGINES
+        wanted = [name for name in VISION_ENGINES if name in given]
+        if "mlx-vlm" in wanted and importlib.util.find_spec("mlx_vlm") is None:
+            self.not_measured.append("mlx-vlm image rows: mlx-vlm is not installed (pip install mlx-vlm)")
+            wanted.remove("mlx-vlm")
         return wanted
 
     def checkpoint(self, key: str) -> Path:
@@ -255,6 +297,9 @@ class Run:
                 str(self.args.checkpoints),
             ]
             subprocess.run(command, cwd=HERE.parent, check=True)
+        self.folders[key] = folder
+        if key not in MODELS:  # a vision checkpoint: the image rows need nothing derived from it
+            return folder
         for kind in (e.split("-")[-1] for e in self.engines if e.startswith("llama.cpp")):
             self.log(f"converting {key} to GGUF {kind}")
             subprocess.run([sys.executable, "-m", "benchmarks.gguf", str(folder), kind], cwd=HERE.parent, check=False)
@@ -262,7 +307,7 @@ class Run:
             self.log(f"quantizing {key} to {bits} bits with mlx-lm's converter")
             command = [sys.executable, "-m", "benchmarks.mlx_quantized", str(folder), str(bits)]
             subprocess.run(command, cwd=HERE.parent, check=False, stdout=subprocess.DEVNULL)
-        self.folders[key], self.works[key] = folder, token_work(folder)
+        self.works[key] = token_work(folder)
         return folder
 
     def engines_for(self, key: str) -> list[str]:
@@ -285,8 +330,8 @@ class Run:
         return [k for k in self.args.batching.split(",") if k in self.models] if self.args.batching else self.models[:1]
 
     def plan(self) -> list[Task]:
-        """The first model's rows and scenario, then the other models, then more repetitions; engines
-        alternate their order from one model (and repetition) to the next."""
+        """The first model's rows and scenario, then the other models, then the image rows, then more
+        repetitions; engines alternate their order from one model (and repetition) to the next."""
         sessions, batching = self.session_models(), self.batching_models()
         tasks: list[Task] = []
         for index, key in enumerate(self.models):
@@ -297,10 +342,16 @@ class Run:
                 tasks += [Task("sessions", key, e, 0, first) for e in ("mlxchat", "mlx-lm")]
             if key in batching:
                 tasks.append(Task("batching", key, "mlxchat", 0, first))
+        engines = self.vision_engines
+        for index, key in enumerate(self.vision_models):  # asked for by name: run whatever the budget says
+            tasks += [Task("vision", key, e, 0, True) for e in (engines if index % 2 == 0 else engines[::-1])]
         for rep in range(1, self.args.reps):
             for index, key in enumerate(self.models):
                 engines = [e for e in self.engines_for(key) if e not in SHORT]
                 tasks += [Task("speed", key, e, rep) for e in (engines if (index + rep) % 2 == 0 else engines[::-1])]
+            for index, key in enumerate(self.vision_models):
+                engines = self.vision_engines if (index + rep) % 2 == 0 else self.vision_engines[::-1]
+                tasks += [Task("vision", key, e, rep) for e in engines]
         return tasks
 
     # -- measuring --------------------------------------------------------------------------------
@@ -315,22 +366,23 @@ class Run:
     def execute(self, tasks: list[Task]) -> None:
         budget = self.args.budget * 60
         for task in tasks:
-            label = f"{MODELS[task.key].title} {task.engine} {task.kind} run {task.rep + 1}"
+            label = f"{ALL_MODELS[task.key].title} {task.engine} {task.kind} run {task.rep + 1}"
             if budget and not task.always and self.elapsed() + self.estimate(task) > budget:
                 self.not_measured.append(
                     f"{label}: left out, the {self.args.budget:g}-minute budget was spent (--budget 0 runs everything)"
                 )
                 continue
             dtype = ROW_DTYPES.get(task.engine, self.compute_dtype)
-            spec = MODELS[task.key]
+            spec = ALL_MODELS[task.key]
             short = host.memory_shortfall(task.engine, spec.params, spec.lookup_params, dtype)
             if short:
                 note = f"{spec.title} {task.engine}: does not fit in memory now, {short}"
                 self.not_measured += [note] if note not in self.not_measured else []
                 continue
             self.log(label)
-            make = {"speed": self.speed_job, "sessions": self.sessions_job, "batching": self.batching_job}[task.kind]
-            job = make(task)
+            jobs = {"speed": self.speed_job, "sessions": self.sessions_job, "batching": self.batching_job,
+                    "vision": self.vision_job}
+            job = jobs[task.kind](task)
             self.raw.setdefault((task.kind, task.key, task.engine), []).append(self.job(job))
 
     def estimate(self, task: Task) -> float:
@@ -339,9 +391,9 @@ class Run:
         done = self.raw.get((task.kind, task.key, task.engine))
         if done:
             return done[-1]["duration_s"]
-        first = self.raw.get((task.kind, self.models[0], task.engine))
+        first = self.raw.get((task.kind, self.models[0], task.engine)) if self.models else None
         if first:
-            return first[-1]["duration_s"] * MODELS[task.key].params / MODELS[self.models[0]].params
+            return first[-1]["duration_s"] * ALL_MODELS[task.key].params / MODELS[self.models[0]].params
         return 0.0
 
     def speed_job(self, task: Task) -> dict[str, Any]:
@@ -384,11 +436,21 @@ class Run:
             "reply_tokens": args.reply_tokens,
         }
 
+    def vision_job(self, task: Task) -> dict[str, Any]:
+        return {
+            "job": "vision",
+            "engine": task.engine,
+            "folder": str(self.checkpoint(task.key)),
+            "blas_path": self.info["blas_path"],
+            "dtype": self.info["compute_dtype"],
+            "decode": self.args.decode,
+        }
+
     # -- results ----------------------------------------------------------------------------------
 
     def collect(self) -> dict[str, Any]:
         models = {}
-        for key in self.folders:
+        for key in (k for k in self.models if k in self.folders):
             rows = {
                 e: summary.speed_row(self.raw[("speed", key, e)], self.works[key], self.limits)
                 for e in self.engines_for(key)
@@ -406,8 +468,18 @@ class Run:
                 "sessions": summary.session_rows(sessions) if sessions else None,
                 "batching": (self.raw.get(("batching", key, "mlxchat")) or [None])[0],
             }
+        vision = {}
+        for key in (k for k in self.vision_models if k in self.folders):
+            rows = {e: summary.vision_row(self.raw[("vision", key, e)]) for e in self.vision_engines
+                    if ("vision", key, e) in self.raw}
+            vision[key] = {
+                "title": VISION_MODELS[key].title,
+                "checkpoint": json.loads((self.folders[key] / MARKER).read_text()),
+                "engines": rows,
+                "ratios": summary.vision_ratios(rows),
+            }
         notes: dict[str, str] = {}
-        for model in models.values():
+        for model in [*models.values(), *vision.values()]:
             for engine, row in model["engines"].items():
                 if "blas" in row:
                     notes.setdefault(engine, f"{row['dtype']} weights, {row['blas']}")
@@ -445,11 +517,13 @@ class Run:
                     "history_tokens",
                     "follow_ups",
                     "reply_tokens",
+                    "vision",
                 )
             },
             "not_measured": self.not_measured,
             "models": models,
             "speculative": self.speculative_results,
+            "vision": vision,
             "duration_s": self.elapsed(),
         }
 

@@ -6,7 +6,8 @@ imported; "mlx-lm" preloads the same OpenBLAS itself before importing MLX (its b
 computes in the dtype mlxchat uses; "mlx-lm-default" is mlx-lm as installed: the stored bfloat16 on
 MLX's bundled reference BLAS. "mlxchat-8bit" / "mlxchat-4bit" run MLX-quantized copies of the checkpoint
 (:mod:`benchmarks.mlx_quantized`). llama.cpp (llama-cpp-python, optional) runs GGUF conversions of the same
-checkpoint at F32, F16, Q8_0 and Q4_0 (:mod:`benchmarks.gguf`).
+checkpoint at F32, F16, Q8_0 and Q4_0 (:mod:`benchmarks.gguf`). The image rows (:mod:`benchmarks.vision`)
+hold mlxchat against "mlx-vlm", loaded like "mlx-lm": mlxchat's dtype, the same OpenBLAS preloaded.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import os
 import resource
+import sys
 import time
 from collections.abc import Iterator
 from importlib.metadata import version
@@ -36,7 +38,10 @@ LABELS = {
     "llama.cpp-f16": "llama.cpp F16",
     "llama.cpp-q8_0": "llama.cpp Q8_0",
     "llama.cpp-q4_0": "llama.cpp Q4_0",
+    "mlx-vlm": "mlx-vlm (same dtype, OpenBLAS)",
 }
+VISION_ENGINES = ("mlxchat", "mlx-vlm")
+"""The engines of the image rows."""
 QUANTIZED_BITS = {"mlxchat-8bit": 8, "mlxchat-4bit": 4}
 COMPARISONS = {
     "mlxchat": ("mlx-lm", "mlx-lm-default", "llama.cpp-f32", "llama.cpp-f16", "llama.cpp-q8_0", "llama.cpp-q4_0"),
@@ -159,21 +164,12 @@ class MlxLm(MlxEngine):
 
     def __init__(self, folder: Path, *, blas_path: str | None, dtype: str | None, name: str):
         self.name = name
-        self.blas = "MLX's bundled BLAS"
-        if blas_path:
-            # Must happen before mlx.core is imported: MLX binds cblas_* to the first definition it finds.
-            ctypes.CDLL(blas_path, mode=ctypes.RTLD_GLOBAL)
-            self.blas = f"OpenBLAS preloaded ({blas_path})"
-        import mlx.core as mx
+        self.blas = _preload_blas(blas_path)
         from mlx_lm import load
 
         loaded = load(str(folder), lazy=dtype is not None)
         self.model, self.tokenizer = loaded[0], loaded[1]
-        if dtype is not None:
-            self.model.set_dtype(getattr(mx, dtype))
-        mx.eval(self.model.parameters())
-        floats = [p.dtype for _, p in _leaves(self.model.parameters()) if mx.issubdtype(p.dtype, mx.floating)]
-        self.dtype = _mlx_dtype_name(max(set(floats), key=floats.count))
+        self.dtype = _materialize(self.model, dtype)
 
     def stream(self, ids: list[int], max_tokens: int) -> Iterator[int]:
         from mlx_lm import stream_generate
@@ -183,6 +179,44 @@ class MlxLm(MlxEngine):
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "mlx_lm": version("mlx-lm")}
+
+
+class MlxVlm(MlxEngine):
+    """mlx-vlm's own load of a vision-language checkpoint, computing in ``dtype`` (the image rows drive it
+    through :mod:`benchmarks.vision`)."""
+
+    def __init__(self, folder: Path, *, blas_path: str | None, dtype: str | None):
+        self.name = "mlx-vlm"
+        self.blas = _preload_blas(blas_path)
+        from mlx_vlm import load
+
+        self.model, self.processor = load(str(folder), lazy=True)
+        self.dtype = _materialize(self.model, dtype)
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "mlx_vlm": version("mlx-vlm")}
+
+
+def _preload_blas(blas_path: str | None) -> str:
+    """Loads ``blas_path`` for MLX to bind to; says which BLAS MLX will call."""
+    if not blas_path:
+        return "MLX's bundled BLAS"
+    # Must happen before mlx.core is imported: MLX binds cblas_* to the first definition it finds.
+    if "mlx.core" in sys.modules:
+        raise RuntimeError(f"mlx.core was imported before {blas_path} was preloaded: MLX would not use it")
+    ctypes.CDLL(blas_path, mode=ctypes.RTLD_GLOBAL)
+    return f"OpenBLAS preloaded ({blas_path})"
+
+
+def _materialize(model: Any, dtype: str | None) -> str:
+    """Casts a lazily loaded model to ``dtype`` (None: as stored), evaluates it; its weights' dtype."""
+    import mlx.core as mx
+
+    if dtype is not None:
+        model.set_dtype(getattr(mx, dtype))
+    mx.eval(model.parameters())
+    floats = [p.dtype for _, p in _leaves(model.parameters()) if mx.issubdtype(p.dtype, mx.floating)]
+    return _mlx_dtype_name(max(set(floats), key=floats.count))
 
 
 def _leaves(tree: Any) -> list[tuple[str, Any]]:

@@ -167,6 +167,66 @@ def sessions_table(model: dict[str, Any]) -> list[str]:
     return lines + [_row(cells + [""]), ""]
 
 
+def vision_table(model: dict[str, Any], decode: int) -> list[str]:
+    """One vision-language checkpoint: the picture's tower time, the whole prompt's prefill, decode."""
+    rows = model["engines"]
+    sizes = {row["image"] for row in rows.values() if "image" in row}
+    lines = [f"### Image: {model['title']}" + (f", a {sizes.pop()} picture" if len(sizes) == 1 else ""), ""]
+    if not rows:
+        return lines + ["No row measured (see the list below the tables).", ""]
+    head = [
+        "engine",
+        "dtype",
+        "prompt tokens (image)",
+        "vision encode (s)",
+        "TTFT (s)",
+        "prefill tok/s",
+        f"decode tok/s ({decode})",
+        "greedy tokens = mlxchat's",
+        "MLX peak GB",
+        "RSS peak GB",
+        "runs",
+    ]
+    lines += [_row(head), "|" + "---|" * len(head)]
+    ratios = model["ratios"]
+    for name, row in rows.items():
+        if "failed" in row:
+            lines.append(_row([LABELS[name], f"failed: {row['failed']}"] + [""] * (len(head) - 2)))
+            continue
+        decode_cell = _num(row["decode_tps"])
+        if row["decode_tokens"] != decode:
+            decode_cell += f" ({row['decode_tokens']} tok)"
+        same = "—"
+        if name != "mlxchat" and ratios:
+            same = f"{ratios['same_tokens']} of {ratios['of_tokens']}"
+        cells = [
+            LABELS[name],
+            row["dtype"],
+            f"{row['prompt_tokens']} ({row['image_tokens']})",
+            _num(row["encode_s"]),
+            _num(row["ttft_s"]),
+            _num(row["prefill_tps"]),
+            decode_cell,
+            same,
+            _gb(row["peak_gb"]),
+            _gb(row["rss_gb"]),
+            str(row["reps"]),
+        ]
+        lines.append(_row(cells))
+    if ratios:
+        cells = [
+            f"**{LABELS['mlxchat']} ÷ {LABELS['mlx-vlm']}**",
+            "",
+            "",
+            _ratio(ratios["encode_speedup"]),
+            _ratio(ratios["ttft_speedup"]),
+            _ratio(ratios["prefill"]),
+            _ratio(ratios["decode"]),
+        ]
+        lines.append(_row(cells + [""] * (len(head) - len(cells))))
+    return lines + [""]
+
+
 def markdown(results: dict[str, Any]) -> str:
     settings = results["settings"]
     lines = header(results) + [""]
@@ -176,6 +236,17 @@ def markdown(results: dict[str, Any]) -> str:
     lines += batching_table({model["title"]: model["batching"] for model in results["models"].values()
                              if model.get("batching")})
     lines += speculative_table(results.get("speculative") or {})
+    vision = results.get("vision") or {}
+    if vision:
+        lines += [
+            "Image rows: one picture (a PNG file) and a one-sentence question, greedy. Vision encode: the tower "
+            "and its projection alone on the preprocessed picture; TTFT: from the chat message and the file to "
+            "the first token (rendering, preprocessing, the tower, the prefill); prefill tok/s: the whole "
+            "prompt's tokens over TTFT.",
+            "",
+        ]
+    for model in vision.values():
+        lines += vision_table(model, settings["decode"])
     if results["not_measured"]:
         lines += ["Not measured:", ""] + [f"- {item}" for item in results["not_measured"]] + [""]
     return "\n".join(lines)

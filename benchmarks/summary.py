@@ -98,3 +98,52 @@ def session_rows(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
             merged.update(part)
         rows.append(merged)
     return {"notes": notes, "rows": rows, "raw": results}
+
+
+def vision_row(jobs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One engine's image row: medians over its repetitions."""
+    ok = [j for j in jobs if "error" not in j]
+    if not ok:
+        return {"failed": jobs[-1]["error"], "raw": jobs}
+    first = ok[0]
+    return {
+        "dtype": first["dtype"],
+        "blas": first["blas"],
+        "reps": len(ok),
+        "image": first["image"],
+        "prompt_tokens": first["prompt_tokens"],
+        "image_tokens": first["image_tokens"],
+        "encode_s": statistics.median(j["encode_s"] for j in ok),
+        "ttft_s": statistics.median(j["ttft_s"] for j in ok),
+        "prefill_tps": statistics.median(j["prefill_tps"] for j in ok),
+        "decode_tps": _median([j["decode_tps"] for j in ok]),
+        "decode_tokens": first["generated"],
+        "tokens": first["tokens"],
+        "peak_gb": statistics.median(j["peak_bytes"] for j in ok) / 1e9,
+        "rss_gb": statistics.median(j["peak_rss_bytes"] for j in ok) / 1e9,
+        "load_s": statistics.median(j["load_s"] for j in ok),
+        "errors": [j["error"] for j in jobs if "error" in j],
+        "raw": jobs,
+    }
+
+
+def vision_ratios(rows: dict[str, Any]) -> dict[str, Any] | None:
+    """mlxchat over mlx-vlm on one image row (above 1: mlxchat is faster), and how many of mlx-vlm's greedy
+    tokens equal mlxchat's (the same weights, prompt and picture should give the same tokens)."""
+    ours, theirs = rows.get("mlxchat", {}), rows.get("mlx-vlm", {})
+    if "ttft_s" not in ours or "ttft_s" not in theirs:
+        return None
+    agree = 0
+    for mine, other in zip(ours["tokens"], theirs["tokens"], strict=False):
+        if mine != other:
+            break
+        agree += 1
+    decode = ours["decode_tps"] / theirs["decode_tps"] if ours["decode_tps"] and theirs["decode_tps"] else None
+    return {
+        "encode_speedup": theirs["encode_s"] / ours["encode_s"],
+        "ttft_speedup": theirs["ttft_s"] / ours["ttft_s"],
+        "prefill": ours["prefill_tps"] / theirs["prefill_tps"],
+        "decode": decode,
+        "same_tokens": agree,
+        "of_tokens": len(theirs["tokens"]),
+    }

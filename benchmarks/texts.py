@@ -19,6 +19,9 @@ USER_TURNS = (
     "Summarise our conversation in one sentence.",
 )
 
+IMAGE_QUESTION = "What is in this picture? Answer in one sentence."
+"""The question of the image rows (benchmarks/vision.py)."""
+
 FOLLOW_UPS = (
     "Summarise the report above in three sentences.",
     "Which section mentions the harbour, and what does it say?",

@@ -6,7 +6,8 @@ The result is printed as one JSON line after ``RESULT_MARK``.
 
 Jobs: ``info`` (what mlxchat runs on here), ``limits`` (bandwidth and GEMM), ``speed`` (prefill at
 several prompt lengths, decode, peak memory), ``sessions`` (see :mod:`benchmarks.sessions`), ``batching``
-(see :mod:`benchmarks.batching`) and ``speculative`` (see :mod:`benchmarks.speculative`).
+(see :mod:`benchmarks.batching`), ``speculative`` (see :mod:`benchmarks.speculative`) and ``vision`` (a
+prompt with a picture, see :mod:`benchmarks.vision`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import json
 import random
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -140,8 +142,22 @@ def speculative(job: dict[str, Any]) -> dict[str, Any]:
     return pairs.run(job)
 
 
+def vision(job: dict[str, Any]) -> dict[str, Any]:
+    from .engines import peak_rss_bytes
+    from .vision import measure, open_images, picture
+
+    with tempfile.TemporaryDirectory() as scratch:
+        image = picture(Path(scratch) / "picture.png")
+        start = time.perf_counter()
+        images = open_images(job["engine"], Path(job["folder"]), image, blas_path=job.get("blas_path"),
+                             dtype=job["dtype"])
+        load_s = time.perf_counter() - start
+        result = measure(images, job["decode"])
+    return {**images.engine.describe(), "load_s": load_s, **result, "peak_rss_bytes": peak_rss_bytes()}
+
+
 JOBS = {"info": info, "limits": limits, "speed": speed, "sessions": sessions, "batching": batching,
-        "speculative": speculative}
+        "speculative": speculative, "vision": vision}
 
 
 def main() -> None:
