@@ -32,6 +32,8 @@ cases = {
     "W.T x column": lambda: (rng.standard_normal((300, 77)).T, rng.standard_normal((300, 1)), "n"),
     "few rows x W.T (verify)": lambda: (rng.standard_normal((5, 300)), rng.standard_normal((301, 300)), "t"),
     "eight rows x W.T": lambda: (rng.standard_normal((8, 257)), rng.standard_normal((700, 257)), "t"),
+    "eight rows x W.T, K in blocks": lambda: (rng.standard_normal((8, 2100)), rng.standard_normal((32, 2100)), "t"),
+    "c + three long rows x W.T": lambda: (rng.standard_normal((3, 5000)), rng.standard_normal((64, 5000)), "c"),
     "rows x W.T (prefill)": lambda: (rng.standard_normal((33, 300)), rng.standard_normal((77, 300)), "t"),
     "rows.T x W": lambda: (rng.standard_normal((300, 33)).T, rng.standard_normal((300, 77)), "n"),
 }
@@ -40,8 +42,13 @@ for name, make in cases.items():
     a, b, layout = make()
     before = state.routed_counts()
     x, w = mx.array(a.astype(np.float32)), mx.array(b.astype(np.float32))
-    out = np.array(x @ (w.T if layout == "t" else w))
-    expected = a @ (b.T if layout == "t" else b)
+    if layout == "c":  # beta = 1: the product added to what the output holds
+        c = rng.standard_normal((a.shape[0], b.shape[0]))
+        out = np.array(mx.addmm(mx.array(c.astype(np.float32)), x, w.T))
+        expected = c + a @ b.T
+    else:
+        out = np.array(x @ (w.T if layout == "t" else w))
+        expected = a @ (b.T if layout == "t" else b)
     errors[name] = float(np.abs(out - expected).max() / np.abs(expected).max())
     after = state.routed_counts()
     counts.append([after[0] - before[0], after[1] - before[1]])
@@ -69,7 +76,7 @@ def test_products_are_right_through_sgemv_and_sgemm(blas: str) -> None:
     for name, error in result["errors"].items():  # type: ignore[attr-defined]
         assert error < 1e-5, f"{name}: relative error {error:.1e}"
     # single rows and columns went to sgemv, a few rows to the few-rows kernel, the rest to sgemm
-    assert result["counts"] == [[1, 0]] * 7 + [[0, 1]] * 2
+    assert result["counts"] == [[1, 0]] * 9 + [[0, 1]] * 2
 
 
 @pytest.mark.parametrize("blas", LIBRARIES)
@@ -78,7 +85,7 @@ def test_without_the_gemv_route_everything_is_sgemm_and_still_right(blas: str) -
     assert not result["gemv_route"]
     assert all(error < 1e-5 for error in result["errors"].values())  # type: ignore[attr-defined]
     if blas == "numpy":  # reachable only through the route, which now sends everything to sgemm
-        assert result["counts"] == [[0, 1]] * 9
+        assert result["counts"] == [[0, 1]] * 11
 
 
 def test_the_default_is_the_system_openblas_else_numpys(monkeypatch: pytest.MonkeyPatch) -> None:
