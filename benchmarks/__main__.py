@@ -166,6 +166,10 @@ def _children_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+class Unbuilt(Exception):
+    """A checkpoint that could not be built: its rows are listed as not measured."""
+
+
 @dataclass(frozen=True)
 class Task:
     kind: str  # "speed", "sessions", "batching" or "vision"
@@ -219,6 +223,7 @@ class Run:
         self.engines = self.select_engines()
         self.vision_engines = self.select_vision_engines()
         self.folders: dict[str, Path] = {}
+        self.unbuilt: dict[str, str] = {}
         self.works: dict[str, dict[str, Any]] = {}
 
     def select_models(self) -> list[str]:
@@ -285,18 +290,16 @@ class Run:
         """The model's checkpoint folder, built (and converted to GGUF) the first time a task needs it."""
         if key in self.folders:
             return self.folders[key]
+        if key in self.unbuilt:
+            raise Unbuilt(self.unbuilt[key])
         folder = folder_of(key, self.args.checkpoints)
         if not is_built(key, self.args.checkpoints):
             self.log(f"building checkpoint {key} (once; transformers, bf16)")
-            command = [
-                sys.executable,
-                "-m",
-                "benchmarks.checkpoints",
-                key,
-                "--root",
-                str(self.args.checkpoints),
-            ]
-            subprocess.run(command, cwd=HERE.parent, check=True)
+            command = [sys.executable, "-m", "benchmarks.checkpoints", key, "--root", str(self.args.checkpoints)]
+            if subprocess.run(command, cwd=HERE.parent).returncode != 0:
+                self.unbuilt[key] = (f"{ALL_MODELS[key].title}: its checkpoint could not be built (the error is in "
+                                     "the output above; building needs the bench extra: pip install -e '.[bench]')")
+                raise Unbuilt(self.unbuilt[key])
         self.folders[key] = folder
         if key not in MODELS:  # a vision checkpoint: the image rows need nothing derived from it
             return folder
@@ -382,7 +385,11 @@ class Run:
             self.log(label)
             jobs = {"speed": self.speed_job, "sessions": self.sessions_job, "batching": self.batching_job,
                     "vision": self.vision_job}
-            job = jobs[task.kind](task)
+            try:
+                job = jobs[task.kind](task)
+            except Unbuilt as exc:  # the rest of the run goes on without this model
+                self.not_measured += [str(exc)] if str(exc) not in self.not_measured else []
+                continue
             self.raw.setdefault((task.kind, task.key, task.engine), []).append(self.job(job))
 
     def estimate(self, task: Task) -> float:
