@@ -267,7 +267,7 @@ class Run:
         unknown = [name for name in wanted if name not in known]
         if unknown:
             raise SystemExit(f"unknown engine(s) {', '.join(unknown)}; known: {', '.join(known)}")
-        wanted = [name for name in wanted if name in ENGINES and self.models]
+        wanted = [name for name in wanted if name in (*ENGINES, *SPLIT) and self.models]
         if self.info["llama_cpp"] and any(name.startswith("llama.cpp") for name in wanted):
             self.not_measured.append(f"llama.cpp rows: {self.info['llama_cpp']}")
             wanted = [name for name in wanted if not name.startswith("llama.cpp")]
