@@ -34,7 +34,7 @@ import os
 import shutil
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -466,37 +466,23 @@ GEMMA4_MEDIA_TOKENS = {
 VISION_MODELS: dict[str, BenchModel] = {
     m.key: m
     for m in (
-        BenchModel(
+        replace(  # the text checkpoint's description, with the tower's parameters and tokens
+            MODELS["qwen3.5-0.8b"],
             key="qwen3.5-0.8b-vision",
             title="Qwen3.5-0.8B (vision)",
-            model_type="qwen3_5",
-            template="qwen3.5-2b-and-smaller.jinja",
-            hybrid=True,
-            specials=QWEN_SPECIALS,
-            bos=None,
-            eos=QWEN_EOS,
-            pad="<|endoftext|>",
-            real_tokenizer="qwen3.5",
             params=0.853e9,
-            lookup_params=0,
             config=_vision_config("qwen3.5-0.8b", QWEN35_08B_VISION),
             model=_qwen35_vl,
+            rename=None,
             token_ids=QWEN_MEDIA_TOKENS,
             processor_files=QWEN35_PROCESSOR,
         ),
-        BenchModel(
+        replace(
+            MODELS["gemma4-e2b"],
             key="gemma4-e2b-vision",
             title="Gemma 4 E2B (vision)",
-            model_type="gemma4",
-            template="gemma4-e2b-e4b.jinja",
-            hybrid=True,
             specials=GEMMA4_SPECIALS + ("<|image>", "<image|>", "<|audio>", "<audio|>"),
-            bos="<bos>",
-            eos=("<eos>", "<turn|>"),
-            pad="<pad>",
-            real_tokenizer=None,
             params=4.797e9,
-            lookup_params=262144 * 35 * 256,
             config=_vision_config("gemma-4-e2b", GEMMA4_E2B_VISION, **GEMMA4_MEDIA_IDS),
             model=_gemma4_vl,
             token_ids={f"{role}_id": token for role, token in GEMMA4_MEDIA_TOKENS.items()},
