@@ -54,8 +54,10 @@ def test_silu_mul_equals_mlx_over_the_whole_range() -> None:
         close(a, b)
 
 
-def test_rms_norm_equals_mlx_on_strided_input() -> None:
-    x = mx.random.normal((3, 40, 70)).swapaxes(0, 1)  # not row-contiguous
+@pytest.mark.parametrize("layout", ["rows apart", "last axis strided"])
+def test_rms_norm_equals_mlx_on_strided_input(layout: str) -> None:
+    x = (mx.random.normal((3, 40, 70)).swapaxes(0, 1) if layout == "rows apart"  # not row-contiguous
+         else mx.random.normal((40, 70, 3)).swapaxes(1, 2)[:, ::-1])  # values 3 apart, rows in reverse
     w = mx.random.normal((70,))
     close(kernels.rms_norm(x, w, 1e-6), mx.fast.rms_norm(x, w, 1e-6))
     ours = mx.grad(lambda x, w: (kernels.rms_norm(x, w, 1e-5) ** 2).sum(), argnums=(0, 1))(x, w)
@@ -76,6 +78,14 @@ def test_rope_equals_mlx_and_its_gradient_turns_back(dims: int, offset: int) -> 
     expected = mx.grad(lambda x: (mx.fast.rope(x, dims, traditional=False, base=10000.0, scale=1.0,
                                                offset=offset) * weights).sum())(x)
     close(grad, expected, 2e-5)
+
+
+def test_rope_equals_mlx_on_transposed_queries() -> None:
+    x = mx.random.normal((1, 128, 16, 64)).transpose(0, 2, 1, 3)  # [B, L, heads, D] read as [B, heads, L, D]
+    inv_freq = mx.array([10000.0 ** (-2 * j / 64) for j in range(32)], dtype=mx.float32)
+    ours = kernels.rope(x, inv_freq, 64, 5)
+    assert ours is not None
+    close(ours, mx.fast.rope(x, 64, traditional=False, base=10000.0, scale=1.0, offset=5), 2e-5)
 
 
 def test_mlx_runs_where_a_kernel_does_not_apply() -> None:

@@ -13,8 +13,10 @@
  * They are ordinary nodes of MLX's lazy graph, evaluated on the CPU stream, built and used like
  * mlxchat._quantized (Linux, the MLX version they were built against, float32 on the CPU device).
  */
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -313,15 +315,28 @@ mx::Stream cpu_stream() {
   return mx::default_stream(mx::Device::cpu);
 }
 
-/* Copies any float32 array into contiguous row-major order. */
+/*
+ * Copies any float32 array into contiguous row-major order, a row of the last axis at a time (a memcpy when
+ * that axis is contiguous, as after a transpose of the head and position axes): walking the index per element
+ * made a 128-token prefill's RoPE on transposed queries and keys cost a fifth of the prefill.
+ */
 void copy_contiguous(const mx::array& a, float* out) {
   const float* src = a.data<float>();
-  std::vector<int> index(a.ndim(), 0);
-  for (size_t i = 0; i < a.size(); ++i) {
+  const int last = int(a.ndim()) - 1;
+  if (last < 0) {
+    *out = *src;
+    return;
+  }
+  const int64_t width = a.shape(last), step = a.strides()[last];
+  std::vector<int> index(last, 0);
+  for (size_t row = 0; row < a.size() / std::max<int64_t>(width, 1); ++row, out += width) {
     int64_t offset = 0;
-    for (size_t d = 0; d < a.ndim(); ++d) offset += int64_t(index[d]) * a.strides()[d];
-    out[i] = src[offset];
-    for (int d = int(a.ndim()) - 1; d >= 0; --d) {
+    for (int d = 0; d < last; ++d) offset += int64_t(index[d]) * a.strides()[d];
+    if (step == 1)
+      std::memcpy(out, src + offset, size_t(width) * sizeof(float));
+    else
+      for (int64_t i = 0; i < width; ++i) out[i] = src[offset + i * step];
+    for (int d = last - 1; d >= 0; --d) {
       if (++index[d] < a.shape(d)) break;
       index[d] = 0;
     }
