@@ -1,4 +1,10 @@
-"""Builds the optional native pieces (Linux only; mlxchat runs without them, on MLX's own kernels):
+"""Lists the import packages and builds the optional native pieces.
+
+Packages: every folder holding Python source under a folder that pyproject.toml's ``package-dir`` maps
+(``mlxchat`` -> ``core``...), found here so that a new subpackage is never left out of the wheel; files
+beside them that are not Python source ship as package data (the rule is in pyproject.toml).
+
+Native pieces (Linux only; mlxchat runs without them, on MLX's own kernels):
 
 - ``mlxchat._blas_route``: the BLAS single-row route (see mlxchat.runtime).
 - ``mlxchat._quantized``: quantized matmuls on the CPU as MLX primitives (see mlxchat.quantized).
@@ -7,16 +13,32 @@
 
 The last two are compiled against the MLX headers of the build environment and with nanobind, the binding
 library MLX's own Python module is built with; mlxchat uses them only when the MLX it runs with is that same
-version (``pip install --no-build-isolation -e .`` builds against the MLX already installed).
+version, which is why pyproject.toml pins the same MLX for the build and for run time.
 """
 
 import sys
+import tomllib
 from pathlib import Path
 
 from setuptools import Extension, setup
 
+ROOT = Path(__file__).resolve().parent
 
-def mlx_extension(name: str, source: str, depends: list[str]) -> Extension | None:
+
+def packages() -> list[str]:
+    """Every package under the folders pyproject.toml maps: a folder with a ``.py`` file is a package."""
+    mapped = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    found = []
+    for name, folder in mapped.items():
+        base = ROOT / folder
+        for init in sorted(base.rglob("*.py")):
+            parts = init.parent.relative_to(base).parts
+            if "__pycache__" not in parts:
+                found.append(".".join([name, *parts]))
+    return sorted(set(found))
+
+
+def mlx_extension(name: str, sources: list[str], depends: list[str]) -> Extension | None:
     try:
         import mlx
         import nanobind
@@ -28,7 +50,7 @@ def mlx_extension(name: str, source: str, depends: list[str]) -> Extension | Non
     nb_dir = Path(nanobind.source_dir()).parent
     return Extension(
         name,
-        sources=[source, str(nb_dir / "src" / "nb_combined.cpp")],
+        sources=[*sources, str(nb_dir / "src" / "nb_combined.cpp")],
         depends=depends,
         include_dirs=[
             "core/native",
@@ -63,10 +85,12 @@ if sys.platform.startswith("linux"):
         )
     )
     for extension in (
-        mlx_extension("mlxchat._quantized", "core/native/quantized.cpp", ["core/native/qmatmul_kernels.h"]),
-        mlx_extension("mlxchat._kernels", "core/native/kernels.cpp", []),
+        mlx_extension("mlxchat._quantized", ["core/native/quantized.cpp"],
+                      ["core/native/qmatmul_kernels.h", "core/native/qmatmul_amx.h", "core/native/pool.h"]),
+        mlx_extension("mlxchat._kernels", ["core/native/kernels.cpp", "core/native/attention.cpp"],
+                      [f"core/native/{h}" for h in ("attention.h", "attention_ops.h", "pool.h", "simd.h")]),
     ):
         if extension is not None:
             ext_modules.append(extension)
 
-setup(ext_modules=ext_modules)
+setup(packages=packages(), ext_modules=ext_modules)

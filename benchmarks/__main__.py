@@ -17,6 +17,7 @@ import resource
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -58,7 +59,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
         help="minutes; after the first model, work starts only if it fits (default 13; 0: no limit)",
     )
     add("--prefill", default="128,512,2048", help="prompt lengths (default 128,512,2048)")
-    add("--decode", type=int, default=64, help="tokens decoded after the first prompt (default 64)")
+    add("--decode", type=int, help="tokens decoded after the first prompt (default 64; 16 with --context)")
     add("--short-decode", type=int, default=8, help="tokens decoded by mlx-lm (defaults) (default 8)")
     add("--defaults-on", help="checkpoints with an mlx-lm (defaults) row: keys or 'all' (default: the first)")
     add(
@@ -70,6 +71,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
         "--batching",
         help="checkpoints for the batched decoding rows (1, 2, 4, 8 generations together): keys or 'none' "
         "(default: the first)",
+    )
+    add(
+        "--constrained",
+        help="checkpoints for the constrained-decoding rows (a 50-property JSON Schema against free decoding): "
+        "keys (default: none)",
     )
     add("--chat-turns", type=int, default=10, help="turns of the chat scenario (default 10)")
     add(
@@ -109,9 +115,16 @@ def parse(argv: list[str]) -> argparse.Namespace:
     add(
         "--out",
         type=Path,
-        help="results path without suffix (default results/latest; results/quick with --quick)",
+        help="results path without suffix (default results/latest; results/quick with --quick; results/context "
+        "with --context)",
     )
-    add("--timeout", type=float, default=1800, help="seconds per measurement process (default 1800)")
+    add(
+        "--timeout",
+        type=float,
+        default=1800,
+        help="seconds per measurement process (default 1800; with --context, per 4096 tokens of a row's length, "
+        "or twice the row's duration predicted from the same engine's shorter rows, if more)",
+    )
     add(
         "--distributed",
         help="also mlxchat split over --ranks local processes on the ring backend: 'tensor', 'pipeline' or both "
@@ -119,6 +132,46 @@ def parse(argv: list[str]) -> argparse.Namespace:
         "step hands to the collectives",
     )
     add("--ranks", type=int, default=2, help="processes a --distributed row runs on (default 2)")
+    add(
+        "--cold-start",
+        action="store_true",
+        help="the cold-start rows instead of the main run: a fresh process from the command to its first token, "
+        "mlxchat generate (float32, 4-bit) beside mlx_lm generate (bf16, 4-bit) and llama.cpp (F32, Q4_0) on the "
+        "same weights; --models (default qwen3-0.6b), --engines, --reps; writes results/coldstart.{json,md} "
+        "(benchmarks/coldstart.py)",
+    )
+    add(
+        "--context",
+        metavar="LENGTHS",
+        help="the long-context curves instead of the main run: prefill, TTFT, decode and peak memory at these "
+        "prompt lengths (e.g. 1024,4096,8192,16384,32768) for mlxchat (float and 8-bit KV), llama.cpp F32 (F32 "
+        "and q8_0 KV) and mlx-lm; --models: keys or checkpoint folders (default qwen3-0.6b,qwen3.5-0.8b); "
+        "writes results/context.{json,md,png} (benchmarks/context.py)",
+    )
+    add(
+        "--lora",
+        action="store_true",
+        help="LoRA training instead of the main run: mlxchat's train() beside mlx-lm's trainer, float and QLoRA "
+        "(4-bit base), trained tokens/s and peak memory; --models: keys or checkpoint folders (default "
+        "qwen3-0.6b); --engines: of mlxchat, mlx-lm, mlxchat-qlora, mlx-lm-qlora; writes results/lora.{json,md} "
+        "(benchmarks/lora.py)",
+    )
+    add("--lora-steps", type=int, default=10, help="timed training steps of --lora, after a warm-up (default 10)")
+    add("--lora-batch", type=int, default=4, help="sequences a step of --lora (default 4)")
+    add("--lora-seq", type=int, default=512, help="tokens a sequence of --lora (default 512)")
+    add(
+        "--max-row-hours",
+        type=float,
+        default=4.0,
+        help="with --context: a row predicted (from the same engine's two longest shorter rows) to take longer "
+        "is not started (default 4)",
+    )
+    add(
+        "--resume",
+        action="store_true",
+        help="with --context: keep the rows the results file already holds and measure only the others (a run "
+        "that was stopped, or models and engines run one at a time into one file)",
+    )
     args = parser.parse_args(argv)
     if args.full:
         args.budget = 0
@@ -131,13 +184,15 @@ def parse(argv: list[str]) -> argparse.Namespace:
         args.models = args.models or next(iter(MODELS))
     args.history_tokens = args.history_tokens or 0
     args.prefill = [int(n) for n in args.prefill.split(",")]
-    args.out = args.out or RESULTS / ("quick" if args.quick else "latest")
+    args.decode = args.decode or (16 if args.context else 64)
+    args.out = args.out or RESULTS / ("context" if args.context else "quick" if args.quick else "latest")
     return args
 
 
 def run_job(job: dict[str, Any], timeout: float, ranks: int = 1) -> dict[str, Any]:
     """Runs one worker process (``ranks`` of them for a split model, each with its own result: rank 0's
-    is returned, with every rank's peak RSS); its result, or {"error": ...} with the end of its stderr."""
+    is returned, with every rank's peak RSS); its result, or {"error": ...} with the end of its stderr
+    (and ``timed_out`` or ``killed``, for a worker stopped from outside)."""
     command = [sys.executable, "-m", "benchmarks.worker", json.dumps(job)]
     try:
         if ranks == 1:
@@ -145,10 +200,14 @@ def run_job(job: dict[str, Any], timeout: float, ranks: int = 1) -> dict[str, An
         else:
             runs = host.run_ranks(command, ranks, HERE.parent, timeout)
     except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout:.0f} s"}
+        return {"error": f"timed out after {timeout:.0f} s", "timed_out": True}
     results = []
     for done in runs:
         marked = [line for line in done.stdout.splitlines() if line.startswith(RESULT_MARK)]
+        if not marked and done.returncode < 0:  # a signal: the kernel's out-of-memory killer sends SIGKILL
+            return {"error": f"worker killed by signal {-done.returncode}"
+                    + (" (out of memory?)" if done.returncode == -9 else ""), "killed": True,
+                    "stderr": done.stderr[-2000:]}
         if not marked:
             return {"error": f"worker exited with {done.returncode}", "stderr": done.stderr[-2000:]}
         result = json.loads(marked[-1][len(RESULT_MARK) :])
@@ -172,7 +231,7 @@ class Unbuilt(Exception):
 
 @dataclass(frozen=True)
 class Task:
-    kind: str  # "speed", "sessions", "batching" or "vision"
+    kind: str  # "speed", "sessions", "batching", "constrained" or "vision"
     key: str
     engine: str
     rep: int = 0
@@ -196,10 +255,12 @@ class Run:
     def log(self, message: str) -> None:
         print(f"[{self.elapsed() / 60:5.1f} min] {message}", file=sys.stderr, flush=True)
 
-    def job(self, job: dict[str, Any]) -> dict[str, Any]:
-        """Runs a worker and adds its wall and CPU seconds (CPU time shows what a shared machine cost)."""
+    def job(self, job: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
+        """Runs a worker (``timeout``: seconds, default ``--timeout``) and adds its wall and CPU seconds (CPU
+        time shows what a shared machine cost)."""
         begin, cpu = time.time(), _children_cpu()
-        result = run_job(job, self.args.timeout, self.args.ranks if job.get("engine") in SPLIT else 1)
+        ranks = self.args.ranks if job.get("engine") in SPLIT else 1
+        result = run_job(job, timeout or self.args.timeout, ranks)
         if "error" in result:
             self.log(f"  error: {result['error']}\n{result.get('stderr', '')[-800:]}")
         result["duration_s"], result["cpu_s"] = time.time() - begin, _children_cpu() - cpu
@@ -225,6 +286,43 @@ class Run:
         self.folders: dict[str, Path] = {}
         self.unbuilt: dict[str, str] = {}
         self.works: dict[str, dict[str, Any]] = {}
+
+    def prepare_context(self) -> None:
+        """What :mod:`benchmarks.context` needs of :meth:`prepare`: what mlxchat runs on, the machine's
+        limits; it converts the GGUFs itself (so :meth:`checkpoint` derives nothing)."""
+        self.prepare_derived([])
+        device = "gpu" if self.info["gpu"] else "cpu"
+        self.log(f"limits of this machine ({device})")
+        self.limits = self.job({"job": "limits", "device": device})
+
+    def prepare_cold_start(self, known: tuple[str, ...]) -> list[str]:
+        """What :mod:`benchmarks.coldstart` needs of :meth:`prepare`; the engines it can run here."""
+        wanted = self.args.engines.split(",") if self.args.engines else list(known)
+        unknown = [e for e in wanted if e not in known]
+        if unknown:
+            raise SystemExit(f"unknown --cold-start engine(s) {', '.join(unknown)}; known: {', '.join(known)}")
+        self.prepare_derived([])
+        if self.info["llama_cpp"] and any(e.startswith("llama.cpp") for e in wanted):
+            self.not_measured.append(f"llama.cpp rows: {self.info['llama_cpp']}")
+            wanted = [e for e in wanted if not e.startswith("llama.cpp")]
+        if importlib.util.find_spec("mlx_lm") is None and any("4bit" in e or e.startswith("mlx-lm") for e in wanted):
+            self.not_measured.append("mlx-lm and 4-bit rows: mlx-lm (its converter makes the 4-bit copy) is not "
+                                     "installed")
+            wanted = [e for e in wanted if "4bit" not in e and not e.startswith("mlx-lm")]
+        self.engines = [e for e in wanted if e.startswith("llama.cpp")] + (
+            ["mlxchat-4bit"] if any("4bit" in e for e in wanted) else [])
+        return wanted
+
+    def prepare_derived(self, engines: list[str]) -> None:
+        """What mlxchat runs on, and the engines whose checkpoints :meth:`checkpoint` derives (GGUF files for
+        llama.cpp-*, MLX-quantized copies for mlxchat-*bit)."""
+        self.log("what mlxchat runs on here")
+        self.info = self.job({"job": "info"})
+        if "error" in self.info:
+            raise SystemExit(f"cannot import mlxchat: {self.info['error']}\n{self.info.get('stderr', '')}")
+        self.compute_dtype = self.info["compute_dtype"] or "bfloat16"
+        self.engines = [] if self.info["llama_cpp"] else engines
+        self.folders, self.unbuilt, self.works = {}, {}, {}
 
     def select_models(self) -> list[str]:
         """The requested models that an mlxchat plugin serves and that fit in memory at mlxchat's dtype."""
@@ -343,8 +441,11 @@ class Run:
             tasks += [Task("speed", key, e, 0, first) for e in (engines if index % 2 == 0 else engines[::-1])]
             if key in sessions:
                 tasks += [Task("sessions", key, e, 0, first) for e in ("mlxchat", "mlx-lm")]
-            if key in batching:
-                tasks.append(Task("batching", key, "mlxchat", 0, first))
+            if key in batching:  # float32, and the same weights at 4 bits when that row runs
+                tasks += [Task("batching", key, e, 0, first) for e in ("mlxchat", "mlxchat-4bit") if e in
+                          ("mlxchat", *engines)]
+            if key in (self.args.constrained or "").split(","):
+                tasks.append(Task("constrained", key, "mlxchat", 0, first))
         engines = self.vision_engines
         for index, key in enumerate(self.vision_models):  # asked for by name: run whatever the budget says
             tasks += [Task("vision", key, e, 0, True) for e in (engines if index % 2 == 0 else engines[::-1])]
@@ -384,7 +485,7 @@ class Run:
                 continue
             self.log(label)
             jobs = {"speed": self.speed_job, "sessions": self.sessions_job, "batching": self.batching_job,
-                    "vision": self.vision_job}
+                    "constrained": self.constrained_job, "vision": self.vision_job}
             try:
                 job = jobs[task.kind](task)
             except Unbuilt as exc:  # the rest of the run goes on without this model
@@ -419,6 +520,10 @@ class Run:
 
     def batching_job(self, task: Task) -> dict[str, Any]:
         folder = self.checkpoint(task.key)
+        if task.engine in QUANTIZED_BITS:
+            from .mlx_quantized import folder_for
+
+            folder = folder_for(folder, QUANTIZED_BITS[task.engine])
         return {
             "job": "batching",
             "folder": str(folder),
@@ -426,6 +531,9 @@ class Run:
             "decode": self.args.decode,
             "tokenizer_size": json.loads((folder / MARKER).read_text())["tokenizer_size"],
         }
+
+    def constrained_job(self, task: Task) -> dict[str, Any]:
+        return {**self.batching_job(task), "job": "constrained", "mask_steps": 40 if self.args.quick else 400}
 
     def sessions_job(self, task: Task) -> dict[str, Any]:
         folder, args = self.checkpoint(task.key), self.args
@@ -474,6 +582,8 @@ class Run:
                 "ratios": summary.comparisons(rows),
                 "sessions": summary.session_rows(sessions) if sessions else None,
                 "batching": (self.raw.get(("batching", key, "mlxchat")) or [None])[0],
+                "batching_4bit": (self.raw.get(("batching", key, "mlxchat-4bit")) or [None])[0],
+                "constrained": (self.raw.get(("constrained", key, "mlxchat")) or [None])[0],
             }
         vision = {}
         for key in (k for k in self.vision_models if k in self.folders):
@@ -535,9 +645,10 @@ class Run:
         }
 
 
-def write(results: dict[str, Any], out: Path) -> None:
+def write(results: dict[str, Any], out: Path, markdown: Callable[[dict[str, Any]], str] = report.markdown) -> None:
+    """``out``.json (the results) and ``out``.md (``markdown`` of them, also printed)."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    text = report.markdown(results)
+    text = markdown(results)
     out.with_suffix(".json").write_text(json.dumps(results, indent=1))
     out.with_suffix(".md").write_text(text + "\n")
     print(text)
@@ -546,6 +657,25 @@ def write(results: dict[str, Any], out: Path) -> None:
 
 def main(argv: list[str]) -> None:
     run = Run(parse(argv), argv)
+    if run.args.context:
+        from . import context
+
+        run.prepare_context()
+        context.main(run, [int(n) for n in run.args.context.split(",")], run.args.decode, run.args.out)
+        return
+    if run.args.lora:
+        from . import lora
+
+        run.prepare_derived([])
+        write(lora.measure(run), run.args.out if "--out" in argv else RESULTS / "lora", lora.markdown)
+        return
+    if run.args.cold_start:
+        from . import coldstart
+
+        engines = run.prepare_cold_start(coldstart.ENGINES)
+        write(coldstart.measure(run, engines), run.args.out if "--out" in argv else RESULTS / "coldstart",
+              coldstart.markdown)
+        return
     run.prepare()
     run.execute(run.plan())
     if run.args.speculative:

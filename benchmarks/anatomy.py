@@ -1,10 +1,14 @@
 """Where a decode step's time goes beyond reading the weights: ``python -m benchmarks.anatomy [--model NAME]``.
 
-On random weights of a named config (``mlxchat.build_model``, nothing on disk; default Qwen3-0.6B shapes),
-after a 128-token prompt, it times in one process, alternating, each a median of ``--reps``:
+On random weights of a named config (``mlxchat.build_model``, nothing on disk; default Qwen3-0.6B shapes) or
+a checkpoint folder (``--model DIR``), after a 128-token prompt, it times in one process, alternating, each a
+median of ``--reps``:
 
 - ``step``: one decode step (the model's forward for one token, its logits evaluated);
-- ``matmuls``: the step's matrix products alone: the same weights times a random row, one graph;
+- ``separate``: the same step with the joined projections (:mod:`mlxchat.layers.fused`) run one by one, as
+  before they were joined;
+- ``matmuls``: the step's matrix products alone: the same weights (joined ones whole) times a random row,
+  one graph;
 - ``bandwidth``: one matrix-vector product over as many bytes as the step's weights (the bound);
 - ``ops``: how many operations the step's graph holds besides the products, and ``per_op``, the time of a
   graph of as many small elementwise operations on a hidden-size row (what MLX spends per operation).
@@ -43,15 +47,21 @@ def measure(name: str, reps: int, prompt: int) -> dict[str, Any]:
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    model = mlxchat.build_model(name)
+    from mlxchat.layers import Projections
+
+    model = mlxchat.load_model(name) if Path(name).is_dir() else mlxchat.build_model(name)
 
     def run() -> dict[str, Any]:
         module = model.module
-        matrices = [w for _, w in tree_flatten(module.parameters()) if w.ndim == 2]
-        weight_bytes = sum(w.nbytes for w in matrices)
+        groups = [v for _, child in module.named_modules() for v in vars(child).values() if isinstance(v, Projections)]
+        joins = [(group, group.joined) for group in groups if group.joined is not None]
+        views = {id(value) for _, join in joins for params in join.params for _, value in params}
         tied = model.config.tie_word_embeddings
-        if not tied:  # the embedding is looked up, not read whole
-            matrices = [w for k, w in tree_flatten(module.parameters()) if w.ndim == 2 and "embed_tokens" not in k]
+        matrices = [join.joined["weight"] for _, join in joins] + [
+            w for k, w in tree_flatten(module.parameters())
+            if w.ndim == 2 and id(w) not in views and (tied or "embed_tokens" not in k)  # an embedding is looked up
+        ]
+        weight_bytes = sum(w.nbytes for _, w in tree_flatten(module.parameters()) if w.ndim == 2)
         step_bytes = sum(w.nbytes for w in matrices)
         rows = {w.shape[1]: mx.random.normal((1, w.shape[1])) for w in matrices}
         big = mx.random.normal((max(1, step_bytes // 4 // 4096), 4096))
@@ -73,13 +83,27 @@ def measure(name: str, reps: int, prompt: int) -> dict[str, Any]:
                 x = x * 1.0001 + 0.5
             return x
 
-        times: dict[str, list[float]] = {"step": [], "matmuls": [], "bandwidth": [], "per_op": []}
-        for _ in range(reps):
+        def step() -> float:
             start = time.perf_counter()
             mx.eval(module.last_logits(token, cache.layers))
-            times["step"].append(time.perf_counter() - start)
+            took = time.perf_counter() - start
             for layer in cache.layers:
                 layer.trim_to(len(cache))
+            return took
+
+        times: dict[str, list[float]] = {"step": [], "separate": [], "matmuls": [], "bandwidth": [], "per_op": []}
+        def separate() -> float:
+            for group, _ in joins:
+                group.joined = None
+            try:
+                return step()
+            finally:
+                for group, join in joins:
+                    group.joined = join
+
+        for rep in range(reps):
+            for key, run_step in [("step", step), ("separate", separate)][:: 1 if rep % 2 else -1]:
+                times[key].append(run_step())
             start = time.perf_counter()
             mx.eval([rows[w.shape[1]] @ w.T for w in matrices])
             times["matmuls"].append(time.perf_counter() - start)
@@ -91,7 +115,7 @@ def measure(name: str, reps: int, prompt: int) -> dict[str, Any]:
             times["per_op"].append((time.perf_counter() - start) / (2 * max(ops - products, 1)))
         medians = {k: statistics.median(v) for k, v in times.items()}
         return {"model": name, "weight_bytes": weight_bytes, "step_bytes": step_bytes, "ops": ops,
-                "products": products, "seconds": medians,
+                "products": products, "joined": len(joins), "seconds": medians,
                 "bandwidth_gbs": big.nbytes / medians["bandwidth"] / 1e9,
                 "matmul_gbs": step_bytes / medians["matmuls"] / 1e9}
 
@@ -109,6 +133,8 @@ def describe(r: dict[str, Any]) -> str:
         f"{r['model']}: a decode step reads {r['step_bytes'] / 1e9:.2f} GB of weights in {r['products']} products; "
         f"its graph has {others} other operations",
         f"  step              {s['step'] * 1e3:8.1f} ms",
+        f"  step, separate    {s['separate'] * 1e3:8.1f} ms  ({r['joined']} joined projections run one by one: "
+        f"{s['step'] / s['separate']:.2f}x the time)",
         f"  products alone    {s['matmuls'] * 1e3:8.1f} ms  ({r['matmul_gbs']:.1f} GB/s)",
         f"  bandwidth bound   {bound * 1e3:8.1f} ms  ({r['bandwidth_gbs']:.1f} GB/s, one large product)",
         f"  other operations  {(s['step'] - s['matmuls']) * 1e3:8.1f} ms  (an elementwise op costs "
@@ -120,7 +146,8 @@ def describe(r: dict[str, Any]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.anatomy", description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="qwen3-0.6b", help="a name from mlxchat.configs (default qwen3-0.6b)")
+    parser.add_argument("--model", default="qwen3-0.6b",
+                        help="a name from mlxchat.configs (default qwen3-0.6b) or a checkpoint folder")
     parser.add_argument("--reps", type=int, default=9)
     parser.add_argument("--prompt", type=int, default=128, help="tokens in the cache before the step")
     args = parser.parse_args()

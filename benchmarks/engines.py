@@ -38,6 +38,9 @@ LABELS = {
     "llama.cpp-f16": "llama.cpp F16",
     "llama.cpp-q8_0": "llama.cpp Q8_0",
     "llama.cpp-q4_0": "llama.cpp Q4_0",
+    "mlxchat-kv8": "mlxchat, 8-bit KV",
+    "llama.cpp-f32-kv8": "llama.cpp F32, q8_0 KV",
+    "mlxchat-session": "mlxchat, session turn",
     "mlx-vlm": "mlx-vlm (same dtype, OpenBLAS)",
 }
 VISION_ENGINES = ("mlxchat", "mlx-vlm")
@@ -126,11 +129,12 @@ class MlxEngine(Engine):
 class Mlxchat(MlxEngine):
     """mlxchat with its defaults; on an MLX-quantized checkpoint the dtype column says the bits."""
 
-    def __init__(self, folder: Path, name: str = "mlxchat", distributed: str | None = None):
+    def __init__(self, folder: Path, name: str = "mlxchat", distributed: str | None = None,
+                 kv_bits: int | None = None):
         import mlxchat
 
-        self.name = name
-        self.model = mlxchat.load_model(folder, distributed=distributed)  # type: ignore[arg-type]
+        self.name, self.kv_bits = name, kv_bits
+        self.model = mlxchat.load_model(folder, distributed=distributed, kv_bits=kv_bits)  # type: ignore[arg-type]
         info = mlxchat.runtime_info()
         self.info = info
         quantization = self.model.quantization
@@ -156,6 +160,7 @@ class Mlxchat(MlxEngine):
             "gemv_route": self.info["gemv_route"],
             "blas_note": self.info["blas_note"],
             "quantized_kernels": self.info.get("quantized_kernels"),
+            "kv_bits": self.kv_bits,
         }
 
 
@@ -228,13 +233,20 @@ def _leaves(tree: Any) -> list[tuple[str, Any]]:
 class LlamaCpp(Engine):
     """llama-cpp-python on a GGUF file (converted from the same checkpoint by :mod:`benchmarks.gguf`)."""
 
-    def __init__(self, gguf: Path, *, name: str, context: int):
+    def __init__(self, gguf: Path, *, name: str, context: int, q8_kv: bool = False):
+        """``q8_kv``: keys and values cached as q8_0 (llama.cpp's ``-ctk q8_0 -ctv q8_0``, which needs its
+        flash attention); else llama.cpp's default cache, F16, without flash attention (llama-cpp-python's
+        default)."""
         from llama_cpp import Llama
 
         self.name = name
-        self.dtype = name.split("-")[-1].upper()
+        self.dtype = "F32" if q8_kv else name.split("-")[-1].upper()
         self.blas = "llama.cpp (ggml CPU kernels)"
-        self.llm = Llama(model_path=str(gguf), n_ctx=context, n_batch=512, n_threads=os.cpu_count(), verbose=False)
+        q8_0 = 8  # ggml_type GGML_TYPE_Q8_0
+        kv = {"type_k": q8_0, "type_v": q8_0, "flash_attn": True} if q8_kv else {}
+        self.kv_cache, self.flash_attn = ("q8_0", True) if q8_kv else ("f16", False)
+        self.llm = Llama(model_path=str(gguf), n_ctx=context, n_batch=512, n_threads=os.cpu_count(), verbose=False,
+                         **kv)
 
     def stream(self, ids: list[int], max_tokens: int) -> Iterator[int]:
         eos = self.llm.token_eos()
@@ -247,7 +259,8 @@ class LlamaCpp(Engine):
         import llama_cpp
 
         features = llama_cpp.llama_print_system_info().decode(errors="replace").strip()
-        return {**super().describe(), "llama_cpp_python": version("llama-cpp-python"), "ggml_features": features}
+        return {**super().describe(), "llama_cpp_python": version("llama-cpp-python"), "ggml_features": features,
+                "kv_cache": self.kv_cache, "flash_attn": self.flash_attn}
 
 
 def open_engine(name: str, folder: Path, *, blas_path: str | None, dtype: str | None, context: int) -> Engine:
@@ -255,6 +268,12 @@ def open_engine(name: str, folder: Path, *, blas_path: str | None, dtype: str | 
     mlxchat found (None off Linux-CPU)."""
     if name == "mlxchat":
         return Mlxchat(folder)
+    if name == "mlxchat-kv8":
+        return Mlxchat(folder, name, kv_bits=8)
+    if name == "llama.cpp-f32-kv8":
+        from .gguf import converted
+
+        return LlamaCpp(converted(folder, "f32"), name=name, context=context, q8_kv=True)
     if name in QUANTIZED_BITS:
         from .mlx_quantized import folder_for
 

@@ -12,7 +12,15 @@ beside the wheel, where this module looks for it; ``LLAMA_CPP_CONVERT`` (the scr
 The checkpoints whose vocabulary is the benchmark's synthetic byte-level BPE (LFM2, Gemma 4) are not in the
 converter's list of known tokenizers, which it recognises by hashing how they split a test text, and it
 stops ("BPE pre-tokenizer was not recognized"). Their pre-tokenizer is GPT-2's byte-level split (see
-``checkpoints._synthetic_tokenizer``), so the conversion declares it as llama.cpp's "gpt-2".
+``checkpoints._synthetic_tokenizer``), so the conversion declares it as llama.cpp's "gpt-2". So does the
+shipped demo model's (a byte-level BPE whose split spells capitalised words letter by letter, which llama.cpp
+has no pre-tokenizer for): its GGUF is for the rows that hand llama.cpp token ids (speed, context), and
+would split text differently from mlxchat.
+
+A checkpoint whose config declares multi-token-prediction layers (``mtp_num_hidden_layers``: Qwen3.5) is
+converted without them (``--no-mtp``): mlxchat does not run them, the benchmark checkpoints (built by
+transformers) hold no ``mtp.*`` weights, and llama.cpp refuses a file that counts those layers without
+their tensors ("tensor 'blk.24.attn_norm.weight' not found").
 """
 
 from __future__ import annotations
@@ -27,6 +35,8 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from .checkpoints import HERE, MARKER
+
+DEMO = HERE.parent / "core" / "demo" / "model"
 
 GGUF_DIR = Path(os.environ.get("MLXCHAT_BENCH_GGUF", HERE / "gguf"))
 TYPES = ("f32", "f16", "q8_0", "q4_0")
@@ -82,10 +92,18 @@ def converted(folder: Path, kind: str) -> Path:
 
 
 def _pre_tokenizer(folder: Path) -> str:
-    """"gpt-2" for the benchmark's synthetic vocabulary (see the module docstring), else "" (detected)."""
+    """"gpt-2" for the benchmark's synthetic vocabulary and the demo model's (see the module docstring), else
+    "" (detected)."""
     marker = folder / MARKER
     synthetic = marker.exists() and json.loads(marker.read_text())["tokenizer"].startswith("synthetic")
-    return "gpt-2" if synthetic else ""
+    return "gpt-2" if synthetic or folder.resolve() == DEMO.resolve() else ""
+
+
+def _mtp_flags(folder: Path) -> list[str]:
+    """``--no-mtp`` where the config declares multi-token-prediction layers (see the module docstring)."""
+    config = json.loads((folder / "config.json").read_text())
+    layers = config.get("text_config", config).get("mtp_num_hidden_layers") or config.get("mtp_num_hidden_layers")
+    return ["--no-mtp"] if layers else []
 
 
 def _fresh(target: Path, folder: Path) -> bool:
@@ -105,7 +123,7 @@ def convert(folder: Path, kind: str) -> Path:
     partial = target.with_suffix(".partial")
     if kind in CONVERTED:
         command = [sys.executable, "-c", _BOOTSTRAP, str(script), _pre_tokenizer(folder), str(folder),
-                   "--outfile", str(partial), "--outtype", kind]
+                   "--outfile", str(partial), "--outtype", kind, *_mtp_flags(folder)]
         subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
     else:
         quantize(convert(folder, "f32"), partial, kind)

@@ -6,9 +6,10 @@ API (``--api``): ``chat`` sends each request with the whole conversation to ``/v
 ``responses`` sends only the new input to ``/v1/responses``, continuing the previous response by
 ``previous_response_id``. Then every request is sent again, alone, one at a time (for ``responses`` with
 ``store: false``, so the chain stays as it was): each reply must equal the one it got under load. Reported:
-errors, mismatches, latency percentiles, the share of prompt tokens served from cache, and the idle cache
-pool's bytes against its bound. Results go to ``benchmarks/results/load.json`` (and ``.md``;
-``load-responses.*`` for the Responses API).
+errors, mismatches, latency percentiles, the share of prompt tokens served from cache, the idle cache
+pool's bytes against its bound, and whether the server's ``/metrics`` counters, scraped before and after the
+load, grew by what the clients saw (requests, prompt, cached and generated tokens). Results go to
+``benchmarks/results/load.json`` (and ``.md``; ``load-responses.*`` for the Responses API).
 """
 
 from __future__ import annotations
@@ -44,6 +45,32 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
 
 
+COUNTERS = {"requests": "mlxchat_requests_total", "prompt_tokens": "mlxchat_prompt_tokens_total",
+            "cached_tokens": "mlxchat_cached_prompt_tokens_total", "generated_tokens": "mlxchat_generated_tokens_total"}
+
+
+def scrape_counters(url: str, endpoint: str) -> dict[str, float]:
+    """An mlxchat server's counters of one endpoint (requests of every status), read from ``GET /metrics``."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    page = httpx.get(f"{url}/metrics", timeout=60)
+    page.raise_for_status()
+    counts = dict.fromkeys(COUNTERS, 0.0)
+    names = {metric: key for key, metric in COUNTERS.items()}
+    for family in text_string_to_metric_families(page.text):
+        for sample in family.samples:
+            if sample.name in names and sample.labels.get("endpoint") == endpoint:
+                counts[names[sample.name]] += sample.value
+    return counts
+
+
+def counters_check(before: dict[str, float], after: dict[str, float], seen: dict[str, int]) -> dict[str, Any]:
+    """How much the server's counters grew against what the clients saw, and whether they are equal."""
+    server = {key: int(after[key] - before[key]) for key in COUNTERS}
+    return {"server": server, "clients": seen, "equal": server == seen}
+
+
 class Client:
     """One conversation: each request adds the last reply and either the tool results it asked for or a new
     question. Subclasses say how a request is written and a reply read."""
@@ -60,7 +87,7 @@ class Client:
         self.replies: list[Any] = []
         self.latencies: list[float] = []
         self.errors: list[str] = []
-        self.prompt_tokens = self.cached_tokens = 0
+        self.prompt_tokens = self.cached_tokens = self.generated_tokens = 0
 
     def run(self) -> None:
         import httpx
@@ -74,7 +101,9 @@ class Client:
                     response.raise_for_status()
                     data = response.json()
                 except Exception as exc:  # noqa: BLE001 - counted and reported
-                    self.errors.append(f"{type(exc).__name__}: {exc}")
+                    answer = getattr(exc, "response", None)  # an HTTP error: what the server said, too
+                    said = f" ({answer.text[:300]})" if answer is not None else ""
+                    self.errors.append(f"{type(exc).__name__}: {exc}{said}")
                     self.replies.append(None)
                     self.sent.append(body)
                     self.restart()
@@ -84,6 +113,7 @@ class Client:
                 self.replies.append(self.reply(data))
                 self.prompt_tokens += self.prompt_of(data)
                 self.cached_tokens += self.cached_of(data)
+                self.generated_tokens += self.generated_of(data)
                 self.record(data)
 
     def call(self, name: str, arguments: str) -> str:
@@ -104,6 +134,9 @@ class Client:
         raise NotImplementedError
 
     def cached_of(self, data: dict[str, Any]) -> int:
+        raise NotImplementedError
+
+    def generated_of(self, data: dict[str, Any]) -> int:
         raise NotImplementedError
 
     def record(self, data: dict[str, Any]) -> None:
@@ -136,6 +169,9 @@ class ChatClient(Client):
 
     def cached_of(self, data: dict[str, Any]) -> int:
         return int(data["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+    def generated_of(self, data: dict[str, Any]) -> int:
+        return int(data["usage"]["completion_tokens"])
 
     def record(self, data: dict[str, Any]) -> None:
         message = self.reply(data)
@@ -178,6 +214,9 @@ class ResponsesClient(Client):
     def cached_of(self, data: dict[str, Any]) -> int:
         return int(data["usage"]["input_tokens_details"]["cached_tokens"])
 
+    def generated_of(self, data: dict[str, Any]) -> int:
+        return int(data["usage"]["output_tokens"])
+
     def record(self, data: dict[str, Any]) -> None:
         self.previous = data["id"]
         self.pending = [{"type": "function_call_output", "call_id": item["call_id"],
@@ -189,6 +228,7 @@ class ResponsesClient(Client):
 
 
 CLIENTS: dict[str, type[Client]] = {"chat": ChatClient, "responses": ResponsesClient}
+ENDPOINTS = {"chat": "chat.completions", "responses": "responses"}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -225,6 +265,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     clients = [CLIENTS[args.api](i, url, args.requests, args.max_tokens) for i in range(args.clients)]
     threads = [threading.Thread(target=c.run) for c in clients]
+    before = scrape_counters(url, ENDPOINTS[args.api])
     started = time.monotonic()
     peak_pool = 0
     for t in threads:
@@ -233,6 +274,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         peak_pool = max(peak_pool, pool.nbytes)
         time.sleep(0.05)
     load_seconds = time.monotonic() - started
+    seen = {"requests": sum(c.requests for c in clients), "prompt_tokens": sum(c.prompt_tokens for c in clients),
+            "cached_tokens": sum(c.cached_tokens for c in clients),
+            "generated_tokens": sum(c.generated_tokens for c in clients)}
+    metrics = counters_check(before, scrape_counters(url, ENDPOINTS[args.api]), seen)
 
     import httpx
 
@@ -270,6 +315,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "cached_share": round(cached / prompt, 3) if prompt else 0.0,
         "pool": {"caches": args.caches, "max_bytes": int(args.max_cache_gb * 1e9), "peak_bytes": peak_pool,
                  "end_bytes": pool.nbytes, "end_caches": len(pool)},
+        "metrics": metrics,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")
@@ -291,11 +337,19 @@ def markdown(r: dict[str, Any]) -> str:
         f"{r['clients']} clients x {r['requests_per_client']} {API_NAMES[r.get('api', 'chat')]} requests on the demo "
         f"model, greedy, {API_WAYS[r.get('api', 'chat')]} (tool results included).\n\n"
         "| requests | errors | mismatches vs alone | req/s | p50 s | p90 s | p99 s | cached prompt share | "
-        "pool peak / bound |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- |\n"
+        "pool peak / bound | /metrics = clients |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n"
         f"| {r['requests']} | {len(r['errors'])} | {len(r['mismatches'])} | {r['requests_per_second']} | "
         f"{latency['p50']} | {latency['p90']} | {latency['p99']} | {r['cached_share']:.0%} | "
-        f"{pool['peak_bytes'] / 1e6:.1f} MB / {pool['max_bytes'] / 1e6:.0f} MB ({pool['caches']} caches) |\n"
+        f"{pool['peak_bytes'] / 1e6:.1f} MB / {pool['max_bytes'] / 1e6:.0f} MB ({pool['caches']} caches) | "
+        f"{metrics_cell(r)} |\n"
     )
+
+
+def metrics_cell(r: dict[str, Any]) -> str:
+    if "metrics" not in r:  # a result from before the counters were checked
+        return "—"
+    check = r["metrics"]
+    return "yes" if check["equal"] else f"no: {json.dumps(check['server'])} vs {json.dumps(check['clients'])}"
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from .batching import table as batching_table
+from .constrained import table as constrained_table
 from .engines import LABELS
 from .speculative import table as speculative_table
 
@@ -233,8 +234,10 @@ def markdown(results: dict[str, Any]) -> str:
     for model in results["models"].values():
         lines += speed_table(model, settings["prefill"], settings["decode"])
         lines += sessions_table(model)
-    lines += batching_table({model["title"]: model["batching"] for model in results["models"].values()
-                             if model.get("batching")})
+    lines += batching_table({f"{model['title']}{label}": model[field] for model in results["models"].values()
+                             for field, label in (("batching", ""), ("batching_4bit", " 4-bit")) if model.get(field)})
+    lines += constrained_table({model["title"]: model["constrained"] for model in results["models"].values()
+                                if model.get("constrained")})
     lines += speculative_table(results.get("speculative") or {})
     vision = results.get("vision") or {}
     if vision:

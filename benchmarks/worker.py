@@ -6,8 +6,9 @@ The result is printed as one JSON line after ``RESULT_MARK``.
 
 Jobs: ``info`` (what mlxchat runs on here), ``limits`` (bandwidth and GEMM), ``speed`` (prefill at
 several prompt lengths, decode, peak memory), ``sessions`` (see :mod:`benchmarks.sessions`), ``batching``
-(see :mod:`benchmarks.batching`), ``speculative`` (see :mod:`benchmarks.speculative`) and ``vision`` (a
-prompt with a picture, see :mod:`benchmarks.vision`).
+(see :mod:`benchmarks.batching`), ``speculative`` (see :mod:`benchmarks.speculative`), ``vision`` (a
+prompt with a picture, see :mod:`benchmarks.vision`), ``context`` (one context length, see
+:mod:`benchmarks.context`) and ``lora`` (one engine's LoRA training, see :mod:`benchmarks.lora`).
 """
 
 from __future__ import annotations
@@ -136,10 +137,64 @@ def batching(job: dict[str, Any]) -> dict[str, Any]:
     return together.run(job)
 
 
+def constrained(job: dict[str, Any]) -> dict[str, Any]:
+    from . import constrained as held
+
+    return held.run(job)
+
+
 def speculative(job: dict[str, Any]) -> dict[str, Any]:
     from . import speculative as pairs
 
     return pairs.run(job)
+
+
+def context(job: dict[str, Any]) -> dict[str, Any]:
+    """One engine at one context length (see :mod:`benchmarks.context`): a prompt that long, then
+    ``decode`` tokens at that depth."""
+    from .engines import open_engine, peak_rss_bytes
+
+    if job["engine"] == "mlxchat-session":
+        return session_turn(job)
+    length, size = job["length"], job["tokenizer_size"]
+    engine = open_engine(job["engine"], Path(job["folder"]), blas_path=job.get("blas_path"), dtype=job.get("dtype"),
+                         context=length + job["decode"] + 64)
+    list(engine.stream(prompt_ids(16, 1, size), 2))  # warm-up: first-call allocations and compilation
+    engine.reset_peak()
+    arrivals = []
+    begin = time.perf_counter()
+    for _ in engine.stream(prompt_ids(length, length, size), job["decode"] + 1):
+        arrivals.append(time.perf_counter())
+    span = arrivals[-1] - arrivals[0]
+    return {**engine.describe(), "prompt_tokens": length, "ttft_s": arrivals[0] - begin,
+            "prefill_tps": length / (arrivals[0] - begin), "generated": len(arrivals) - 1,
+            "decode_tps": (len(arrivals) - 1) / span if span > 0 else None, "peak_bytes": engine.peak_bytes(),
+            "peak_rss_bytes": peak_rss_bytes()}
+
+
+def session_turn(job: dict[str, Any]) -> dict[str, Any]:
+    """A ChatSession turn whose user message is about ``length`` tokens of the benchmark's report text
+    (rendered through the chat template; the session's cache, snapshots and prefix pool as in use)."""
+    import mlxchat  # before mlx.core, always: it puts OpenBLAS under MLX (see benchmarks.engines)
+
+    from .engines import Mlxchat, peak_rss_bytes
+    from .sessions import document_words
+    from .texts import SYSTEM, document
+
+    folder = Path(job["folder"])
+    engine = Mlxchat(folder, "mlxchat-session")
+    model: mlxchat.GenerativeModel = engine.model
+    config = mlxchat.GenerationConfig(max_tokens=job["decode"] + 1, temperature=0.0)
+    empty = model.apply_chat_template([{"role": "system", "content": SYSTEM}, {"role": "user", "content": ""}])
+    message = document(document_words(str(folder / "tokenizer.json"), max(1, job["length"] - len(empty))))
+    model.generate(model.encode(SYSTEM), config.merged({"max_tokens": 2}))  # warm-up, fresh cache
+    session = model.chat_session(system=SYSTEM, default_config=config)
+    engine.reset_peak()
+    report = session.send(message).report
+    return {**engine.describe(), "prompt_tokens": report.prompt_tokens, "ttft_s": report.ttft_s,
+            "prefill_tps": report.prompt_tokens / report.ttft_s, "generated": report.generated_tokens - 1,
+            "decode_tps": report.decode_tps or None, "peak_bytes": engine.peak_bytes(),
+            "peak_rss_bytes": peak_rss_bytes()}
 
 
 def vision(job: dict[str, Any]) -> dict[str, Any]:
@@ -156,8 +211,15 @@ def vision(job: dict[str, Any]) -> dict[str, Any]:
     return {**images.engine.describe(), "load_s": load_s, **result, "peak_rss_bytes": peak_rss_bytes()}
 
 
+def lora(job: dict[str, Any]) -> dict[str, Any]:
+    """One engine's LoRA training run (see :mod:`benchmarks.lora`)."""
+    from .lora import train_one
+
+    return train_one(job)
+
+
 JOBS = {"info": info, "limits": limits, "speed": speed, "sessions": sessions, "batching": batching,
-        "speculative": speculative, "vision": vision}
+        "constrained": constrained, "speculative": speculative, "vision": vision, "context": context, "lora": lora}
 
 
 def main() -> None:

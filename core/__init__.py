@@ -15,6 +15,7 @@ from .cache import KVCache, LayerCache, StateCache  # noqa: E402
 from .config import ModelConfig, RopeConfig  # noqa: E402
 from .controller import ChatController, ChatState, InputRequest, QueuedPrompt  # noqa: E402
 from .errors import (  # noqa: E402
+    AdapterError,
     CheckpointError,
     ContextLengthError,
     DistributedError,
@@ -23,6 +24,7 @@ from .errors import (  # noqa: E402
     InvalidInputError,
     MlxchatError,
     PluginError,
+    RewardError,
     SavedStateError,
     SessionClosedError,
     SessionStateError,
@@ -34,10 +36,11 @@ from .errors import (  # noqa: E402
 from .generation import GenerationChunk, GenerationConfig, GenerationReport, GenerationResult  # noqa: E402
 from .hookspecs import hookimpl  # noqa: E402
 from .images import ImageProcessor, ProcessedImage, load_image  # noqa: E402
-from .loading import build_model, load_model, load_session  # noqa: E402
+from .loading import build_model, checkpoint_context, load_model, load_session  # noqa: E402
 from .messages import ChatMessage, FunctionCall, ReplyVersion, ToolCall  # noqa: E402
 from .model import Capabilities, GenerativeModel  # noqa: E402
 from .multimodal import ImageSpan, MultimodalPrompt, VisionModule  # noqa: E402
+from .prefix_cache import PromptCachePool  # noqa: E402
 from .prompt_cache import PromptCache  # noqa: E402
 from .registry import detect_model_type, registry  # noqa: E402
 from .reply import TextDelta, ThinkingDelta, ToolCallEvent  # noqa: E402
@@ -48,6 +51,7 @@ from .session import (  # noqa: E402
     ChatStream,
     Done,
     SessionCapableModel,
+    SessionState,
     StreamEvent,
     ToolResultEvent,
 )
@@ -63,6 +67,7 @@ __all__ = [
     "ChatSession",
     "ChatState",
     "ChatStream",
+    "AdapterError",
     "CheckpointError",
     "ContextLengthError",
     "DistributedError",
@@ -86,13 +91,16 @@ __all__ = [
     "ModelModule",
     "MultimodalPrompt",
     "PluginError",
+    "RewardError",
     "ProcessedImage",
     "PromptCache",
+    "PromptCachePool",
     "QueuedPrompt",
     "ReplyVersion",
     "SavedStateError",
     "RopeConfig",
     "SessionCapableModel",
+    "SessionState",
     "SessionClosedError",
     "SessionStateError",
     "StateCache",
@@ -115,6 +123,7 @@ __all__ = [
     "detect_model_type",
     "hookimpl",
     "load_image",
+    "checkpoint_context",
     "load_model",
     "load_session",
     "registry",

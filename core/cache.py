@@ -6,7 +6,8 @@
 - ``restore(snapshot)``: go back to a snapshot's position.
 
 Every kind also says what saving it takes (``state_dict``: named arrays and JSON fields) and takes that
-back (``load_state``, checking it), so a prompt cache can go to disk and come back exactly
+back (``load_state``, checking it, array shapes included against ``like``: the arrays this model's layer
+holds, one token run through it lazily), so a prompt cache can go to disk and come back exactly
 (:mod:`mlxchat.persistence`).
 
 A full-attention KV cache trims to any earlier position. A state that summarises the whole past (a conv
@@ -16,11 +17,13 @@ snapshots; :class:`mlxchat.prompt_cache.PromptCache` takes those at turn boundar
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 
-from .errors import SavedStateError
+from .errors import InvalidInputError, SavedStateError
 
 Arrays = dict[str, mx.array]
 
@@ -67,8 +70,10 @@ class LayerCache:
         """The arrays (by name) and the JSON fields that hold this cache's state."""
         return {}, {"offset": self.offset}
 
-    def load_state(self, arrays: Arrays, fields: dict[str, Any]) -> None:
-        """Take back what :meth:`state_dict` gave (read from a file: checked, :class:`SavedStateError`)."""
+    def load_state(self, arrays: Arrays, fields: dict[str, Any], like: Arrays | None = None) -> None:
+        """Take back what :meth:`state_dict` gave (read from a file: checked, :class:`SavedStateError`);
+        ``like``: this model's arrays of the layer, whose shapes and dtypes the saved ones must have (but
+        for the token axis of keys and values)."""
         self.offset = _count(fields, "offset")
 
 
@@ -79,16 +84,41 @@ def _count(fields: dict[str, Any], name: str) -> int:
     return value
 
 
-def _pair(arrays: Arrays, tokens: int | None, owner: str) -> tuple[mx.array | None, mx.array | None]:
+def _shifts(fields: dict[str, Any], offset: int) -> list[tuple[int, int]]:
+    """A KV cache's saved :attr:`KVCache.shifts`, checked."""
+    shifts = fields.get("shifts")
+    if not isinstance(shifts, list) or not all(
+            isinstance(s, list) and len(s) == 2 and all(isinstance(v, int) and not isinstance(v, bool) for v in s)
+            and 0 <= s[0] <= offset for s in shifts):
+        raise SavedStateError("a KV cache's shifts must be [index, shift] pairs within its tokens")
+    return [(index, shift) for index, shift in shifts]
+
+
+def _pair(arrays: Arrays, tokens: int | None, owner: str,
+          like: Arrays | None) -> tuple[mx.array | None, mx.array | None]:
     """Saved keys and values: both or neither, ``[batch, heads, tokens, dim]`` of one batch, head count and
-    token count (``tokens``, when it is known)."""
+    token count (``tokens``, when it is known), and the heads, dims and dtype of ``like``'s."""
     keys, values = arrays.get("keys"), arrays.get("values")
     if keys is None and values is None:
         return None, None
     if keys is None or values is None or keys.ndim != 4 or values.ndim != 4 or keys.shape[:3] != values.shape[:3] \
             or (tokens is not None and keys.shape[2] != tokens):
         raise SavedStateError(f"{owner}: saved keys and values do not fit each other or the cache's position")
+    for name, saved in (("keys", keys), ("values", values)):
+        mine = (like or {}).get(name)
+        if mine is not None and (_without_tokens(saved) != _without_tokens(mine) or saved.dtype != mine.dtype):
+            _misfit(owner, name, saved, mine)
     return keys, values
+
+
+def _without_tokens(array: mx.array) -> tuple[int, ...]:
+    return (*array.shape[:2], *array.shape[3:])
+
+
+def _misfit(owner: str, name: str, saved: mx.array, mine: mx.array) -> None:
+    raise SavedStateError(f"{owner}: saved {name} of shape {list(saved.shape)} ({saved.dtype}) do not fit this "
+                          f"model's {list(mine.shape)} ({mine.dtype}): saved by another model or another split of "
+                          f"it (a tensor-parallel rank's holds a part of the heads); load it where it was saved")
 
 
 class KeysValues(LayerCache):
@@ -144,18 +174,13 @@ class KVCache(KeysValues):
             "keys": self.keys[..., : self.offset, :], "values": self.values[..., : self.offset, :]}
         return held, {"offset": self.offset, "shifts": [list(s) for s in self.shifts]}
 
-    def load_state(self, arrays: Arrays, fields: dict[str, Any]) -> None:
+    def load_state(self, arrays: Arrays, fields: dict[str, Any], like: Arrays | None = None) -> None:
         offset = _count(fields, "offset")
-        shifts = fields.get("shifts")
-        if not isinstance(shifts, list) or not all(
-                isinstance(s, list) and len(s) == 2 and all(isinstance(v, int) and not isinstance(v, bool) for v in s)
-                and 0 <= s[0] <= offset for s in shifts):
-            raise SavedStateError("a KV cache's shifts must be [index, shift] pairs within its tokens")
-        self.keys, self.values = _pair(arrays, offset, "a KV cache")
+        self.keys, self.values = _pair(arrays, offset, "a KV cache", like)
         if offset and self.keys is None:
             raise SavedStateError("a KV cache that holds tokens was saved without its keys and values")
         self.offset = offset
-        self.shifts = [(index, shift) for index, shift in shifts]
+        self.shifts = _shifts(fields, offset)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Append this chunk's keys and values; return everything cached so far."""
@@ -174,6 +199,191 @@ class KVCache(KeysValues):
         self.keys[..., start : self.offset, :] = keys
         self.values[..., start : self.offset, :] = values
         return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
+
+
+KV_BITS = (2, 3, 4, 5, 6, 8)
+"""Bits a quantized KV cache may store per value (those ``mx.quantize`` takes)."""
+KV_GROUP_SIZES = (32, 64, 128)
+
+Quantized = tuple[mx.array, mx.array, mx.array]
+"""``mx.quantize``'s packed values, scales and biases, ``[batch, heads, tokens, ...]``."""
+
+
+def check_kv_format(bits: Any, group_size: Any) -> None:
+    """A quantized KV format mlxchat can run (:class:`InvalidInputError` naming what would)."""
+    if isinstance(bits, bool) or bits not in KV_BITS:
+        raise InvalidInputError(f"kv_bits must be one of {', '.join(map(str, KV_BITS))} (or None for float "
+                                f"keys and values), got {bits!r}")
+    if isinstance(group_size, bool) or group_size not in KV_GROUP_SIZES:
+        raise InvalidInputError(f"kv_group_size must be one of {', '.join(map(str, KV_GROUP_SIZES))}, "
+                                f"got {group_size!r}")
+
+
+class QuantizedKVCache(KVCache):
+    """Keys and values of a full-attention layer stored group-wise quantized (affine, ``mx.quantize``'s
+    layout: each token's head vector in groups of ``group_size`` features, zero-padded to whole groups,
+    ``bits`` a value, a float scale and bias a group), so that a long conversation holds about 0.28x
+    (8-bit) or 0.16x (4-bit, groups of 64) of float32's memory.
+
+    The newest tokens stay in full precision (:attr:`tail`) until ``group_size`` of them have gathered;
+    they are quantized together after the forward that completed the group, so a chunk's queries always
+    read the chunk's own keys unrounded. :func:`mlxchat.layers.attend` reads the packed values where they lie
+    (:meth:`update_and_fetch_quantized`; no float copy of the cache); :meth:`update_and_fetch` gives float
+    keys and values for layers that attend otherwise (a float copy per call, the stored cache staying
+    quantized). It cuts back to any position like a float cache
+    (tokens cut from the quantized part are simply dropped; later tokens gather in the tail again).
+    """
+
+    def __init__(self, bits: int = 8, group_size: int = 64) -> None:
+        super().__init__()
+        check_kv_format(bits, group_size)
+        self.bits, self.group_size = bits, group_size
+        self.quantized: tuple[Quantized, Quantized] | None = None
+        """Buffers of the quantized keys and values (grown in steps); the first :attr:`held_quantized` tokens
+        are valid."""
+        self.held_quantized = 0
+        self.tail: tuple[mx.array, mx.array] | None = None
+        """Float keys and values of the tokens after the quantized ones."""
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Add this chunk; return every token's keys and values in float (the quantized ones dequantized):
+        for layers that attend without :func:`mlxchat.layers.attend`."""
+        return self.update_and_fetch_quantized(keys, values).dequantized()
+
+    def update_and_fetch_quantized(self, keys: mx.array, values: mx.array) -> QuantizedKeysValues:
+        """Add this chunk; return the quantized keys and values (views of the buffers' used part) and the float
+        tail, which ends with this chunk. Full groups of the tail are quantized afterwards."""
+        if self.tail is not None:
+            keys = mx.concatenate([self.tail[0], keys], axis=2)
+            values = mx.concatenate([self.tail[1], values], axis=2)
+        prefix = None if not self.held_quantized or self.quantized is None else tuple(
+            tuple(a[..., : self.held_quantized, :] for a in part) for part in self.quantized)
+        self.offset = self.held_quantized + keys.shape[2]
+        full = keys.shape[2] // self.group_size * self.group_size
+        self.tail = (keys, values)
+        if full:
+            self._store(keys[..., :full, :], values[..., :full, :])
+            self.tail = (keys[..., full:, :], values[..., full:, :]) if full < keys.shape[2] else None
+        return QuantizedKeysValues(prefix, keys, values, self.bits, self.group_size)  # type: ignore[arg-type]
+
+    def _store(self, keys: mx.array, values: mx.array) -> None:
+        """Quantize ``keys``/``values`` into the buffers after the tokens held there (a head size that is not
+        a multiple of the group size padded with zeros, which add nothing to a score and are cut from an
+        output)."""
+        start, length = self.held_quantized, keys.shape[2]
+        new = [mx.quantize(padded(x, self.group_size), group_size=self.group_size, bits=self.bits)
+               for x in (keys, values)]
+        if self.quantized is None or start + length > self.quantized[0][0].shape[2]:
+            grow = -(-length // self.step) * self.step
+            room = [tuple(mx.zeros((*a.shape[:2], grow, a.shape[3]), a.dtype) for a in part) for part in new]
+            if self.quantized is not None:
+                room = [tuple(mx.concatenate([old[..., :start, :], fresh], axis=2) for old, fresh in
+                              zip(held, part, strict=True)) for held, part in zip(self.quantized, room, strict=True)]
+            self.quantized = (room[0], room[1])  # type: ignore[assignment]
+        assert self.quantized is not None
+        for buffers, part in zip(self.quantized, new, strict=True):
+            for buffer, array in zip(buffers, part, strict=True):
+                buffer[..., start : start + length, :] = array
+        self.held_quantized = start + length
+
+    def trim_to(self, position: int) -> None:
+        super().trim_to(position)
+        if position >= self.held_quantized:
+            kept = position - self.held_quantized
+            self.tail = None if self.tail is None or not kept else tuple(  # type: ignore[assignment]
+                x[..., :kept, :] for x in self.tail)
+        else:
+            self.held_quantized, self.tail = position, None
+
+    @property
+    def state(self) -> list[mx.array | None]:
+        buffers = [a for part in self.quantized for a in part] if self.quantized is not None else []
+        return [*buffers, *(self.tail or ())]
+
+    def state_dict(self) -> tuple[Arrays, dict[str, Any]]:
+        arrays: Arrays = {}
+        if self.quantized is not None and self.held_quantized:
+            for name, part in zip(("keys", "values"), self.quantized, strict=True):
+                arrays.update({f"{name}.{field}": a[..., : self.held_quantized, :]
+                               for field, a in zip(("packed", "scales", "biases"), part, strict=True)})
+        if self.tail is not None:
+            arrays.update({"keys": self.tail[0], "values": self.tail[1]})
+        return arrays, {"offset": self.offset, "shifts": [list(s) for s in self.shifts], "bits": self.bits,
+                        "group_size": self.group_size, "quantized": self.held_quantized}
+
+    def load_state(self, arrays: Arrays, fields: dict[str, Any], like: Arrays | None = None) -> None:
+        if (fields.get("bits"), fields.get("group_size")) != (self.bits, self.group_size):
+            raise SavedStateError(f"a {self.bits}-bit KV cache (groups of {self.group_size}) was saved with "
+                                  f"bits {fields.get('bits')!r}, group size {fields.get('group_size')!r}")
+        held, offset = _count(fields, "quantized"), _count(fields, "offset")
+        if held > offset:
+            raise SavedStateError(f"a quantized KV cache holds {held} quantized tokens of {offset}")
+        tail = _pair(arrays, offset - held, "a quantized KV cache's float tail", like)
+        if offset > held and tail[0] is None:
+            raise SavedStateError("a quantized KV cache was saved without its float tail")
+        names = [f"{n}.{f}" for n in ("keys", "values") for f in ("packed", "scales", "biases")]
+        parts = [arrays.get(n) for n in names]
+        if held and (any(a is None or a.ndim != 4 or a.shape[2] != held for a in parts)
+                     or any(a.shape[:2] != parts[0].shape[:2] for a in parts)  # type: ignore[union-attr]
+                     or parts[0].dtype != mx.uint32 or parts[3].dtype != mx.uint32  # type: ignore[union-attr]
+                     or any(p.shape[3] * 32 != s.shape[3] * self.group_size * self.bits  # type: ignore[union-attr]
+                            for p, s in ((parts[0], parts[1]), (parts[3], parts[4])))):
+            raise SavedStateError("a quantized KV cache's saved arrays do not fit each other or its format")
+        mine = (like or {}).get("keys")  # this model's float keys: the packed ones have as many heads
+        if held and mine is not None and parts[0].shape[1] != mine.shape[1]:  # type: ignore[union-attr]
+            _misfit("a quantized KV cache", "packed keys", parts[0], mine)  # type: ignore[arg-type]
+        self.offset, self.shifts = offset, _shifts(fields, offset)
+        self.tail = None if tail[0] is None else tail  # type: ignore[assignment]
+        self.held_quantized = held
+        if not held:
+            self.quantized = None
+            return
+        self.quantized = (tuple(parts[:3]), tuple(parts[3:]))  # type: ignore[assignment]
+
+
+@dataclass(frozen=True)
+class QuantizedKeysValues:
+    """What a chunk's queries attend over in a :class:`QuantizedKVCache`: the packed keys and values held
+    before it (``None`` while there are none; ``mx.quantize``'s arrays, head size padded to whole groups) and
+    the float ones after them (the tail, which ends with the chunk)."""
+
+    prefix: tuple[Quantized, Quantized] | None
+    keys: mx.array
+    values: mx.array
+    bits: int
+    group_size: int
+
+    @property
+    def length(self) -> int:
+        """Keys attended over."""
+        return (0 if self.prefix is None else self.prefix[0][0].shape[2]) + self.keys.shape[2]
+
+    def dequantized(self) -> tuple[mx.array, mx.array]:
+        """Every key and value in float: a float copy of the packed ones (for attention that cannot read them)."""
+        if self.prefix is None:
+            return self.keys, self.values
+        whole = [mx.concatenate([mx.dequantize(*part, group_size=self.group_size, bits=self.bits)[..., : x.shape[-1]]
+                                 .astype(x.dtype), x], axis=2) for part, x in zip(self.prefix, (self.keys, self.values),
+                                                                                strict=True)]
+        return whole[0], whole[1]
+
+
+def padded(x: mx.array, group_size: int) -> mx.array:
+    """``x`` with its last axis padded with zeros to a multiple of ``group_size``."""
+    pad = -x.shape[-1] % group_size
+    return x if not pad else mx.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)])
+
+
+def quantized_kv(make_layers: Callable[[], list[LayerCache]], bits: int, group_size: int
+                 ) -> Callable[[], list[LayerCache]]:
+    """``make_layers`` with every full-attention :class:`KVCache` it makes replaced by a
+    :class:`QuantizedKVCache` (sliding windows, recurrent states and subclasses stay as they are)."""
+    check_kv_format(bits, group_size)
+
+    def make() -> list[LayerCache]:
+        return [QuantizedKVCache(bits, group_size) if type(layer) is KVCache else layer for layer in make_layers()]
+
+    return make
 
 
 class StateCache(LayerCache):
@@ -212,10 +422,14 @@ class StateCache(LayerCache):
         return ({str(i): a for i, a in enumerate(self.arrays) if a is not None},
                 {"offset": self.offset, "size": len(self.arrays)})
 
-    def load_state(self, arrays: Arrays, fields: dict[str, Any]) -> None:
+    def load_state(self, arrays: Arrays, fields: dict[str, Any], like: Arrays | None = None) -> None:
         if fields.get("size") != len(self.arrays) or set(arrays) - {str(i) for i in range(len(self.arrays))}:
             raise SavedStateError(f"a state cache of {len(self.arrays)} arrays was saved with "
                                   f"{fields.get('size')!r}")
+        for name, saved in arrays.items():
+            mine = (like or {}).get(name)
+            if mine is not None and (saved.shape != mine.shape or saved.dtype != mine.dtype):
+                _misfit("a state cache", f"state {name}", saved, mine)
         self.offset = _count(fields, "offset")
         self.arrays = [arrays.get(str(i)) for i in range(len(self.arrays))]
 
@@ -307,12 +521,12 @@ class SlidingWindowCache(KeysValues):
         held = {} if self.keys is None or self.values is None else {"keys": self.keys, "values": self.values}
         return held, {"offset": self.offset, "start": self.start, "window": self.window}
 
-    def load_state(self, arrays: Arrays, fields: dict[str, Any]) -> None:
+    def load_state(self, arrays: Arrays, fields: dict[str, Any], like: Arrays | None = None) -> None:
         offset, start = _count(fields, "offset"), _count(fields, "start")
         if fields.get("window") != self.window or not max(0, offset - self.window) <= start <= offset:
             raise SavedStateError(f"a sliding-window cache of {self.window} tokens was saved with window "
                                   f"{fields.get('window')!r}, start {start} and offset {offset}")
-        keys, values = _pair(arrays, self.window if offset else None, "a sliding-window cache")
+        keys, values = _pair(arrays, self.window if offset else None, "a sliding-window cache", like)
         if offset and keys is None:
             raise SavedStateError("a sliding-window cache that holds tokens was saved without its keys and values")
         self.offset, self.start, self.keys, self.values = offset, start, keys, values

@@ -1,4 +1,4 @@
-"""The ``mlxchat`` command: ``generate``, ``chat``, ``serve``, ``info`` and ``profile``.
+"""The ``mlxchat`` command: ``generate``, ``chat``, ``serve``, ``train``, ``info`` and ``profile``.
 
 Arguments are checked before any model loads (one line on stderr and exit status 2 when one is wrong);
 library errors are one line too (status 1); Ctrl-C ends ``generate`` quietly with status 130.
@@ -18,6 +18,9 @@ from typing import Any, TextIO
 
 from pydantic import ValidationError
 
+from .batching import DEFAULT_PREFILL_STEP_BUDGET
+from .constraints import format_grammar
+from .distributed.watchdog import DEFAULT_TIMEOUT
 from .errors import MlxchatError
 from .generation import GenerationConfig, GenerationReport
 from .runtime import package_version
@@ -27,8 +30,11 @@ EPILOG = """examples:
   mlxchat generate --tools demo "What's the weather in London?"
   mlxchat generate --model Qwen/Qwen3-0.6B --max-tokens 200 "Write a haiku about rain."
   mlxchat chat --model ./my-checkpoint --system "Be concise."
-  mlxchat serve --model Qwen/Qwen3-0.6B --port 8000     # OpenAI-compatible API
+  mlxchat serve --model Qwen/Qwen3-0.6B --port 8000     # OpenAI-compatible API, chat page at /
+  mlxchat chat --web --tools demo                        # the chat page in a browser
   mlx.launch --backend ring -n 2 -- mlxchat generate --distributed tensor --model Qwen/Qwen3-0.6B "Hi"
+  mlxchat serve --model Qwen/Qwen3-0.6B --adapter ./my-lora  # a peft-format LoRA adapter, unfused
+  mlxchat train sft run.yaml                            # LoRA/QLoRA or whole-model SFT; grpo too
   mlxchat info
   MLXCHAT_PROFILE=p.json mlxchat generate "Hi" && mlxchat profile p.json
 
@@ -58,9 +64,22 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
                         help="compute dtype (default: float32 on CPU, the checkpoint's own on a GPU)")
     parser.add_argument("--context-length", type=int, metavar="N",
                         help="most tokens (prompt and reply) a generation may hold (default: the model's own)")
+    parser.add_argument("--adapter", metavar="DIR",
+                        help="a LoRA adapter in peft's layout (folder or Hub repo) applied to the model, unfused")
+    parser.add_argument("--kv-bits", type=int, choices=[2, 3, 4, 5, 6, 8], metavar="BITS",
+                        help="store attention keys and values group-wise quantized, BITS a value (8 or 4; "
+                             "default: float)")
+    parser.add_argument("--kv-group-size", type=int, choices=[32, 64, 128], default=64,
+                        help="features per quantization group of --kv-bits")
     parser.add_argument("--distributed", choices=["tensor", "pipeline"],
                         help="split the model over the processes mlx.launch started (every rank runs the same "
                              "command; rank 0 does the talking, the others follow it)")
+    parser.add_argument("--distributed-timeout", type=float, default=DEFAULT_TIMEOUT, metavar="SECONDS",
+                        help="with --distributed: how long rank 0 waits for one step of the other ranks before it "
+                             "gives the group up (a rank died or hangs) and fails with an error")
+    parser.add_argument("--prefill-step-budget", type=int, default=DEFAULT_PREFILL_STEP_BUDGET, metavar="N",
+                        help="most prompt tokens one step prefills beside a token of every running generation "
+                             "(smaller: smoother streams while a long prompt arrives, slower prefill)")
 
 
 def _sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -78,7 +97,9 @@ def _sampling_args(parser: argparse.ArgumentParser) -> None:
                              "terminal, hide when the output is piped)")
     parser.add_argument("--tools", metavar="SPEC",
                         help="tools the model may call, run automatically with a trace on stderr: 'demo' (the "
-                             "demo's weather and time tools) or module:function,... (@tool functions)")
+                             "demo's weather and time tools) or module:function,... (@tool functions); with "
+                             "chat --web they run on the page, where the demo's weather waits for approval and "
+                             "its time asks which city")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -99,13 +120,20 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     generate.add_argument("--image", action="append", default=[], metavar="PATH",
                           help="an image to show the model with the prompt (repeatable; vision models)")
+    shape = generate.add_mutually_exclusive_group()
+    shape.add_argument("--json-schema", metavar="FILE",
+                       help="constrain the reply to JSON valid against the JSON Schema in FILE")
+    shape.add_argument("--json", action="store_true", help="constrain the reply to a JSON object")
     _sampling_args(generate)
 
     chat = commands.add_parser("chat", help="an interactive chat session", formatter_class=_Formatter,
                                description="Chat interactively. Commands: /image PATH, /reset, /system TEXT, "
                                            "/save FILE, /help, /quit. Ctrl-C stops a reply (and keeps it), "
-                                           "Ctrl-D quits.")
+                                           "Ctrl-D quits. --web opens the chat page in a browser instead.")
     _sampling_args(chat)
+    chat.add_argument("--web", action="store_true",
+                      help="serve the chat page on a free loopback port and open it in a browser (the conversations "
+                           "are kept in the server's default store)")
 
     serve = commands.add_parser("serve", help="an OpenAI- and Anthropic-compatible HTTP API (needs mlxchat[server])",
                                 formatter_class=_Formatter,
@@ -123,6 +151,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--store", default=str(_default_store()), metavar="PATH",
                        help="SQLite file keeping stored responses across restarts (':memory:' keeps them only "
                             "while the server runs)")
+    serve.add_argument("--store-max-age", type=float, default=30.0, metavar="DAYS",
+                       help="days a stored response is kept (0: for ever); older ones are answered 404")
+    serve.add_argument("--store-max-rows", type=int, default=10_000, metavar="N",
+                       help="most stored responses kept, the oldest removed first (0: no bound)")
     serve.add_argument("--max-spill-gb", type=float, default=8.0,
                        help="disk for prompt caches evicted from memory, in PATH.spill beside the store (0: none)")
     serve.add_argument("--api-key", default=os.environ.get("MLXCHAT_API_KEY"),
@@ -131,6 +163,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--caches", type=int, default=4, help="idle prompt caches kept between requests")
     serve.add_argument("--max-cache-gb", type=float, default=4.0, help="memory the idle prompt caches may hold")
     serve.add_argument("--max-body-mb", type=float, default=16.0, help="largest request body accepted")
+    serve.add_argument("--max-kv-gb", type=float, default=None,
+                       help="memory the caches of admitted requests may grow to (prompt + max_tokens each); more "
+                            "waits, a request that can never fit gets 503 (default: half the machine's memory)")
+    serve.add_argument("--metrics-open", action="store_true",
+                       help="serve GET /metrics without the API key to loopback clients (a local scraper)")
     serve.add_argument("--max-queue", type=int, default=64,
                        help="generation requests running or waiting at once (429 beyond)")
     serve.add_argument("--max-connections", type=int, default=128, help="requests in flight at once (503 beyond)")
@@ -140,10 +177,26 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a browser origin allowed to call the API (repeatable; default: none)")
     serve.add_argument("--allow-remote-images", action="store_true",
                        help="fetch http(s) image URLs in requests (default: only data: URLs)")
+    serve.add_argument("--tools", metavar="SPEC",
+                       help="tools the chat page's conversations may call, run on the server: 'demo' (the demo's "
+                            "weather tool, which waits for the user's approval, and time tool, which asks the "
+                            "user which city) or module:function,... (@tool functions; API clients run their "
+                            "own tools)")
+
+    train = commands.add_parser("train", help="fine-tune: SFT or GRPO, with LoRA/QLoRA adapters or the whole model",
+                                formatter_class=_Formatter,
+                                description="Run the training described by CONFIG.yaml (see mlxchat.train.cli): "
+                                            "a progress bar on stderr, checkpoints in OUTPUT/checkpoints; the "
+                                            "same command again resumes from the last one.")
+    train.add_argument("kind", choices=["sft", "grpo"], help="supervised fine-tuning on chats, or GRPO on prompts")
+    train.add_argument("config", metavar="CONFIG.yaml", help="the run's settings")
+    train.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     info = commands.add_parser("info", help="MLX version, device, BLAS, registered plugins, the process group",
                                formatter_class=_Formatter)
     info.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    info.add_argument("--model", "-m", help="also a checkpoint's context limit and where it comes from (reads "
+                                            "its config.json only)")
 
     profile = commands.add_parser("profile", help="summarise a profile report (MLXCHAT_PROFILE=report.json)",
                                   formatter_class=_Formatter)
@@ -163,10 +216,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         if args.command == "serve":
             return _serve(args)
+        if args.command == "train":
+            from .train.cli import run
+
+            print(run(args.kind, args.config, progress=not args.no_progress))
+            return 0
         config = _config(args)
-        tools = _tools(args.tools)
+        tools = _tools(args.tools, page=args.command == "chat" and args.web)
         if args.command == "generate":
             return _generate(args, config, tools)
+        if args.web:
+            return _web(args, config, tools)
         return _chat(args, config, tools)
     except UsageError as exc:
         print(f"mlxchat: {exc}", file=sys.stderr)
@@ -182,6 +242,11 @@ def _info(args: argparse.Namespace) -> int:
 
     info = runtime_info()
     info["distributed"] = group_info()
+    if args.model:
+        from .loading import checkpoint_context
+
+        limit, reason = checkpoint_context(args.model)
+        info["context"] = {"model": args.model, "context_length": limit, "reason": reason}
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
@@ -190,7 +255,8 @@ def _info(args: argparse.Namespace) -> int:
         blas += ", single-row products routed to sgemv"
     rows = [("mlxchat", info["mlxchat"]), ("MLX", info["mlx"]), ("Python", info["python"]),
             ("platform", info["platform"]), ("device", info["device"]), ("CPU cores", info["cpu_count"]),
-            ("BLAS", blas), ("quantized", info["quantized_kernels"]), ("fused", info["fused_kernels"])]
+            ("BLAS", blas), ("BLAS route", info["blas_route"]), ("quantized", info["quantized_kernels"]),
+            ("fused", info["fused_kernels"])]
     if info["blas_note"]:
         rows.append(("note", info["blas_note"]))
     for name, types in info["plugins"].items():
@@ -198,6 +264,8 @@ def _info(args: argparse.Namespace) -> int:
     group = info["distributed"]
     if group is not None:
         rows.append(("process group", f"rank {group['rank']} of {group['size']} ({group['backend']} backend)"))
+    if "context" in info:
+        rows.append(("context", f"{info['context']['context_length']} tokens ({info['context']['reason']})"))
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"{key:<{width}}  {value}")
@@ -205,7 +273,8 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    missing = [name for name in ("starlette", "uvicorn") if importlib.util.find_spec(name) is None]
+    missing = [name for name in ("starlette", "uvicorn", "prometheus_client")
+               if importlib.util.find_spec(name) is None]
     if missing:
         raise UsageError(f"serve needs {' and '.join(missing)}: pip install 'mlxchat[server]'")
     from .server import ServerSettings, serve
@@ -214,18 +283,62 @@ def _serve(args: argparse.Namespace) -> int:
               "max_cache_gb": args.max_cache_gb, "max_body_mb": args.max_body_mb, "max_queue": args.max_queue,
               "max_connections": args.max_connections, "header_timeout": args.header_timeout,
               "cors_origins": args.cors_origin, "allow_remote_images": args.allow_remote_images,
-              "store": args.store, "max_spill_gb": args.max_spill_gb}
+              "store": args.store, "max_spill_gb": args.max_spill_gb, "store_max_age_days": args.store_max_age,
+              "store_max_rows": args.store_max_rows, "max_kv_gb": args.max_kv_gb,
+              "metrics_open": args.metrics_open}
     try:
         settings = ServerSettings.model_validate(values)
     except ValidationError as exc:
         raise UsageError(_first_problem(exc)) from None
     _check_context_length(args)
+    tools = _tools(args.tools, page=True)
     model = _load(args)
     if _follows(model):
         return 0
     try:
-        serve(model, host=args.host, port=args.port, settings=settings)
+        serve(model, host=args.host, port=args.port, settings=settings, tools=tools)
     except KeyboardInterrupt:  # uvicorn shut down cleanly, then re-raised the interrupt
+        return 130
+    return 0
+
+
+def _web(args: argparse.Namespace, config: GenerationConfig, tools: list[Any]) -> int:
+    """``chat --web``: the chat page on a free loopback port, opened in a browser once the server listens."""
+    import socket
+    import threading
+    import webbrowser
+
+    missing = [name for name in ("starlette", "uvicorn") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise UsageError(f"chat --web needs {' and '.join(missing)}: pip install 'mlxchat[server]'")
+    if args.system:
+        raise UsageError("chat --web: the page's conversations take no --system prompt")
+    from .server import ServerSettings, serve
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    model = _load(args)
+    if _follows(model):
+        return 0
+    model.defaults = model.defaults.merged(config)
+    url = f"http://127.0.0.1:{port}/"
+
+    def open_when_listening() -> None:
+        for _ in range(600):
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            except OSError:
+                threading.Event().wait(0.1)
+                continue
+            print(dim(f"the chat page is at {url} (Ctrl-C ends it)", sys.stderr), file=sys.stderr)
+            webbrowser.open(url)
+            return
+
+    threading.Thread(target=open_when_listening, daemon=True).start()
+    try:
+        serve(model, port=port, settings=ServerSettings(store=str(_default_store())), tools=tools)
+    except KeyboardInterrupt:
         return 130
     return 0
 
@@ -250,9 +363,15 @@ def _first_problem(exc: ValidationError) -> str:
 def _load(args: argparse.Namespace) -> Any:
     from .loading import load_model
 
+    if args.prefill_step_budget < 1:
+        raise UsageError(f"--prefill-step-budget must be at least 1, got {args.prefill_step_budget}")
+    if not args.distributed_timeout > 0:
+        raise UsageError(f"--distributed-timeout must be a positive number of seconds, got {args.distributed_timeout}")
     print(dim(f"loading {args.model or 'the demo model'} ...", sys.stderr), file=sys.stderr)
     return load_model(args.model, dtype=args.dtype, context_length=args.context_length,
-                      distributed=args.distributed)
+                      kv_bits=args.kv_bits, kv_group_size=args.kv_group_size, distributed=args.distributed,
+                      distributed_timeout=args.distributed_timeout, prefill_step_budget=args.prefill_step_budget,
+                      adapter=args.adapter)
 
 
 def _follows(model: Any) -> bool:
@@ -267,21 +386,43 @@ def _config(args: argparse.Namespace) -> GenerationConfig:
     """The generation settings of the command line, checked before the model loads."""
     _check_context_length(args)
     values = {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
-              "top_k": args.top_k, "seed": args.seed, "enable_thinking": False if args.no_think else None}
+              "top_k": args.top_k, "seed": args.seed, "enable_thinking": False if args.no_think else None,
+              "response_format": _response_format(args)}
     try:
         return GenerationConfig.model_validate({k: v for k, v in values.items() if v is not None})
     except ValidationError as exc:
         raise UsageError(_first_problem(exc)) from None
 
 
-def _tools(spec: str | None) -> list[Any]:
-    """The tools ``--tools`` names: ``demo``, or ``module:function`` items separated by commas."""
+def _response_format(args: argparse.Namespace) -> dict[str, Any] | None:
+    """``--json`` or ``--json-schema FILE`` as a response format, its schema read and compiled now."""
+    if getattr(args, "json", False):
+        return {"type": "json_object"}
+    path = getattr(args, "json_schema", None)
+    if path is None:
+        return None
+    try:
+        schema = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"--json-schema: cannot read a JSON Schema from {path} ({exc})") from None
+    fmt = {"type": "json_schema", "json_schema": {"name": Path(path).stem, "schema": schema}}
+    try:
+        format_grammar(fmt)
+    except MlxchatError as exc:
+        raise UsageError(f"--json-schema {path}: {exc}") from None
+    return fmt
+
+
+def _tools(spec: str | None, page: bool = False) -> list[Any]:
+    """The tools ``--tools`` names: ``demo``, or ``module:function`` items separated by commas. The demo's
+    tools run automatically in a terminal; on the chat ``page`` the weather waits for approval and the time
+    asks the user (so the page's questions can be seen)."""
     if not spec:
         return []
     if spec == "demo":
-        from .demo.world import DEMO_TOOLS
+        from .demo.world import DEMO_PAGE_TOOLS, DEMO_TOOLS
 
-        return list(DEMO_TOOLS)
+        return list(DEMO_PAGE_TOOLS if page else DEMO_TOOLS)
     from .tools import Tool
 
     tools = []

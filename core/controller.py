@@ -25,6 +25,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from .errors import MlxchatError, SessionStateError
+from .images import ImageSource, as_data_url
 from .messages import ChatMessage, ToolCall
 from .reply import TextDelta, ThinkingDelta, ToolCallEvent
 from .session import ChatSession, ChatStream, Done, SessionCapableModel, ToolResultEvent
@@ -39,6 +40,8 @@ class QueuedPrompt(BaseModel):
 
     id: str
     text: str
+    images: list[str] = Field(default_factory=list)
+    """The images sent with it, as ``data:`` URLs."""
 
 
 class InputRequest(BaseModel):
@@ -105,6 +108,7 @@ class ChatController:
         self._turn_running = False
         self._stream: ChatStream | None = None
         self._streaming: dict[str, Any] | None = None
+        self._asking: ChatMessage | None = None  # a sent prompt, shown until the session holds it
         self._approvals: list[ToolCall] = []
         self._inputs: dict[str, tuple[InputRequest, threading.Event, list[str]]] = {}
         self._subscribers: list[Callable[[ChatState], object]] = []
@@ -126,7 +130,8 @@ class ChatController:
                                         reasoning_content=self._streaming["thinking"] or None,
                                         tool_calls=list(calls) or None)
             inputs = [request for request, _, _ in self._inputs.values()]
-            return ChatState(messages=list(self._messages), status=self._status, streaming_message=streaming,
+            shown = list(self._messages) + ([self._asking] if self._asking is not None else [])
+            return ChatState(messages=shown, status=self._status, streaming_message=streaming,
                              queue=list(self._queue), pending_approvals=list(self._approvals),
                              input_requests=inputs, error=self._error)
 
@@ -163,19 +168,21 @@ class ChatController:
 
     # -- conversation ------------------------------------------------------------------------------------
 
-    def send(self, text: str) -> bool:
-        """Send a user message: now when no turn runs, else queued and sent when the turn finishes (the
-        queue also resumes after a pause). Returns False only when there is nothing to send."""
-        if not isinstance(text, str) or not text.strip():
+    def send(self, text: str, images: Sequence[ImageSource] = ()) -> bool:
+        """Send a user message (with ``images`` for a model that reads them): now when no turn runs, else
+        queued and sent when the turn finishes (the queue also resumes after a pause). Returns False only
+        when there is nothing to send."""
+        if not isinstance(text, str) or (not text.strip() and not images):
             return False
+        urls = [as_data_url(image) for image in images]
         with self._lock:
             if self._turn_running or self._status == "awaiting_approval":
-                self._queue.append(QueuedPrompt(id=self._new_id(), text=text))
+                self._queue.append(QueuedPrompt(id=self._new_id(), text=text, images=urls))
                 self._paused = False
                 self._publish_now()
                 return True
             self._paused = False
-            self._start(lambda session: session.send_stream(text))
+            self._start(lambda session: session.send_stream(text, images=urls), asking=text)
         return True
 
     def remove_queued(self, prompt_id: str) -> bool:
@@ -293,8 +300,10 @@ class ChatController:
             self._status = "awaiting_approval" if self._approvals else "idle"
             self._publish_now()
 
-    def _start(self, make: Callable[[ChatSession], ChatStream]) -> None:
-        """Run a turn on the controller's thread (the caller holds the lock)."""
+    def _start(self, make: Callable[[ChatSession], ChatStream], asking: str | None = None) -> None:
+        """Run a turn on the controller's thread (the caller holds the lock). The prompt it answers
+        (``asking``) is in the state's messages at once, as a UI shows it."""
+        self._asking = ChatMessage(role="user", content=asking) if asking is not None else None
         self._turn_running = True
         self._status, self._error = "streaming", None
         self._streaming = {"text": "", "thinking": "", "calls": []}
@@ -304,7 +313,7 @@ class ChatController:
     def _next_from_queue(self) -> None:
         if not self._turn_running and not self._paused and self._status in ("idle",) and self._queue:
             prompt = self._queue.pop(0)
-            self._start(lambda session: session.send_stream(prompt.text))
+            self._start(lambda session: session.send_stream(prompt.text, images=prompt.images), asking=prompt.text)
 
     def _drive(self) -> None:
         while (job := self._jobs.get()) is not None:
@@ -318,7 +327,11 @@ class ChatController:
                 if model is not self._session.model:
                     self._session = self._new_session(model, self._session.messages)
                 stream = self._stream = make(self._session)
-            for event in stream:
+            events = iter(stream)  # the turn begins: the prompt it answers is in the history, with its id
+            with self._lock:
+                self._messages, self._asking = self._session.messages, None
+                self._publish_now()
+            for event in events:
                 self._on_event(event)
         except MlxchatError as exc:
             with self._lock:
@@ -329,7 +342,7 @@ class ChatController:
         finally:
             with self._lock:
                 result = stream.result if stream is not None else None
-                self._stream, self._streaming, self._turn_running = None, None, False
+                self._stream, self._streaming, self._turn_running, self._asking = None, None, False, None
                 self._messages = self._session.messages
                 self._approvals = self._session.pending_approvals
                 if self._status != "error":

@@ -11,6 +11,11 @@ class CheckpointError(MlxchatError):
     """A checkpoint folder is missing, malformed or does not fit the model (names the file or tensor)."""
 
 
+class AdapterError(CheckpointError):
+    """A LoRA adapter does not fit the model it is put on (its layers' names, shapes or rank), or its files
+    are not peft's LoRA layout; the message names the tensor or setting."""
+
+
 class PluginError(MlxchatError):
     """A plugin cannot be registered: it fails to import, implements a hook that does not exist, or
     claims a ``model_type`` or tool-call format another plugin claims (the message names both)."""
@@ -44,6 +49,11 @@ class GenerationError(MlxchatError):
     """A generation failed while running; the session that asked keeps its state."""
 
 
+class RewardError(MlxchatError):
+    """A reward function raised, or returned something other than a finite number, while scoring a completion
+    during GRPO (the message names the reward and the prompt; the original error is its cause)."""
+
+
 class SessionClosedError(MlxchatError):
     """A closed session was used."""
 
@@ -62,5 +72,6 @@ class StreamConsumedError(MlxchatError):
 
 
 class DistributedError(MlxchatError):
-    """A model cannot be split over the process group (heads or quantization groups that do not divide), or
-    the process was not launched in a group (``mlx.launch``); the message says what would work."""
+    """A model cannot be split over the process group (heads or quantization groups that do not divide), the
+    process was not launched in a group (``mlx.launch``), or rank 0 lost its group (a rank died or stopped
+    answering: see :mod:`mlxchat.distributed.watchdog`); the message says what would work."""

@@ -19,7 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from . import profiling
 from .architecture import ModelModule
-from .batching import DecodeRow, DecodeStats, decode_steps, last_logits_of
+from .batching import DecodeRow, DecodeStats, PrefillChunk, decode_steps, last_logits_of, masked, prefill_steps
+from .constraints import DEFAULT_REASONING_BUDGET, RowMatcher, check_response_format
 from .detokenizer import StreamingDetokenizer
 from .layers.parallel import from_rank_zero
 from .limits import check_depth, check_strings, check_text
@@ -73,11 +74,35 @@ class GenerationConfig(BaseModel):
     """``(opener, closer)`` of what a model may write before :attr:`reply_prefix` (its reasoning): when the
     reply's first token opens ``opener`` (an empty opener: the prompt already opened it), the prefix follows
     the model's ``closer``; otherwise it comes at once."""
+    response_format: dict[str, Any] | None = None
+    """What the reply must be (constrained decoding, :mod:`mlxchat.constraints`): ``{"type": "text"}`` (or
+    unset: free), ``{"type": "json_object"}``, ``{"type": "json_schema", "json_schema": {"name": ...,
+    "schema": {...}, "strict": ...}}``, ``{"type": "regex", "pattern": ...}`` (Rust regex syntax) or
+    ``{"type": "grammar", "grammar": ...}`` (llguidance's Lark). A schema that cannot be compiled is an
+    :class:`~mlxchat.errors.InvalidInputError` before any work."""
+    reasoning_budget: int | None = Field(None, ge=0)
+    """Most reasoning tokens a constrained reply (a response format, a required or strict tool call) writes
+    before its reasoning is closed and the constraint starts; unset: 1024
+    (``mlxchat.constraints.DEFAULT_REASONING_BUDGET``) or half of ``max_tokens``, whichever is less, so that
+    the constrained part has room."""
 
     @field_validator("seed", mode="before")
     @classmethod
     def _no_seed(cls, value: Any) -> Any:
         return None if value == -1 and not isinstance(value, bool) else value
+
+    @field_validator("response_format")
+    @classmethod
+    def _response_format(cls, value: Any) -> Any:
+        check_depth(value, what="response_format")
+        return check_response_format(value) and value
+
+    @property
+    def budget(self) -> int:
+        """The reasoning budget of a constrained reply (see :attr:`reasoning_budget`)."""
+        if self.reasoning_budget is None:
+            return min(DEFAULT_REASONING_BUDGET, self.max_tokens // 2)
+        return self.reasoning_budget
 
     @field_validator("stop")
     @classmethod
@@ -152,6 +177,7 @@ def decode_tokens(
     *,
     adjust: LogitsAdjuster | None = None,
     stats: DecodeStats | None = None,
+    constraint: RowMatcher | None = None,
 ) -> Iterator[int]:
     """Yield up to ``max_tokens`` sampled ids (the caller stops earlier on EOS, a stop string or a cancel),
     each step run right here: :func:`~mlxchat.batching.decode_steps` for a sequence of its own.
@@ -163,9 +189,10 @@ def decode_tokens(
     reply = profiling.current()
     if reply is not None:
         yield from _profiled_decode(last_logits_of(module), cache, pending, sampler, max_tokens, adjust,
-                                    stats or DecodeStats(), reply)
+                                    stats or DecodeStats(), reply, constraint)
         return
-    for item in decode_steps(module, cache, pending, sampler, max_tokens, adjust=adjust, stats=stats):
+    for item in decode_steps(module, cache, pending, sampler, max_tokens, adjust=adjust, stats=stats,
+                             constraint=constraint):
         if isinstance(item, DecodeRow):
             DecodeRow.run_together([item])
         else:
@@ -174,10 +201,12 @@ def decode_tokens(
 
 def _profiled_decode(last_logits: Any, cache: PromptCache, pending: Sequence[int], sampler: Sampler, max_tokens: int,
                      adjust: LogitsAdjuster | None, stats: DecodeStats,
-                     reply: profiling.ReplyProfile) -> Iterator[int]:
+                     reply: profiling.ReplyProfile, constraint: RowMatcher | None = None) -> Iterator[int]:
     """:func:`decode_tokens` one step at a time, each timed in parts: the graph built, evaluated, sampled."""
     tokens = list(pending)
     for n in range(1, max_tokens + 1):
+        if constraint is not None and n > 1:
+            constraint.advance(tokens[0])
         started = time.perf_counter()
         logits = last_logits(mx.array(tokens)[None], cache.layers)
         built = time.perf_counter()
@@ -185,7 +214,7 @@ def _profiled_decode(last_logits: Any, cache: PromptCache, pending: Sequence[int
         evaluated = time.perf_counter()
         if adjust is not None and adjust.active:
             logits = adjust(logits)
-        token = sampler(logits)
+        token = sampler(masked(logits, constraint))
         if adjust is not None:
             adjust.record(token)
         value = int(token.item())  # type: ignore[arg-type]  # a token id array holds ints
@@ -263,20 +292,33 @@ def stream_generation(
     snapshot_at: Sequence[int] = (),
     cancel: Cancelled | None = None,
     drafter: Drafter | None = None,
-) -> Iterator[GenerationChunk | DecodeRow]:
+    prefill_budget: int | None = None,
+    constraint: RowMatcher | None = None,
+) -> Iterator[GenerationChunk | DecodeRow | PrefillChunk]:
     """Text chunks of one generation, one per token (its text may be empty while a character or a possible
     stop string is incomplete); the last chunk carries ``finish_reason`` and the report. Its
-    :class:`~mlxchat.batching.DecodeRow` items are decode steps for whoever runs it to run (the worker
-    runs them with other generations').
+    :class:`~mlxchat.batching.DecodeRow` and :class:`~mlxchat.batching.PrefillChunk` items are decode steps
+    and prefill chunks for whoever runs it to run (the worker runs them with other generations').
+
+    ``prefill_budget``: the prompt goes in through the worker's steps, at most this many tokens a step (see
+    :class:`~mlxchat.batching.PrefillChunk`), in chunks of at most the smaller of it and
+    ``config.prefill_step``; ``None`` prefills it here at once. A generation that decodes alone (below)
+    always prefills at once.
 
     With a ``drafter`` and ``config.draft_tokens`` set, tokens are decoded speculatively
     (:mod:`mlxchat.speculative`). A set ``cancel`` (checked between prefill chunks and after every token)
     ends it with ``finish_reason="cancelled"``. The cache stays consistent however it ends.
+
+    A ``constraint`` masks every token (:mod:`mlxchat.constraints`); a constrained reply is never decoded
+    speculatively (a draft would have to be checked against the mask token by token, which costs what it
+    saves) and takes no ``reply_prefix`` (its grammar forces what it must start with).
     """
     reply = profiling.begin()
     try:
+        if constraint is not None:
+            drafter, config = None, config.model_copy(update={"reply_prefix": "", "reply_prefix_after": None})
         yield from _generation(module, tokenizer, prompt, cache, config, eos_ids, vocab_size, snapshot_at, cancel,
-                               drafter if config.draft_tokens else None, reply)
+                               drafter if config.draft_tokens else None, reply, prefill_budget, constraint)
     finally:
         profiling.end(reply, None)
 
@@ -284,7 +326,9 @@ def stream_generation(
 def _generation(module: ModelModule, tokenizer: Tokenizer, prompt: Sequence[int] | MultimodalPrompt,
                 cache: PromptCache, config: GenerationConfig, eos_ids: set[int], vocab_size: int,
                 snapshot_at: Sequence[int], cancel: Cancelled | None, drafter: Drafter | None,
-                reply: profiling.ReplyProfile | None) -> Iterator[GenerationChunk | DecodeRow]:
+                reply: profiling.ReplyProfile | None,
+                prefill_budget: int | None,
+                constraint: RowMatcher | None) -> Iterator[GenerationChunk | DecodeRow | PrefillChunk]:
     mx.reset_peak_memory()
     stats = DecodeStats()
     detok = StreamingDetokenizer(tokenizer)
@@ -299,26 +343,35 @@ def _generation(module: ModelModule, tokenizer: Tokenizer, prompt: Sequence[int]
     at_once = forced if after is None else []
     ids = [*(prompt.ids if isinstance(prompt, MultimodalPrompt) else prompt), *at_once]
     full = MultimodalPrompt(tuple(ids), prompt.images) if isinstance(prompt, MultimodalPrompt) else ids
-    follow = drafter.begin(cache, ids) if drafter is not None else None
-    reused, pending = cache.prefill(module, full, snapshot_at=snapshot_at, step=config.prefill_step, cancel=cancel,
-                                    follow=follow)
+    group = getattr(module, "group", None)
+    # Alone: a split model (each step is a collective of every rank), a profiled reply (each step timed),
+    # speculative decoding (several tokens a pass) and a prefix after the reasoning (decoded in parts).
+    alone = group is not None or reply is not None or drafter is not None or bool(forced and after is not None)
+    first: mx.array | None = None
+    if alone or prefill_budget is None:
+        follow = drafter.begin(cache, ids) if drafter is not None else None
+        reused, pending = cache.prefill(module, full, snapshot_at=snapshot_at, step=config.prefill_step,
+                                        cancel=cancel, follow=follow)
+    else:
+        plan = cache.start_prefill(module, full, snapshot_at=snapshot_at,
+                                   step=min(config.prefill_step, prefill_budget), logits=True)
+        yield from prefill_steps(plan, prefill_budget, cancel)
+        reused, pending, first = plan.reused, [], plan.logits
     stats.cached = min(reused, len(prompt))
     adjust = LogitsAdjuster(vocab_size, config.repetition_penalty, config.presence_penalty,
                             config.frequency_penalty, config.logit_bias)
     adjust.start(ids)
     sampler = make_sampler(config.temperature, config.top_p, config.top_k, config.min_p, config.seed)
-    group = getattr(module, "group", None)
     if group is not None:  # a model split over processes: every rank takes rank 0's token
         sampler = from_rank_zero(sampler, group)
 
     def decode(start: Sequence[int], budget: int) -> Iterator[int | DecodeRow]:
-        """Decoding whose steps the worker may run with other generations' (``DecodeRow`` items). Alone: a
-        split model (each step is a collective of every rank), a profiled reply (each step timed) and
-        speculative decoding (several tokens a pass)."""
-        if group is not None or reply is not None or drafter is not None:
+        """Decoding whose steps the worker may run with other generations' (``DecodeRow`` items), its first
+        token from the prefill's logits when it gave them."""
+        if alone:
             return decode_alone(start, budget)
-        return decode_steps(module, cache, start, sampler, budget, adjust=adjust, stats=stats) if budget > 0 \
-            else iter(())
+        return decode_steps(module, cache, start, sampler, budget, adjust=adjust, stats=stats, logits=first,
+                            constraint=constraint) if budget > 0 else iter(())
 
     def decode_alone(start: Sequence[int], budget: int) -> Iterator[int]:
         if budget <= 0:
@@ -327,10 +380,11 @@ def _generation(module: ModelModule, tokenizer: Tokenizer, prompt: Sequence[int]
             acceptance = Acceptance(config.temperature, config.top_p, config.top_k, config.min_p, config.seed)
             return speculative_tokens(module, cache, start, drafter, acceptance, config.draft_tokens, budget,
                                       adjust=adjust, stats=stats)
-        return decode_tokens(module, cache, start, sampler, budget, adjust=adjust, stats=stats)
+        return decode_tokens(module, cache, start, sampler, budget, adjust=adjust, stats=stats,
+                             constraint=constraint)
 
     tokens: Iterator[int | DecodeRow]
-    if cancel:
+    if cancel is not None and cancel.check():
         tokens = iter(())
     elif not forced:
         tokens = decode(pending, config.max_tokens)
@@ -353,7 +407,7 @@ def _generation(module: ModelModule, tokenizer: Tokenizer, prompt: Sequence[int]
             if hit:
                 finish = "stop"
                 break
-            if cancel:
+            if cancel is not None and cancel.check():
                 break
     finally:
         close = getattr(tokens, "close", None)

@@ -5,22 +5,21 @@ Measured on the 2-core machine (float32, MLX 0.32.4): MLX's CPU ``exp`` takes ab
 exponentials) cost more than every matrix product together; and on the CPU ``mx.fast.rms_norm``,
 ``mx.fast.rope`` and ``mx.fast.scaled_dot_product_attention`` fall back to half a dozen or more separate
 operations each, so a decode step's graph holds over 4,000 of them, each with its own dispatch.
-``mlxchat._kernels`` (C++ in ``core/native/kernels.cpp``, built like ``mlxchat._quantized``) does the
-softmax of attention (the causal mask applied as it goes), ``silu(g) * x`` and RMS normalization each in
-one vectorized pass, rotate-half RoPE, and ``exp`` and ``silu`` alone (Qwen3.5's DeltaNet), as MLX
-primitives.
+``mlxchat._kernels`` (C++ in ``core/native/``, built like ``mlxchat._quantized``) does attention in one
+fused pass over float32 or 4/8-bit quantized keys and values (``attention.cpp``), ``silu(g) * x`` and RMS
+normalization each in one vectorized pass, rotate-half RoPE, and ``exp`` and ``silu`` alone (Qwen3.5's
+DeltaNet), as MLX primitives.
 
 They are used when the extension was built for the running MLX, the default device is the CPU and the
-arrays are float32; otherwise (a GPU, other dtypes) MLX's own operations run. Gradients go through MLX's
-operations (each primitive differentiates the same function written in MLX's ops; RoPE by the opposite
-rotation), so training is unchanged. Results differ from MLX's only in the
-order of float32 additions and in ``exp`` (a polynomial, about 1 ulp). ``MLXCHAT_KERNELS=off`` keeps MLX's.
+arrays are float32; otherwise (a GPU, other dtypes) MLX's own operations run. Gradients, ``vmap`` and
+``jvp`` go through MLX's operations (each primitive transforms the same function written in MLX's ops; RoPE
+has only its gradient, the opposite rotation), so training is unchanged; ``mx.compile`` takes the
+primitives as they are. Results differ from MLX's only in the order of float32 additions and in ``exp`` (a
+polynomial, about 1 ulp). ``MLXCHAT_KERNELS=off`` keeps MLX's.
 """
 
 from __future__ import annotations
 
-import importlib
-import os
 from functools import cache
 from types import ModuleType
 from typing import Any
@@ -28,20 +27,14 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from .cache import QuantizedKeysValues
+from .extensions import load_extension
+
 
 @cache
 def _native() -> tuple[ModuleType | None, str]:
     """The extension module, or None and why it is not used."""
-    if os.environ.get("MLXCHAT_KERNELS", "").lower() in ("off", "0"):
-        return None, "MLXCHAT_KERNELS=off"
-    try:
-        module = importlib.import_module("mlxchat._kernels")
-    except ImportError as exc:
-        return None, f"not built ({exc})"
-    running = ".".join(mx.__version__.split(".")[:3])  # type: ignore[attr-defined]
-    if module.mlx_version() != running:
-        return None, f"built for MLX {module.mlx_version()}, running {running}"
-    return module, ""
+    return load_extension("_kernels", "MLXCHAT_KERNELS")
 
 
 def fused(*arrays: mx.array) -> bool:
@@ -72,7 +65,8 @@ def flush_denormals() -> bool:
 def kernel_info() -> dict[str, Any]:
     """What the fused kernels run on here (for :func:`mlxchat.runtime_info`)."""
     module, why = _native()
-    return {"fused_kernels": f"mlxchat native ({module.isa()})" if module is not None else f"MLX's own ({why})"}
+    return {"fused_kernels": f"mlxchat native ({module.isa()}, attention on {module.threads()} threads)"
+            if module is not None else f"MLX's own ({why})"}
 
 
 # -- elementwise ------------------------------------------------------------------------------------------
@@ -122,22 +116,42 @@ def rope(x: mx.array, inv_freq: mx.array, dims: int, offset: int) -> mx.array | 
 # -- attention ----------------------------------------------------------------------------------------------
 
 
-def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, causal: bool) -> mx.array | None:
-    """Attention of ``[B, heads, L, D]`` queries over ``[B, kv_heads, T, D]`` keys and values (grouped-query:
-    query head ``h`` reads key head ``h // (heads / kv_heads)``), causal over the last ``L`` keys or over all
-    of them; ``None`` where the kernel does not apply (the caller's ``mx.fast`` attention runs).
+def _attends(module: ModuleType | None, queries: mx.array, keys: mx.array, values: mx.array) -> bool:
+    return (module is not None and queries.ndim == keys.ndim == values.ndim == 4 and keys.shape[1] > 0
+            and queries.shape[1] % keys.shape[1] == 0 and queries.shape[3] == keys.shape[3]
+            and queries.shape[2] <= keys.shape[2])
 
-    The two products go to the BLAS; the softmax between them, masked as it goes, is one pass.
+
+def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
+              window: int | None = None) -> mx.array | None:
+    """Causal attention of ``[B, heads, L, D]`` queries, the last ``L`` of the ``T`` positions, over
+    ``[B, kv_heads, T, D]`` keys and values (grouped-query: query head ``h`` reads KV head
+    ``h // (heads / kv_heads)``); with a ``window``, each query sees only the ``window`` last keys up to its
+    own. ``None`` where the kernel does not apply (the caller's MLX attention runs).
+
+    One fused pass (online softmax over blocks of keys, split over the cores): keys and values are read once
+    per block of queries, in place (a cache's used part is a view of its buffer, not copied), and the
+    scratch is a block's, whatever the context.
     """
-    if _applies(queries, keys, values) is None:
-        return None
-    batch, heads, length, dims = queries.shape
-    kv_heads = keys.shape[1]
-    if heads % kv_heads:
-        return None
     module = _applies(queries, keys, values)
+    if not _attends(module, queries, keys, values):
+        return None
     assert module is not None
-    grouped = (queries * scale).reshape(batch, kv_heads, heads // kv_heads * length, dims)
-    scores = grouped @ keys.swapaxes(-1, -2)  # [B, kv_heads, group * L, T]
-    probs = module.softmax(scores, length if causal and length > 1 else 0)
-    return (probs @ values).reshape(batch, heads, length, values.shape[-1])  # type: ignore[no-any-return]
+    return module.attention(queries, keys, values, scale, window or 0)  # type: ignore[no-any-return]
+
+
+def quantized_attention(queries: mx.array, held: QuantizedKeysValues, scale: float,
+                        window: int | None = None) -> mx.array | None:
+    """:func:`attention` over a quantized cache's keys and values: its packed ones (4 or 8 bits, float32
+    scales and biases) read and dequantized a block at a time where they lie, then its float tail. ``None``
+    where the kernel does not apply."""
+    if held.prefix is None:
+        return attention(queries, held.keys, held.values, scale, window)
+    (packed_keys, key_scales, key_biases), (packed_values, value_scales, value_biases) = held.prefix
+    module = _applies(queries, held.keys, held.values, key_scales, key_biases, value_scales, value_biases)
+    if held.bits not in (4, 8) or not _attends(module, queries, held.keys, held.values):
+        return None
+    assert module is not None
+    return module.quantized_attention(  # type: ignore[no-any-return]
+        queries, packed_keys, key_scales, key_biases, packed_values, value_scales, value_biases, held.keys,
+        held.values, scale, window or 0, held.bits, held.group_size)

@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable, Mapping
+from concurrent.futures import wait
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
@@ -13,6 +15,8 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from .architecture import Architecture, ModelModule
+from .batching import DEFAULT_PREFILL_STEP_BUDGET
+from .cache import check_kv_format
 from .chat_template import ChatTemplate, read_template_source
 from .checkpoint import (
     TensorLocation,
@@ -24,11 +28,14 @@ from .checkpoint import (
     tensor_names,
 )
 from .config import ModelConfig
+from .distributed.watchdog import DEFAULT_TIMEOUT
 from .errors import CheckpointError, DistributedError, UnsupportedQuantizationError
 from .generation import GenerationConfig
 from .images import ImageProcessor
+from .layers.fused import fuse_projections
 from .layers.parallel import Slice, shard_slices
 from .layers.quantized import quantize
+from .layers.rope import context_limit
 from .model import GenerativeModel
 from .multimodal import VisionModule
 from .registry import registry
@@ -44,6 +51,7 @@ _QUANT_MODES = ("affine", "mxfp4", "nvfp4", "mxfp8")
 _BITS = (2, 3, 4, 5, 6, 8)
 _SHOWN = 6
 T = TypeVar("T")
+U = TypeVar("U")
 
 
 def load_model(
@@ -53,8 +61,13 @@ def load_model(
     revision: str | None = None,
     context_length: int | None = None,
     distributed: Literal["tensor", "pipeline"] | None = None,
+    distributed_timeout: float = DEFAULT_TIMEOUT,
     draft: str | os.PathLike[str] | GenerativeModel | None = None,
     draft_tokens: int = 4,
+    prefill_step_budget: int = DEFAULT_PREFILL_STEP_BUDGET,
+    kv_bits: int | None = None,
+    kv_group_size: int = 64,
+    adapter: str | os.PathLike[str] | None = None,
 ) -> GenerativeModel:
     """Load a checkpoint (local folder or Hugging Face repo id; by default the demo model shipped in the
     package, :mod:`mlxchat.demo`) with the plugin its config.json names.
@@ -67,20 +80,40 @@ def load_model(
 
     ``dtype`` is what floating-point weights are computed in; by default the checkpoint's own on a GPU
     and float32 on the CPU (see :func:`mlxchat.runtime.default_dtype`). Quantized weights stay quantized.
-    ``context_length`` caps the tokens a generation may hold (prompt and reply; at most the checkpoint's
-    ``max_position_embeddings``, which is the default).
+    ``context_length`` sets the tokens a generation may hold (prompt and reply): at most, and by default,
+    the checkpoint's limit, ``max_position_embeddings`` stretched by a linear, dynamic or yarn RoPE scaling
+    as vLLM derives it (:func:`~mlxchat.layers.rope.context_limit`).
+
+    ``kv_bits`` (2-8, typically 8 or 4; ``kv_group_size`` 32, 64 or 128): the model's prompt caches store
+    full-attention keys and values group-wise quantized (:class:`~mlxchat.cache.QuantizedKVCache`), a
+    quarter or an eighth of float32's memory; a session can choose its own (``ChatSession(kv_bits=...)``).
+
+    ``prefill_step_budget``: the most prompt tokens one step of the worker prefills beside a decode token for
+    every running generation, so a long prompt goes in a chunk a step while other streams keep decoding
+    (:class:`~mlxchat.batching.PrefillChunk`).
+
+    ``adapter``: a LoRA adapter folder (or Hub repo) in peft's layout, applied unfused
+    (:meth:`GenerativeModel.load_adapter`; :meth:`GenerativeModel.fuse_adapter` bakes it in).
 
     ``distributed`` ("tensor" or "pipeline"), in every process ``mlx.launch`` started: join their group and load
     only this rank's part of the weights; the model (a :class:`~mlxchat.distributed.DistributedModel`) then
     behaves as on one process and gives the same results on every rank (see :mod:`mlxchat.distributed`).
+    ``distributed_timeout``: the seconds rank 0 waits for one step of the group (a decode step, a prefill chunk
+    of ``prefill_step_budget`` tokens, a logits pass) before it gives the group up as lost
+    (:class:`~mlxchat.errors.DistributedError`; see :mod:`mlxchat.distributed.watchdog`).
 
-    Everything that needs no MLX (config, tokenizer, template) is read here; the module is then built,
-    loaded and evaluated on the model's own worker thread, which runs all of its MLX work from then on.
+    Everything that needs no MLX (config, tokenizer, template) is read here, the tokenizer and template while
+    the module is built, loaded and evaluated on the model's own worker thread, which runs all of its MLX work
+    from then on.
     """
+    if kv_bits is not None:
+        check_kv_format(kv_bits, kv_group_size)
     group = None
     if distributed is not None:
         from .distributed import join
 
+        if not distributed_timeout > 0:
+            raise ValueError(f"distributed_timeout must be a positive number of seconds, got {distributed_timeout!r}")
         group = join(distributed)
     if path_or_repo is None:
         from .demo import default_model_path
@@ -93,10 +126,6 @@ def load_model(
         raw = _tied(raw)
     config = arch.config_class.from_hf(raw)
     quantization = _quantization(raw)
-    tokenizer = Tokenizer.from_folder(folder)
-    source = read_template_source(folder)
-    template = ChatTemplate(source, tokenizer) if source else None
-    generation = read_json(folder / "generation_config.json", required=False)
 
     def prepare(module: Any, weights: dict[str, mx.array]) -> tuple[dict[str, mx.array], mx.Dtype]:
         weights = module.sanitize(weights)
@@ -105,14 +134,15 @@ def load_model(
         _check_tensors(module, weights, str(folder))
         return weights, _target_dtype(dtype, _stored_dtype(weights))
 
-    def build() -> tuple[ModelModule, mx.Dtype]:
+    def build(evaluating: Callable[[], None]) -> tuple[ModelModule, mx.Dtype]:
         module = arch.model_class(config)
         weights, target = prepare(module, read_weights(folder))
-        _materialize(module, weights, target, stored=None)
+        _materialize(module, weights, target, stored=None, evaluating=evaluating)
         return module, target
 
-    def build_part() -> tuple[ModelModule, mx.Dtype]:
+    def build_part(evaluating: Callable[[], None]) -> tuple[ModelModule, mx.Dtype]:
         assert group is not None and distributed is not None
+        evaluating()
         module = arch.model_class(config)
         files = read_weights(folder)
         weights, target = prepare(module, dict(files))
@@ -120,18 +150,26 @@ def load_model(
         plan = _part_plan(module, weights, files)
         del files, weights  # what this rank does not hold is never read
         _materialize_part(module, plan, tensor_locations(folder), target)
+        fuse_projections(module)
         mx.eval(mx.distributed.all_sum(mx.array(1), group=group))  # every rank is ready
         return module, target
 
+    def read_text_side() -> tuple[Tokenizer, ChatTemplate | None, dict[str, Any]]:
+        tokenizer = Tokenizer.from_folder(folder)
+        source = read_template_source(folder)
+        generation = read_json(folder / "generation_config.json", required=False)
+        return tokenizer, ChatTemplate(source, tokenizer) if source else None, generation
+
     worker = Worker(f"mlxchat-{arch.name}", side_by_side=group is None)
-    module, target = _on(worker, build if group is None else build_part)
+    (module, target), (tokenizer, template, generation) = _on(worker, build if group is None else build_part,
+                                                              read_text_side)
     image_processor = _image_processor(module, folder)
     kind: type[GenerativeModel] = GenerativeModel
     extra: dict[str, Any] = {}
     if group is not None:
         from .distributed import DistributedModel
 
-        kind, extra = DistributedModel, {"group": group, "mode": distributed}
+        kind, extra = DistributedModel, {"group": group, "mode": distributed, "timeout": distributed_timeout}
     model = kind(
         **extra,
         module=module,
@@ -147,8 +185,24 @@ def load_model(
         quantization=quantization,
         context_length=context_length,
         image_processor=image_processor,
+        prefill_step_budget=prefill_step_budget,
+        kv_bits=kv_bits,
+        kv_group_size=kv_group_size,
     )
+    if adapter is not None:
+        try:
+            model.load_adapter(adapter)
+        except BaseException:
+            model.close()
+            raise
     return model if draft is None else _with_draft(model, draft, draft_tokens)
+
+
+def checkpoint_context(path_or_repo: str | os.PathLike[str], revision: str | None = None) -> tuple[int, str]:
+    """The most tokens a checkpoint serves and why (:func:`~mlxchat.layers.rope.context_limit`), from its
+    config.json alone."""
+    raw = read_json(resolve_checkpoint(path_or_repo, revision) / "config.json")
+    return context_limit(registry().architecture_for_config(raw).config_class.from_hf(raw))
 
 
 def _with_draft(model: GenerativeModel, draft: str | os.PathLike[str] | GenerativeModel,
@@ -205,7 +259,7 @@ def build_model(
         given = dict(weights)
         mx.eval(list(given.values()))  # evaluated here, so that no graph of this thread reaches the worker
 
-    def build() -> tuple[ModelModule, mx.Dtype]:
+    def build(evaluating: Callable[[], None]) -> tuple[ModelModule, mx.Dtype]:
         mx.random.seed(seed)
         module = arch.model_class(model_config)
         if weights == "random":
@@ -218,7 +272,7 @@ def build_model(
         return module, target
 
     worker = Worker(f"mlxchat-{arch.name}")
-    module, target = _on(worker, build)
+    (module, target), _ = _on(worker, build, lambda: None)
     return GenerativeModel(
         module=module,
         config=model_config,
@@ -337,10 +391,14 @@ def _check_tensors(module: nn.Module, weights: dict[str, mx.array], source: str)
         raise CheckpointError(f"{source}: weights do not fit the model config ({'; '.join(problems)})")
 
 
-def _materialize(module: nn.Module, weights: dict[str, mx.array], target: mx.Dtype, stored: mx.Dtype | None) -> None:
-    """Load ``weights`` into ``module`` with floating tensors in ``target``, except those its
-    ``cast_predicate`` keeps as stored (in ``stored`` when given), and evaluate them one at a time: a
-    stored copy is freed as soon as its cast copy exists."""
+def _materialize(module: nn.Module, weights: dict[str, mx.array], target: mx.Dtype, stored: mx.Dtype | None,
+                 evaluating: Callable[[], None] = lambda: None) -> None:
+    """Load ``weights`` (emptied: the module holds them now) into ``module`` with floating tensors in
+    ``target``, except those its ``cast_predicate`` keeps as stored (in ``stored`` when given), join its
+    projections (:func:`~mlxchat.layers.fused.fuse_projections`, straight from the tensors as read and cast:
+    no separate copy is made first), and evaluate them in one call: each stored copy is referenced by its
+    cast (or joined) copy's graph alone, so MLX frees it as soon as that exists, and the whole load runs
+    without the GIL (``evaluating()`` says so, just before)."""
     cast = getattr(module, "cast_predicate", lambda name: True)
 
     def converted(name: str, value: mx.array) -> mx.array:
@@ -350,10 +408,11 @@ def _materialize(module: nn.Module, weights: dict[str, mx.array], target: mx.Dty
             return value.astype(target)
         return value if stored is None else value.astype(stored)
 
-    module.load_weights([(k, converted(k, v)) for k, v in weights.items()], strict=True)
+    module.load_weights([(name, converted(name, weights.pop(name))) for name in list(weights)], strict=True)
     module.eval()
-    for parameter in dict(tree_flatten(module.parameters())).values():
-        mx.eval(parameter)
+    fuse_projections(module)
+    evaluating()
+    mx.eval(module.parameters())
 
 
 def _split(module: ModelModule, arch: Architecture, group: mx.distributed.Group, mode: str) -> None:
@@ -408,10 +467,23 @@ def _materialize_part(module: nn.Module, plan: list[Part], locations: dict[str, 
     module.eval()
 
 
-def _on(worker: Worker, build: Callable[[], T]) -> T:
-    """Run ``build`` on the model's worker; a failure stops the worker (no model will own it)."""
+def _on(worker: Worker, build: Callable[[Callable[[], None]], T], meanwhile: Callable[[], U]) -> tuple[T, U]:
+    """Run ``build`` on the model's worker and ``meanwhile`` here, from when ``build`` calls the function it is
+    given (its MLX evaluation, which releases the GIL, starts; the tokenizer's loading holds the GIL
+    throughout, so before that point the two would only take turns). A failure of either stops the worker
+    (no model will own it)."""
+    evaluating = threading.Event()
+    built = worker.submit(build, evaluating.set)
+    while not evaluating.wait(0.005) and not built.done():
+        pass
     try:
-        return worker.run(build)
+        other = meanwhile()
+    except BaseException:
+        wait([built])
+        worker.close()
+        raise
+    try:
+        return built.result(), other
     except BaseException:
         worker.close()
         raise

@@ -3,20 +3,32 @@
 from __future__ import annotations
 
 import copy
-import functools
-import queue
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+import dataclasses
+import hashlib
+import os
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 from pydantic import BaseModel, ConfigDict
 
 from . import profiling
 from .architecture import Architecture, ModelModule
-from .batching import DecodeRow
+from .batching import DEFAULT_PREFILL_STEP_BUDGET, lockstep
+from .cache import LayerCache, check_kv_format, quantized_kv
 from .chat_template import ChatTemplate
 from .config import ModelConfig
+from .constraints import (
+    Constraint,
+    RowMatcher,
+    TokenTable,
+    markup,
+    reasoning_section,
+    response_constraint,
+    token_table,
+)
 from .errors import (
     CheckpointError,
     ContextLengthError,
@@ -28,6 +40,7 @@ from .errors import (
 )
 from .generation import GenerationChunk, GenerationConfig, GenerationResult, stream_generation
 from .images import ImageProcessor, ImageSource, ProcessedImage
+from .layers.rope import context_limit
 from .limits import check_text, check_token_ids
 from .multimodal import (
     ImageTokens,
@@ -38,10 +51,11 @@ from .multimodal import (
     expand_images,
     split_image_parts,
 )
+from .prefix_cache import PromptCachePool
 from .prompt_cache import DEFAULT_MAX_SNAPSHOTS, PromptCache
 from .speculative import Drafter, ModelDrafter, MtpDrafter
 from .tokenizer import Tokenizer
-from .worker import END, Cancelled, Worker
+from .worker import Cancelled, Together, Worker
 
 if TYPE_CHECKING:
     from .session import ChatSession
@@ -67,7 +81,11 @@ class Capabilities(BaseModel):
     supports_reasoning: bool
     """The model reasons between markers the chat template knows; replies keep it apart."""
     context_length: int
-    """Tokens the model was built to attend over (``max_position_embeddings``)."""
+    """The most tokens (prompt and reply) a generation may hold: the checkpoint's limit (scaled RoPE
+    included, :func:`mlxchat.layers.rope.context_limit`) unless ``load_model(context_length=...)`` set less."""
+    context_reason: str
+    """Where ``context_length`` comes from, e.g. ``"yarn RoPE: factor 4 x original_max_position_embeddings
+    32768"``."""
     default_generation: GenerationConfig
     """The generation settings a request starts from (the checkpoint's generation_config.json)."""
 
@@ -95,9 +113,14 @@ class GenerativeModel:
         quantization: dict[str, Any] | None = None,
         context_length: int | None = None,
         image_processor: ImageProcessor | None = None,
+        kv_bits: int | None = None,
+        kv_group_size: int = 64,
+        prefill_step_budget: int = DEFAULT_PREFILL_STEP_BUDGET,
     ):
         """``context_length``: the most tokens (prompt and reply) a generation may hold; by default, and at
-        most, the checkpoint's ``max_position_embeddings``."""
+        most, the checkpoint's limit: ``max_position_embeddings``, stretched by a linear, dynamic or yarn RoPE
+        scaling (:func:`~mlxchat.layers.rope.context_limit`); more is a :class:`ContextLengthError`.
+        ``prefill_step_budget``: see the attribute."""
         self.module = module
         self.config = config
         self.architecture = architecture
@@ -110,16 +133,41 @@ class GenerativeModel:
         self.quantization = quantization
         if context_length is not None and context_length < 2:
             raise ValueError(f"context_length must be at least 2, got {context_length}")
-        limit = config.max_position_embeddings
-        self.context_length = limit if context_length is None else min(context_length, limit)
+        limit, reason = context_limit(config)
+        if context_length is not None and context_length > limit:
+            raise ContextLengthError(f"context_length {context_length} is more than this model serves: {limit} "
+                                     f"({reason})")
+        self.context_length = limit if context_length is None else context_length
+        self.context_reason = reason if context_length is None or context_length == limit else \
+            f"context_length={context_length} (the model serves {limit}: {reason})"
+        if kv_bits is not None:
+            check_kv_format(kv_bits, kv_group_size)
+        self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
         self.image_processor = image_processor
         """Preprocessing for the vision tower (``None``: the model reads no images)."""
         self.worker = worker
+        if isinstance(prefill_step_budget, bool) or not isinstance(prefill_step_budget, int) \
+                or prefill_step_budget < 1:
+            raise ValueError(f"prefill_step_budget must be a positive number of tokens, got {prefill_step_budget!r}")
+        self.prefill_step_budget = prefill_step_budget
+        """Most prompt tokens one worker step prefills (beside a decode token for every running generation): a
+        long prompt goes in a chunk a step, so the streams already running wait at most about that many tokens'
+        prefill for each of their tokens (:class:`~mlxchat.batching.PrefillChunk`)."""
+        self.prefix_cache: PromptCachePool | None = None
+        """A pool every session :meth:`chat_session` makes shares its prompt prefixes through (``None``: each
+        session keeps its own; see :mod:`mlxchat.prefix_cache`)."""
         self.draft: GenerativeModel | Literal["mtp"] | None = None
         """What drafts for speculative decoding (:meth:`with_draft`): a smaller model, the checkpoint's own
         multi-token-prediction head (``"mtp"``), or nothing."""
         self._drafter: Drafter | None = MtpDrafter(module) if getattr(module, "has_mtp", False) else None
         self._owns_draft = False
+        self.adapter: str | None = None
+        """The LoRA adapter applied unfused (its folder or repo), if any (:meth:`load_adapter`)."""
+        self.weights_version = 0
+        """Counts changes of the weights the model computes with (an adapter made, loaded, removed or fused, a
+        training run): prompt caches filled under another version are not reused (their prefixes would hold
+        another model's keys and values)."""
+        self._adapter_digest: tuple[int, str] = (-1, "none")
 
     def __repr__(self) -> str:
         return f"GenerativeModel({self.architecture.name}, {self.path}, dtype={self.dtype})"
@@ -140,7 +188,8 @@ class GenerativeModel:
         markers = self.reasoning_markers
         reasoning = bool(markers and self.chat_template and markers[0].strip() in self.chat_template.source)
         return Capabilities(supports_tools=self.supports_tools, supports_images=self.supports_images,
-                            supports_reasoning=reasoning, context_length=self.config.max_position_embeddings,
+                            supports_reasoning=reasoning, context_length=self.context_length,
+                            context_reason=self.context_reason,
                             default_generation=self.defaults.model_copy(deep=True))
 
     # -- prompts ------------------------------------------------------------------------------------
@@ -219,6 +268,16 @@ class GenerativeModel:
         if name not in parsers:
             raise MlxchatError(f"tool-call format {name!r} is not registered (known: {', '.join(parsers)})")
         return parsers[name](tools)
+
+    def call_markup(self, text: str) -> str:
+        """A piece of tool-call markup in a grammar: its control token when ``text`` is one."""
+        return markup(self.tokenizer, text)
+
+    @property
+    def token_table(self) -> TokenTable:
+        """The vocabulary as the grammar engine reads it, built on first use and kept (see
+        :mod:`mlxchat.constraints`)."""
+        return token_table(self, self.tokenizer, self.config.vocab_size, sorted(self.eos_ids))
 
     @property
     def reasoning_markers(self) -> tuple[str, str] | None:
@@ -333,20 +392,42 @@ class GenerativeModel:
                 f"against {len(mine)}; e.g. {', '.join(f'{t!r}: {i}' for t, i in differ)}): a draft must "
                 "tokenize exactly as the model does")
 
-    def _drafter_for(self, config: GenerationConfig) -> Drafter | None:
+    def _drafter_for(self, config: GenerationConfig, prompt_length: int) -> Drafter | None:
         if not config.draft_tokens:
             return None
         if self._drafter is None:
             raise InvalidInputError("draft_tokens needs a draft: load_model(..., draft=...) or "
                                     "model.with_draft(draft_model), or a checkpoint with an MTP head")
+        window = self.config.max_position_embeddings
+        if getattr(getattr(self.config, "rope", None), "rope_type", None) == "dynamic" \
+                and prompt_length + config.max_tokens > window:
+            raise InvalidInputError(
+                f"speculative decoding cannot run past this model's dynamic-NTK window ({window} tokens; this "
+                f"generation may reach {prompt_length + config.max_tokens}): it verifies drafted tokens in one "
+                "forward, whose keys dynamic NTK rotates with one base where plain decoding uses one per token, so "
+                "the output would differ; decode without draft_tokens, or keep within the window")
         return self._drafter
 
     # -- running ------------------------------------------------------------------------------------
 
-    def make_prompt_cache(self, max_snapshots: int = DEFAULT_MAX_SNAPSHOTS) -> PromptCache:
+    def make_prompt_cache(self, max_snapshots: int = DEFAULT_MAX_SNAPSHOTS, *, kv_bits: int | None | Literal["model"]
+                          = "model", kv_group_size: int | None = None) -> PromptCache:
         """A fresh, empty prompt cache (made on the caller's thread: it holds no arrays until a prefill, so it
-        never waits for the worker)."""
-        return PromptCache(self.module.make_cache, max_snapshots)
+        never waits for the worker). ``kv_bits``: its KV format, by default the model's (``load_model``'s
+        ``kv_bits``); ``None`` is float keys and values, 2-8 bits quantized (``kv_group_size``, by default the
+        model's)."""
+        make_layers, kv_format = self.layer_caches(kv_bits, kv_group_size)
+        return PromptCache(make_layers, max_snapshots, kv_format, lambda: self.weights_version)
+
+    def layer_caches(self, kv_bits: int | None | Literal["model"] = "model", kv_group_size: int | None = None
+                     ) -> tuple[Callable[[], list[LayerCache]], tuple[int, int] | None]:
+        """What makes a prompt cache's layer caches in a KV format (see :meth:`make_prompt_cache`), and the
+        format (``(bits, group_size)``, ``None`` for float)."""
+        bits = self.kv_bits if kv_bits == "model" else kv_bits
+        if bits is None:
+            return self.module.make_cache, None
+        group_size = self.kv_group_size if kv_group_size is None else kv_group_size
+        return quantized_kv(self.module.make_cache, bits, group_size), (bits, group_size)
 
     def logits(self, token_ids: Sequence[int] | MultimodalPrompt,
                images: Sequence[ImageInput] | None = None) -> mx.array:
@@ -385,9 +466,13 @@ class GenerativeModel:
         :class:`~mlxchat.multimodal.MultimodalPrompt`; ``images`` go with a raw prompt's image markers
         or the messages' image parts (see :meth:`image_prompt`).
         """
+        return self._stream(prompt, config, images, cache, paced=True)
+
+    def _stream(self, prompt: AnyPrompt, config: GenerationConfig | dict[str, Any] | None,
+                images: Sequence[ImageInput] | None, cache: PromptCache | None, *, paced: bool
+                ) -> Iterator[GenerationChunk]:
         merged = self.defaults.merged(config)
-        work = self._work(prompt, images, merged, cache)
-        return self.worker.stream(work)
+        return self.worker.stream(self._work(prompt, images, merged, cache), paced=paced)
 
     async def astream(
         self, prompt: AnyPrompt, config: GenerationConfig | dict[str, Any] | None = None,
@@ -401,30 +486,32 @@ class GenerativeModel:
         self, prompt: AnyPrompt, config: GenerationConfig | dict[str, Any] | None = None,
         *, images: Sequence[ImageInput] | None = None, cache: PromptCache | None = None,
     ) -> GenerationResult:
-        return _collect(self.stream(prompt, config, images=images, cache=cache))
+        return _collect(self._stream(prompt, config, images, cache, paced=False))  # taken to the end: unpaced
 
     def generate_batch(self, prompts: Sequence[AnyPrompt],
-                       config: GenerationConfig | dict[str, Any] | None = None) -> list[GenerationResult]:
+                       config: GenerationConfig | dict[str, Any] | Sequence[GenerationConfig | dict[str, Any]] | None
+                       = None) -> list[GenerationResult]:
         """One result per prompt (raw text or token ids, chat messages, or a prompt with images), the
-        prompts decoded together: each step is one pass over the weights for every prompt still
-        generating. The same results as :meth:`generate` on each prompt alone (greedy: token for token)."""
-        merged = self.defaults.merged(config)
-        arrivals: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
-        jobs = [self.worker.start(self._work(prompt, None, merged, None), Cancelled(),
-                                  functools.partial(_tagged, arrivals, index)) for index, prompt in enumerate(prompts)]
-        chunks: list[list[GenerationChunk]] = [[] for _ in prompts]
-        try:
-            running = len(jobs)
-            while running:
-                index, item = arrivals.get()
-                if (item := jobs[index].received(item)) is END:
-                    running -= 1
-                else:
-                    chunks[index].append(item)
-        finally:
-            for job in jobs:
-                job.stop()
-        return [_collect(iter(c)) for c in chunks]
+        prompts decoded together: all of them are prefilled first, then each step is one pass over the weights
+        for every prompt still generating (:func:`~mlxchat.batching.lockstep`). The same results as
+        :meth:`generate` on each prompt alone (greedy: token for token). ``config`` may be a list, one per
+        prompt (a temperature and seed per row, say)."""
+        if isinstance(config, Sequence):
+            if len(config) != len(prompts):
+                raise InvalidInputError(f"{len(config)} generation configs for {len(prompts)} prompts")
+            configs = [self.defaults.merged(c) for c in config]
+        else:
+            configs = [self.defaults.merged(config)] * len(prompts)
+        works = [self._work(prompt, None, each, None) for prompt, each in zip(prompts, configs, strict=True)]
+
+        def produce(cancel: Cancelled) -> Iterator[Any]:
+            outputs = yield from lockstep([work(cancel) for work in works])
+            yield [_collect(iter(chunks)) for chunks in outputs]
+
+        if not works:
+            return []
+        (results,) = self.worker.stream(produce)
+        return results
 
     async def agenerate(
         self, prompt: AnyPrompt, config: GenerationConfig | dict[str, Any] | None = None,
@@ -437,10 +524,10 @@ class GenerativeModel:
               cache: PromptCache | None) -> Any:
         """The job that generates from ``prompt``; what needs no MLX (rendering, preprocessing) is done now."""
         prepared: Sequence[int] | MultimodalPrompt
+        kwargs = dict(config.chat_template_kwargs)
+        if config.enable_thinking is not None:
+            kwargs["enable_thinking"] = config.enable_thinking
         if isinstance(prompt, MultimodalPrompt) or images or _is_messages(prompt):
-            kwargs = dict(config.chat_template_kwargs)
-            if config.enable_thinking is not None:
-                kwargs["enable_thinking"] = config.enable_thinking
             multimodal = prompt if isinstance(prompt, MultimodalPrompt) else self.image_prompt(
                 prompt, images or (), **(kwargs if _is_messages(prompt) else {}))
             prepared = multimodal if multimodal.images else list(multimodal.ids)
@@ -449,24 +536,34 @@ class GenerativeModel:
         # Snapshots before each image: a changed image then costs only what follows it.
         snapshot_at = [s.start for s in prepared.images] if isinstance(prepared, MultimodalPrompt) else []
         timed = profiling.take_pending()  # rendering and tokenizing, done here, belong to the worker's reply
+        constraint = response_constraint(config.response_format)  # a schema that does not compile fails here
+        if constraint is not None:
+            self.token_table  # noqa: B018 - built here (once per model), not on the worker other generations share
+            if _is_messages(prompt) and not images:  # the constraint starts after the reasoning it may write
+                opening = self.generation_prompt(prompt, **kwargs)
+                constraint = dataclasses.replace(constraint, reasoning=reasoning_section(
+                    opening, self.reasoning_markers), reasoning_budget=config.budget)
 
-        def produce(cancel: Cancelled) -> Iterator[GenerationChunk | DecodeRow]:
+        def produce(cancel: Cancelled) -> Iterator[GenerationChunk | Together]:
             profiling.give_pending(timed)
             used = cache if cache is not None else self.make_prompt_cache()
-            yield from self.run_generation(prepared, used, config, cancel, snapshot_at)
+            yield from self.run_generation(prepared, used, config, cancel, snapshot_at, constraint)
 
         return produce
 
     def run_generation(self, prompt: Sequence[int] | MultimodalPrompt, cache: PromptCache, config: GenerationConfig,
-                       cancel: Cancelled, snapshot_at: Sequence[int] = ()) -> Iterator[GenerationChunk | DecodeRow]:
+                       cancel: Cancelled, snapshot_at: Sequence[int] = (),
+                       constraint: Constraint | None = None) -> Iterator[GenerationChunk | Together]:
         """The generation loop, on the worker thread (sessions call it from their own jobs). Its
-        :class:`~mlxchat.batching.DecodeRow` items are decode steps the worker runs, with other generations'
-        when it can; whoever runs the loop passes them on to the worker.
+        :class:`~mlxchat.batching.DecodeRow` and :class:`~mlxchat.batching.PrefillChunk` items are decode
+        steps and prefill chunks the worker runs, with other generations' when it can; whoever runs the loop
+        passes them on to the worker.
 
         The prompt's ids (and images), ``logit_bias`` and the prompt's length are checked before any work;
         ``max_tokens`` is lowered to what the context leaves. A set ``cancel`` ends it at the next prefill
         chunk or token with ``finish_reason="cancelled"``. An error inside MLX clears the cache (its state is
-        unknown) and is raised as :class:`GenerationError`.
+        unknown) and is raised as :class:`GenerationError`. A ``constraint`` (see :mod:`mlxchat.constraints`)
+        masks every token of the reply.
         """
         if isinstance(prompt, MultimodalPrompt):
             check_token_ids(prompt.ids, self.config.vocab_size, "prompt token id")
@@ -475,11 +572,14 @@ class GenerativeModel:
             prompt = check_token_ids(prompt, self.config.vocab_size, "prompt token id")
         check_token_ids(config.logit_bias, self.config.vocab_size, "logit_bias token id")
         config = self.fit(len(prompt), config)
-        drafter = self._drafter_for(config)
+        # A constrained reply is never drafted (see stream_generation).
+        drafter = self._drafter_for(config, len(prompt)) if constraint is None else None
+        matcher = RowMatcher(self.token_table, constraint) if constraint is not None else None
         try:
             yield from stream_generation(self.module, self.tokenizer, prompt, cache, config, self.eos_ids,
                                          self.config.vocab_size, snapshot_at=snapshot_at, cancel=cancel,
-                                         drafter=drafter)
+                                         drafter=drafter, prefill_budget=self.prefill_step_budget,
+                                         constraint=matcher)
         except MlxchatError:
             cache.clear()
             raise
@@ -535,6 +635,72 @@ class GenerativeModel:
 
         return self.worker.run(run)
 
+    # -- adapters -----------------------------------------------------------------------------------
+
+    def load_adapter(self, path_or_repo: str | os.PathLike[str]) -> list[str]:
+        """Apply a LoRA adapter in peft's layout, unfused, in place of the current one (the base weights stay as
+        they are, so adapters swap in a moment); returns the checkpoint names of the layers it adapts. Prompt
+        caches filled under another adapter are not reused (:attr:`weights_version`): a session's next turn
+        prefills its whole prompt again."""
+        from .train.adapters import load_adapter
+
+        try:
+            names = load_adapter(self, path_or_repo)
+        finally:
+            self.weights_version += 1
+        self.adapter = str(path_or_repo)
+        return names
+
+    @property
+    def adapter_digest(self) -> str:
+        """A digest of the unfused adapter weights the model computes with now (``"none"`` without one): what a
+        saved cache records beside the model's fingerprint, so a cache is never resumed under another adapter."""
+        from .train.lora import adapters
+
+        if self._adapter_digest[0] != self.weights_version:
+            def digest() -> str:
+                layers = adapters(self)
+                if not layers:
+                    return "none"
+                hashed = hashlib.sha256()
+                for path, layer in sorted(layers.items()):
+                    flat = cast(list[tuple[str, mx.array]], tree_flatten(layer.parameters()))
+                    params = {name: array for name, array in flat if not name.startswith("base.")}
+                    for name in sorted(params):
+                        array = params[name]
+                        hashed.update(f"{path}.{name}:{array.dtype}:{array.shape}".encode())
+                        hashed.update(memoryview(mx.contiguous(array.astype(mx.float32))))  # type: ignore[arg-type]
+                return hashed.hexdigest()[:16]
+
+            self._adapter_digest = (self.weights_version, self.worker.run(digest))
+        return self._adapter_digest[1]
+
+    def remove_adapter(self) -> None:
+        """Back to the base model."""
+        from .train.lora import module_of, remove
+
+        self.worker.run(lambda: remove(module_of(self)))
+        self.weights_version += 1
+        self.adapter = None
+
+    def fuse_adapter(self) -> int:
+        """Add the adapter into the base weights (quantized layers are re-quantized as they were), so the model
+        runs as a plain one and :func:`mlxchat.train.save_checkpoint` writes the fused weights. Returns how many
+        layers were fused. The projections that run as one product are joined again from the new weights
+        (:mod:`mlxchat.layers.fused`)."""
+        from .layers.fused import fuse_projections
+        from .train.lora import fuse, module_of
+
+        def run() -> int:
+            count = fuse(module_of(self))
+            fuse_projections(module_of(self))
+            return count
+
+        fused = self.worker.run(run)
+        self.weights_version += 1
+        self.adapter = None
+        return fused
+
     def chat_session(self, system: str | None = None, **options: Any) -> ChatSession:
         """A new conversation over this model (it owns its cache; the model stays shared). ``options`` are
         :class:`~mlxchat.session.ChatSession`'s (``default_config``, ``tools``, ``context_policy``, ...)."""
@@ -565,10 +731,6 @@ def _is_messages(prompt: Any) -> bool:
 def _evaluated(array: mx.array) -> mx.array:
     mx.eval(array)
     return array
-
-
-def _tagged(arrivals: queue.SimpleQueue[tuple[int, Any]], index: int, item: Any) -> None:
-    arrivals.put((index, item))
 
 
 def _collect(chunks: Iterator[GenerationChunk]) -> GenerationResult:

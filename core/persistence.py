@@ -9,15 +9,22 @@ on every kind of layer cache (KV, sliding window, conv and DeltaNet states).
 
 A cache means something only to the model that made it: the file records a fingerprint of that model
 (architecture, config, quantization, compute dtype, vocabulary) and refuses to load into another one,
-naming what differs. Weights are not fingerprinted: a fine-tune with the same config and vocabulary is
-not told apart. Files are written to a temporary name and moved into place, so a crash leaves the old
-file or the new one, never half of one.
+naming what differs. The base weights are not fingerprinted (a fine-tune with the same config and vocabulary
+is not told apart), but an unfused LoRA adapter is (:attr:`~mlxchat.GenerativeModel.adapter_digest`): a file
+saved under another adapter (or none) loads with an empty cache, its extras intact, so a session resumes and
+prefills its conversation again instead of reusing another model's keys and values.
 
-A session is saved with these fields (``ChatSession``'s state at the time of writing): ``messages``,
-``system``, ``default_config``, ``tools`` (their JSON schemas: pass the functions again with ``tools=`` for
-automatic calls), ``context_policy``, ``auto_tools``, ``max_tool_rounds``, ``decisions`` (approvals given
-while a turn waits), ``hidden`` (messages a ``truncate_oldest`` policy leaves out), ``calls_made`` (the
-call-id counter), ``report`` and ``tool_calls`` (the last reply's).
+Files are written to a temporary name and moved into place, so a crash or a full disk leaves the old file
+or the new one, never half of one (a write that fails is a :class:`SavedStateError`).
+The document holds a checksum of the cache (its layout and its arrays' bytes): a file damaged on disk
+since (truncated, a bit flipped) is refused, never loaded as a wrong cache.
+
+A session is saved as the JSON of its :class:`~mlxchat.session_state.SessionState` (what
+``ChatSession.export_state()`` gives, read back through ``import_state()``): ``messages``, ``system``,
+``default_config``, ``tools`` (their JSON schemas: pass the functions again with ``tools=`` for automatic
+calls), ``context_policy``, ``auto_tools``, ``max_tool_rounds``, ``decisions`` (approvals given while a turn
+waits), ``hidden`` (messages a ``truncate_oldest`` policy leaves out), ``calls_made`` (the call-id counter),
+``report`` and ``tool_calls`` (the last reply's). Only the session's public methods are used here.
 """
 
 from __future__ import annotations
@@ -28,18 +35,19 @@ import os
 import uuid
 import weakref
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import mlx.core as mx
 from pydantic import ValidationError
 
 from .architecture import Architecture
+from .cache import check_kv_format
 from .config import ModelConfig
-from .errors import InvalidInputError, SavedStateError, SessionStateError
-from .generation import GenerationReport
+from .errors import InvalidInputError, SavedStateError
+from .files import durable_replace
 from .limits import check_token_ids
-from .messages import ChatMessage, ToolCall
 from .prompt_cache import PromptCache
+from .session_state import SETTINGS, SessionState
 from .tokenizer import Tokenizer
 from .worker import Worker
 
@@ -58,8 +66,10 @@ class SavingModel(Protocol):
     tokenizer: Tokenizer
     worker: Worker
     path: Path | None
+    module: Any
 
-    def make_prompt_cache(self) -> PromptCache: ...
+    def make_prompt_cache(self, max_snapshots: int = ..., *, kv_bits: int | None | Literal["model"] = "model",
+                          kv_group_size: int | None = None) -> PromptCache: ...
 
 
 _fingerprints: weakref.WeakKeyDictionary[Any, dict[str, str]] = weakref.WeakKeyDictionary()
@@ -67,7 +77,7 @@ _fingerprints: weakref.WeakKeyDictionary[Any, dict[str, str]] = weakref.WeakKeyD
 
 def fingerprint(model: SavingModel) -> dict[str, str]:
     """What a saved cache depends on, part by part (hashed where long): a cache loads only into a model
-    whose every part is the same."""
+    whose every part is the same (but for the adapter: see the module)."""
     if model not in _fingerprints:
         _fingerprints[model] = {
             "architecture": model.architecture.name,
@@ -76,7 +86,7 @@ def fingerprint(model: SavingModel) -> dict[str, str]:
             "dtype": str(model.dtype).removeprefix("mlx.core."),
             "vocabulary": _digest(model.tokenizer.backend.to_str()),
         }
-    return _fingerprints[model]
+    return {**_fingerprints[model], "adapter": getattr(model, "adapter_digest", "none")}
 
 
 def save_prompt_cache(model: SavingModel, cache: PromptCache, path: str | os.PathLike[str],
@@ -95,11 +105,15 @@ def save_prompt_cache(model: SavingModel, cache: PromptCache, path: str | os.Pat
         arrays, fields = cache.state_dict()
         unique, aliases = _deduplicated(arrays)
         mx.eval(list(unique.values()))
-        document = json.dumps({**header, "cache": fields, "aliases": aliases}, ensure_ascii=False)
+        document = json.dumps({**header, "cache": fields, "aliases": aliases, "digest": _checksum(unique, fields)},
+                              ensure_ascii=False)
         temporary = target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}.safetensors")
         try:
             mx.save_safetensors(str(temporary), unique, metadata={_KEY: document})
-            os.replace(temporary, target)
+            durable_replace(temporary, target)
+        except (OSError, RuntimeError) as exc:  # a full disk, a folder gone: the old file stays as it was
+            raise SavedStateError(f"could not write {target} ({type(exc).__name__}: {exc}); "
+                                  "the file there before, if any, is unchanged") from None
         finally:
             temporary.unlink(missing_ok=True)
 
@@ -122,7 +136,9 @@ def load_prompt_cache(model: SavingModel, path: str | os.PathLike[str]) -> tuple
             header = json.loads(loaded[1][_KEY])
         except (KeyError, ValueError, RuntimeError) as exc:
             raise SavedStateError(f"{source}: not a file mlxchat saved ({type(exc).__name__}: {exc})") from None
-        _check_header(header, model, source)
+        same_adapter = _check_header(header, model, source)
+        if "digest" in header and header["digest"] != _checksum(arrays, header["cache"]):  # older files: none
+            raise SavedStateError(f"{source}: damaged (its cache does not match the checksum written with it)")
         for alias, name in header["aliases"].items():
             if name not in arrays:
                 raise SavedStateError(f"{source}: damaged (the array {name!r} is missing)")
@@ -131,77 +147,73 @@ def load_prompt_cache(model: SavingModel, path: str | os.PathLike[str]) -> tuple
             check_token_ids(header["cache"]["tokens"], model.config.vocab_size, "saved token id")
         except (InvalidInputError, KeyError, TypeError) as exc:
             raise SavedStateError(f"{source}: damaged ({exc})") from None
-        cache = model.make_prompt_cache()
-        cache.load_state(arrays, header["cache"])
-        mx.eval(list(arrays.values()))
+        kv_format = _kv_format(header["cache"].get("kv_format"), source)
+        cache = model.make_prompt_cache(**kv_format)
+        if same_adapter:
+            cache.load_state(arrays, header["cache"], _layer_arrays(model, kv_format))
+            mx.eval(list(arrays.values()))
         return cache, header["extras"]
 
     return model.worker.run(read)
 
 
+def _kv_format(saved: Any, source: Path) -> dict[str, Any]:
+    """The KV format a saved cache was written in (the loaded cache is made in it, whatever the model's)."""
+    if saved is None:
+        return {"kv_bits": None}
+    try:
+        bits, group_size = saved
+        check_kv_format(bits, group_size)
+    except (InvalidInputError, TypeError, ValueError) as exc:
+        raise SavedStateError(f"{source}: damaged (its KV format {saved!r}: {exc})") from None
+    return {"kv_bits": bits, "kv_group_size": group_size}
+
+
 def save_session(session: Any, path: str | os.PathLike[str]) -> None:
-    """Save a :class:`~mlxchat.session.ChatSession` that is not in a turn: its transcript, settings, last
-    report and calls (the fields the module docstring lists), and its prompt cache."""
-    if session._busy:
-        raise SessionStateError("a turn of this session is in progress; save it when the turn is over")
-    state = {
-        "messages": [m.model_dump() for m in session._messages],
-        "system": session._system,
-        "default_config": session._defaults.model_dump(mode="json"),
-        "tools": session._tools,
-        "context_policy": session._context_policy,
-        "auto_tools": session._auto_tools,
-        "max_tool_rounds": session._max_tool_rounds,
-        "decisions": {call_id: vars(decision) for call_id, decision in session._decisions.items()},
-        "hidden": session._hidden,
-        "calls_made": session._calls_made,
-        "report": session._report.model_dump(mode="json") if session._report is not None else None,
-        "tool_calls": [{**c.model_dump(), "status": c.status, "raw": c.raw, "error": c.error}
-                       for c in session._tool_calls],
-    }
-    save_prompt_cache(session.model, session.cache, path, {"session": state})
+    """Save a :class:`~mlxchat.session.ChatSession` that is not in a turn: its state (the module docstring says
+    what that holds) and its prompt cache."""
+    state = session.export_state()
+    save_prompt_cache(session.model, session.cache, path, {"session": state.model_dump(mode="json")})
 
 
-def load_session_state(model: SavingModel, path: str | os.PathLike[str]
-                       ) -> tuple[list[ChatMessage], PromptCache, dict[str, Any]]:
-    """A saved session's messages, its prompt cache (as a cache of ``model``) and its other fields."""
+def load_session_state(model: SavingModel, path: str | os.PathLike[str]) -> tuple[PromptCache, SessionState]:
+    """A saved session's prompt cache (as a cache of ``model``) and its state."""
     cache, extras = load_prompt_cache(model, path)
-    state = extras.get("session")
-    if not isinstance(state, dict):
+    saved = extras.get("session")
+    if not isinstance(saved, dict):
         raise SavedStateError(f"{path}: holds a prompt cache, not a session")
     try:
-        messages = [ChatMessage.model_validate(m) for m in state["messages"]]
-    except (ValidationError, KeyError, TypeError) as exc:
-        raise SavedStateError(f"{path}: the saved messages are malformed ({exc})") from None
-    return messages, cache, state
-
-
-def restore_session(session_class: Any, model: Any, path: str | os.PathLike[str],
-                    **options: Any) -> Any:
-    """A ``session_class`` session over ``model`` resumed from ``path`` exactly as it was saved; ``options``
-    (``ChatSession``'s: ``system``, ``tools``, ``default_config``, ``context_policy``) replace the saved ones."""
-    messages, cache, state = load_session_state(model, path)
-    try:
-        tool_settings: dict[str, Any] = {k: state[k] for k in ("auto_tools", "max_tool_rounds") if k in state}
-        settings = {"system": state["system"], "default_config": state["default_config"],
-                    "tools": state["tools"] or None, "context_policy": state["context_policy"], **tool_settings,
-                    **options}
-        session = session_class(model, cache=cache, **settings)
-        session.prime_history(messages)
-        hidden, calls_made = state["hidden"], state["calls_made"]
-        if not (isinstance(hidden, int) and 0 <= hidden <= len(messages)) or not isinstance(calls_made, int):
-            raise ValueError(f"hidden {hidden!r} or calls_made {calls_made!r} is out of range")
-        session._hidden = hidden
-        session._calls_made = max(calls_made, session._calls_made)
-        session._report = None if state["report"] is None else GenerationReport.model_validate(state["report"])
-        session._tool_calls = [ToolCall.model_validate(c) for c in state["tool_calls"]]
-        session._load_decisions(state.get("decisions", {}))
-    except (ValidationError, KeyError, TypeError, ValueError) as exc:
+        return cache, SessionState.model_validate(saved)
+    except ValidationError as exc:
         raise SavedStateError(f"{path}: the saved session is malformed ({exc})") from None
+
+
+def restore_session(session_class: Any, model: Any, path: str | os.PathLike[str], **options: Any) -> Any:
+    """A ``session_class`` session over ``model`` resumed from ``path`` exactly as it was saved; ``options``
+    (``ChatSession``'s) make the session, and those that are settings (``system``, ``tools``,
+    ``default_config``, ``context_policy``, ``auto_tools``, ``max_tool_rounds``) replace the saved ones."""
+    cache, state = load_session_state(model, path)
+    session = session_class(model, cache=cache, **options)
+    given = session.export_state()
+    session.import_state(state.model_copy(update={name: getattr(given, name) for name in SETTINGS if name in options}))
     return session
 
 
-def _check_header(header: Any, model: SavingModel, source: Path) -> None:
+def _layer_arrays(model: SavingModel, kv_format: dict[str, Any]) -> list[dict[str, mx.array]] | None:
+    """Each layer cache's arrays in this model, with shapes and dtypes a saved cache must match: one token
+    run through a fresh cache, lazily (the graph is built for its shapes and never computed). ``None``
+    where the module cannot run so (the saved cache is then checked without them)."""
+    probe = model.make_prompt_cache(**kv_format)
+    try:
+        model.module(mx.array([[0]]), probe.layers)
+    except (TypeError, ValueError, RuntimeError):  # a module that needs more than tokens
+        return None
+    return [layer.state_dict()[0] for layer in probe.layers]
+
+
+def _check_header(header: Any, model: SavingModel, source: Path) -> bool:
+    """Refuse a file that is not one of ours or was saved for another model; whether it was saved under the
+    adapter the model has now (files from before adapters were recorded: under none)."""
     if not isinstance(header, dict) or header.get("format") != FORMAT:
         raise SavedStateError(f"{source}: not a session or prompt cache mlxchat saved")
     if header.get("version") != VERSION:
@@ -209,15 +221,27 @@ def _check_header(header: Any, model: SavingModel, source: Path) -> None:
                               f"version {VERSION}")
     if not all(isinstance(header.get(k), dict) for k in ("model", "cache", "aliases", "extras")):
         raise SavedStateError(f"{source}: damaged (its header lacks a part)")
-    saved = header["model"].get("fingerprint") or {}
+    saved = {"adapter": "none", **(header["model"].get("fingerprint") or {})}
     mine = fingerprint(model)
-    differ = [part for part in mine if saved.get(part) != mine[part]]
+    differ = [part for part in mine if part != "adapter" and saved.get(part) != mine[part]]
     if differ:
         where = header["model"].get("path") or "another model"
         detail = ", ".join(f"{part} {saved.get(part)!r} there, {mine[part]!r} here" if part in ("architecture", "dtype")
                            else part for part in differ)
         raise SavedStateError(f"{source}: saved for another model ({where}); its prompt cache fits only that model "
                               f"(differs: {detail}); load it with the model it was saved with")
+    return bool(saved["adapter"] == mine["adapter"])
+
+
+def _checksum(arrays: dict[str, mx.array], layout: dict[str, Any]) -> str:
+    """A digest of the cache's layout (tokens, layer fields) and its arrays' names, dtypes, shapes and bytes."""
+    digest = hashlib.blake2b(json.dumps(layout, sort_keys=True).encode(), digest_size=16)
+    for name in sorted(arrays):
+        array = arrays[name]
+        digest.update(f"{name}:{array.dtype}:{array.shape}".encode())
+        view = memoryview(array)  # type: ignore[arg-type]
+        digest.update(view if view.c_contiguous else view.tobytes())
+    return digest.hexdigest()
 
 
 def _deduplicated(arrays: dict[str, mx.array]) -> tuple[dict[str, mx.array], dict[str, str]]:

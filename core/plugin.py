@@ -22,12 +22,14 @@ from .errors import CheckpointError, ImageError
 from .hookspecs import hookimpl
 from .images import Gemma4ImageProcessor, ImageProcessor, ProcessedImage, Qwen2VLImageProcessor
 from .layers import (
+    Attended,
     Attention,
     AxialRoPE,
     CausalLM,
     Decoder,
     GatedDeltaNet,
     MRoPE,
+    Projections,
     ProportionalRoPE,
     RMSNorm,
     RMSNormGated,
@@ -43,8 +45,10 @@ from .layers import (
     all_reduce,
     attend,
     attend_all,
+    attend_over,
     balanced,
     depthwise_weight,
+    fetch_attended,
     gate_function,
     gated_delta_chunked,
     gated_delta_step,
@@ -73,6 +77,7 @@ from .tools.parsing import (
 
 __all__ = [
     "Architecture",
+    "Attended",
     "Attention",
     "AxialRoPE",
     "Gemma4ImageProcessor",
@@ -98,6 +103,7 @@ __all__ = [
     "ModelConfig",
     "ModelModule",
     "ParsedCall",
+    "Projections",
     "ProportionalRoPE",
     "RMSNorm",
     "RMSNormGated",
@@ -115,6 +121,7 @@ __all__ = [
     "ToolCallParser",
     "TrailingCallParser",
     "attend",
+    "attend_over",
     "depthwise_weight",
     "gate_function",
     "gated_delta_chunked",
@@ -136,5 +143,6 @@ __all__ = [
     "shard_layers",
     "slice_inputs",
     "slice_outputs",
+    "fetch_attended",
     "window_mask",
 ]

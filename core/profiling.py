@@ -33,6 +33,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
+from .files import durable_replace
+
 __all__ = ["ReplyProfile", "current", "disable", "enable", "enabled", "report", "span", "summary", "timed"]
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -135,7 +137,7 @@ def _write(out: dict[str, Any]) -> None:
     _path.parent.mkdir(parents=True, exist_ok=True)
     temporary = _path.with_name(_path.name + ".tmp")
     temporary.write_text(json.dumps(out, indent=1))
-    temporary.replace(_path)
+    durable_replace(temporary, _path)
 
 
 # -- what the library calls ----------------------------------------------------------------------------

@@ -15,10 +15,11 @@ both (see :mod:`mlxchat.multimodal`).
 
 from __future__ import annotations
 
+import collections
 import copy
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import mlx.core as mx
 
@@ -35,6 +36,15 @@ Follower = Callable[[int, mx.array], list[mx.array]]
 """Reads the target's hidden states during prefill (see :meth:`PromptCache.prefill`)."""
 
 
+class PrefixSource(Protocol):
+    """Where a cache finds prefixes other caches hold (:class:`~mlxchat.prefix_cache.PromptCachePool`)."""
+
+    def seed(self, cache: PromptCache, prompt: Sequence[int] | MultimodalPrompt) -> int: ...
+
+    def longest(self, prompt: Sequence[int] | MultimodalPrompt,
+                excluding: PromptCache | None = None) -> tuple[PromptCache | None, int]: ...
+
+
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
     n = min(len(a), len(b))
     for i in range(n):
@@ -46,8 +56,19 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
 class PromptCache:
     """Layer caches plus the exact token sequence they have consumed."""
 
-    def __init__(self, make_layers: Callable[[], list[LayerCache]], max_snapshots: int = DEFAULT_MAX_SNAPSHOTS):
+    shares_prefixes = True
+    """Whether a :class:`~mlxchat.prefix_cache.PromptCachePool` may copy prefixes into and out of it."""
+
+    def __init__(self, make_layers: Callable[[], list[LayerCache]], max_snapshots: int = DEFAULT_MAX_SNAPSHOTS,
+                 kv_format: tuple[int, int] | None = None, weights_version: Callable[[], int] | None = None):
+        """``kv_format``: ``(bits, group_size)`` when ``make_layers`` quantizes keys and values (what a saved
+        cache and a split model's other ranks make theirs with), ``None`` for float. ``weights_version``: the
+        model's :attr:`~mlxchat.GenerativeModel.weights_version`; what the cache holds is reused only under the
+        weights it was computed with (not after an adapter is loaded, removed or fused)."""
         self._make_layers = make_layers
+        self.kv_format = kv_format
+        self._weights_version = weights_version
+        self._computed_under = weights_version() if weights_version is not None else 0
         self.layers: list[LayerCache] = make_layers()
         self.tokens: list[int] = []
         self.images: list[ImageKey] = []
@@ -56,6 +77,10 @@ class PromptCache:
         self._snapshots: dict[int, list[Any]] = {}
         self._wanted: set[int] = set()
         self.needs_snapshots = any(not layer.trimmable for layer in self.layers)
+        self.prefixes: PrefixSource | None = None
+        """The pool this cache shares prefixes through (:class:`~mlxchat.prefix_cache.PromptCachePool`, which
+        sets it): a prefill first copies the longest prefix of its prompt any cache there holds, when that is
+        more than this one can reuse, and again before its first chunk runs if it waited for other prefills."""
         self.draft: Any = None
         """The speculative drafter's own state over the same conversation (a draft model's prompt cache, an
         MTP head's cache), kept here so that it travels with the session; made and kept in step by
@@ -76,6 +101,12 @@ class PromptCache:
         self._snapshots = {}
         self._wanted = set()
         self.draft = None
+        self._computed_under = self._weights_version() if self._weights_version is not None else 0
+
+    @property
+    def stale(self) -> bool:
+        """Whether the model's weights changed since this cache was filled (it then gives no prefix)."""
+        return self._weights_version is not None and self._computed_under != self._weights_version()
 
     def feed(self, tokens: Sequence[int], images: Sequence[ImageKey] = ()) -> None:
         """Record tokens that were just run through the model with these layer caches, and the images whose
@@ -120,14 +151,29 @@ class PromptCache:
                 cancel: Cancelled | None = None, follow: Follower | None = None) -> tuple[int, list[int]]:
         """Make the cache hold ``prompt`` but for its last tokens; return ``(reused, pending)``: how many
         prompt tokens the cache already held, and the tail left for the first decode step (which runs it in
-        the same pass over the weights that gives the next token's logits).
+        the same pass over the weights that gives the next token's logits). A set ``cancel`` stops between
+        chunks. :meth:`start_prefill` says how the chunks are cut; this runs them all at once.
+        """
+        plan = self.start_prefill(module, prompt, snapshot_at=snapshot_at, step=step, follow=follow)
+        while not plan.done and not (cancel is not None and cancel.check()):
+            plan.run(plan.next_chunk)
+        return plan.reused, plan.pending
+
+    def start_prefill(self, module: Any, prompt: Sequence[int] | MultimodalPrompt, *,
+                      snapshot_at: Iterable[int] = (), step: int = 512, follow: Follower | None = None,
+                      logits: bool = False) -> Prefill:
+        """Cut the cache back to the longest prefix of ``prompt`` it holds and plan the rest as chunks that a
+        :class:`Prefill` runs a few at a time (the model's worker runs them between other generations'
+        decode steps, a budget of tokens a step).
 
         The rest is run through ``module`` (a model module; a vision one for images) in chunks of at most
         ``step`` tokens, split at the positions of ``snapshot_at`` it passes, where it takes snapshots; only
         caches that need snapshots get them (each split costs a pass over the weights), and they keep the last
         prompt token for the decode step, so that a regenerate finds a snapshot just before it; a snapshot
-        asked for at the prompt's end is taken when the decode step feeds it. A set ``cancel`` stops between
-        chunks.
+        asked for at the prompt's end is taken when the decode step feeds it.
+
+        With ``logits`` the tail the decode step would take (text only, at most ``step`` tokens) is the last
+        chunk, run for the next token's logits (:attr:`Prefill.logits`); the cache then holds the whole prompt.
 
         A prompt with images (a :class:`~mlxchat.multimodal.MultimodalPrompt`) reuses only images held
         identically, runs every image through here (the decode step takes text only), encodes each image
@@ -142,6 +188,8 @@ class PromptCache:
         keys = [span.key for span in images]
         atomic = [(s.start, s.end) for s in images] if images and module.atomic_images else []
         with profiling.span("cache_reuse"):
+            if self.prefixes is not None:
+                self.prefixes.seed(self, prompt)
             reused = self.reuse(ids, keys if images else None)
             inside = [s for s, e in atomic if s < reused < e]
             if inside:  # an image attended as a whole is prefilled as a whole
@@ -152,46 +200,71 @@ class PromptCache:
         keep = min(text_tail, 1 if self.needs_snapshots else min(len(ids) - reused, step))
         self._wanted = {p for p in snapshot_at if reused < p <= len(ids)} if self.needs_snapshots else set()
         features = encode_images(module, [span for span in images if span.end > reused])
-        reply = profiling.current()
-        for a, b in chunk_bounds(reused, len(ids) - keep, step, self._wanted, atomic):
-            if cancel:
-                break
-            started = time.perf_counter() if reply else 0.0
-            spans = [s for s in images if s.start < b and s.end > a]
-            inputs = module.image_inputs(prompt, a, b, features) if spans else {}
-            tokens = mx.array(ids[a:b])[None]
-            if follow is None:
-                module(tokens, self.layers, **inputs)
-                mx.eval(self.arrays())
-            else:
-                mx.eval(self.arrays(), follow(a, module.model(tokens, self.layers, **inputs)))
-            self.feed(ids[a:b], images=[s.key for s in images if a <= s.start < b])
-            if reply:
-                reply.prefill_chunk(a, b, time.perf_counter() - started)
-        return reused, ids[len(self):]
+        bounds = chunk_bounds(reused, len(ids) - keep, step, self._wanted, atomic)
+        if logits:
+            bounds.append((len(ids) - keep, len(ids)))
+        wanted = sorted(snapshot_at)
+        return Prefill(self, module, prompt, reused, bounds, features, follow, logits,
+                       lambda: self.start_prefill(module, prompt, snapshot_at=wanted, step=step, follow=follow,
+                                                  logits=logits))
 
     def reuse(self, prompt: Sequence[int], images: Sequence[ImageKey] | None = None) -> int:
-        """Cut the cache back to the longest reusable prefix of ``prompt``; return its length.
+        """Cut the cache back to the longest reusable prefix of ``prompt`` (:meth:`reusable`); return its length."""
+        if self.stale:
+            self.clear()
+            return 0
+        position = self.reusable(prompt, images)
+        if all(layer.can_trim_to(position) for layer in self.layers):
+            self._rewind(position, None)
+        elif position in self._snapshots:
+            self._rewind(position, self._snapshots[position])
+        else:
+            self.clear()
+        return position
+
+    def reusable(self, prompt: Sequence[int], images: Sequence[ImageKey] | None = None) -> int:
+        """How much of ``prompt`` the cache could return to (it stays as it is): the longest common prefix, or
+        where layers cannot be cut back, the latest snapshot at or before it.
 
         With ``images`` (the prompt's image keys) the prefix also stops at the first placeholder of any
         image, cached or new, that the other side does not hold identically; without them only tokens are
         compared (the caller vouches for the images). At least one prompt token is always left to
-        prefill, since the next token's logits come from it.
+        prefill, since the next token's logits come from it. A :attr:`stale` cache gives nothing.
         """
+        if self.stale:
+            return 0
         limit = min(common_prefix_length(self.tokens, prompt), len(prompt) - 1)
         if images is not None:
             same = set(self.images) & set(images)
             limit = min([limit, *(start for start, _, _ in {*self.images, *images} - same)])
         limit = max(limit, 0)
         if all(layer.can_trim_to(limit) for layer in self.layers):
-            self._rewind(limit, None)
             return limit
-        candidates = [p for p in self._snapshots if p <= limit]
-        if not candidates:
-            self.clear()
+        return max((p for p in self._snapshots if p <= limit), default=0)
+
+    def copy_prefix(self, source: PromptCache, prompt: Sequence[int],
+                    images: Sequence[ImageKey] | None = None) -> int:
+        """Become a copy of what ``source`` (a cache of the same model) holds of ``prompt``'s longest prefix it
+        can return to (:meth:`reusable`; layers that cannot be cut back through its snapshot there); return
+        that length. ``source`` stays as it is: the copy's layers are its own (read from ``source``'s
+        state as saving reads it), its snapshots the same immutable arrays."""
+        position = source.reusable(prompt, images)
+        trim = all(layer.can_trim_to(position) for layer in source.layers)
+        if not position or not (trim or position in source._snapshots):
             return 0
-        position = max(candidates)
-        self._rewind(position, self._snapshots[position])
+        saved = None if trim else source._snapshots[position]
+        self.clear()
+        for i, (mine, theirs) in enumerate(zip(self.layers, source.layers, strict=True)):
+            shadow = copy.copy(theirs)
+            if saved is not None and saved[i] is not None:
+                shadow.restore(saved[i])
+            mine.load_state(*shadow.state_dict())
+            if mine.offset != position:
+                mine.trim_to(position)
+        mx.eval(self.arrays())
+        self.tokens = source.tokens[:position]
+        self.images = [key for key in source.images if key[0] < position]
+        self._snapshots = {p: s for p, s in source._snapshots.items() if p <= position}
         return position
 
     def _rewind(self, position: int, snapshot: list[Any] | None) -> None:
@@ -237,22 +310,24 @@ class PromptCache:
                 entries.append(fields)
             snapshots[str(position)] = entries
         return arrays, {"tokens": list(self.tokens), "images": [list(key) for key in self.images], "layers": layers,
-                        "snapshots": snapshots, "max_snapshots": self.max_snapshots}
+                        "snapshots": snapshots, "max_snapshots": self.max_snapshots,
+                        "kv_format": list(self.kv_format) if self.kv_format else None}
 
-    def load_state(self, arrays: Arrays, fields: dict[str, Any]) -> None:
+    def load_state(self, arrays: Arrays, fields: dict[str, Any], like: list[Arrays] | None = None) -> None:
         """Become the cache :meth:`state_dict` described (fresh layers of this model take the saved states;
-        anything that does not fit them is a :class:`SavedStateError` and leaves this cache empty). The
-        caller checks the token ids against the vocabulary."""
+        anything that does not fit them, or the shapes of ``like``: each layer's arrays in this model, is a
+        :class:`SavedStateError` and leaves this cache empty). The caller checks the token ids against the
+        vocabulary."""
         self.clear()
         try:
-            self._load(arrays, fields)
+            self._load(arrays, fields, like or [{} for _ in self.layers])
         except (SavedStateError, KeyError, TypeError, ValueError, AttributeError) as exc:
             self.clear()
             if isinstance(exc, SavedStateError):
                 raise
             raise SavedStateError(f"the saved prompt cache is malformed ({type(exc).__name__}: {exc})") from None
 
-    def _load(self, arrays: Arrays, fields: dict[str, Any]) -> None:
+    def _load(self, arrays: Arrays, fields: dict[str, Any], like: list[Arrays]) -> None:
         tokens, images, layers = fields["tokens"], fields["images"], fields["layers"]
         if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
             raise SavedStateError("the saved tokens are not a list of token ids")
@@ -261,7 +336,7 @@ class PromptCache:
             raise SavedStateError(f"the saved cache's layers ({', '.join(str(x.get('kind')) for x in layers)}) are "
                                   f"not this model's ({', '.join(kinds)})")
         for i, layer in enumerate(self.layers):
-            layer.load_state(_under(arrays, f"layers.{i}."), layers[i])
+            layer.load_state(_under(arrays, f"layers.{i}."), layers[i], like[i])
             if layer.offset != len(tokens):
                 raise SavedStateError(f"layer {i} was saved at position {layer.offset}, with {len(tokens)} tokens")
         snapshots: dict[int, list[Any]] = {}
@@ -275,7 +350,7 @@ class PromptCache:
                     saved.append(None)
                     continue
                 shadow = copy.copy(layer)
-                shadow.load_state(_under(arrays, f"snapshots.{key}.{i}."), entry)
+                shadow.load_state(_under(arrays, f"snapshots.{key}.{i}."), entry, like[i])
                 if shadow.offset != position:
                     raise SavedStateError(f"layer {i}'s snapshot at {position} was saved at {shadow.offset}")
                 saved.append(shadow.snapshot())
@@ -299,6 +374,85 @@ class PromptCache:
             elif isinstance(item, list | tuple):
                 stack.extend(item)
         return sum(seen.values())
+
+
+class Prefill:
+    """A prompt's way into its cache, planned by :meth:`PromptCache.start_prefill`: the chunks left, run a
+    few at a time, each evaluated with the cache (so the worker can run other work between them)."""
+
+    def __init__(self, cache: PromptCache, module: Any, prompt: Sequence[int] | MultimodalPrompt, reused: int,
+                 bounds: list[tuple[int, int]], features: dict[str, mx.array], follow: Follower | None,
+                 logits: bool, again: Callable[[], Prefill]):
+        self.cache, self.module, self.prompt, self.reused = cache, module, prompt, reused
+        self.chunks = collections.deque(bounds)
+        self._features, self._follow, self._wants_logits = features, follow, logits
+        self._again: Callable[[], Prefill] | None = again if cache.prefixes is not None else None
+        self.logits: mx.array | None = None
+        """The next token's logits ``[1, vocab]`` (lazy), once a prefill planned with ``logits`` is done."""
+
+    @property
+    def done(self) -> bool:
+        return not self.chunks
+
+    @property
+    def next_chunk(self) -> int:
+        """Tokens in the next chunk (0 when done)."""
+        return self.chunks[0][1] - self.chunks[0][0] if self.chunks else 0
+
+    @property
+    def pending(self) -> list[int]:
+        """The prompt's tokens the cache does not hold yet."""
+        ids = self.prompt.ids if isinstance(self.prompt, MultimodalPrompt) else self.prompt
+        return list(ids[len(self.cache):])
+
+    def run(self, budget: int) -> int:
+        """Run the next chunks while they fit in ``budget`` tokens (whole chunks only, so the chunks, and so the
+        numbers, are the same however the budget is shared); return the tokens run."""
+        if self._again is not None and self.chunks and self.next_chunk <= budget:
+            self._share()
+        ran = 0
+        while self.chunks and ran + self.next_chunk <= budget:
+            a, b = self.chunks.popleft()
+            self._chunk(a, b, final=self._wants_logits and not self.chunks)
+            ran += b - a
+        return ran
+
+    def _share(self) -> None:
+        """Before the first chunk runs: a cache of the pool may have taken in more of the prompt while this one
+        waited (the prefill before it, of the same system prompt): copy that and plan again from there."""
+        again, self._again = self._again, None
+        assert again is not None and self.cache.prefixes is not None
+        _, length = self.cache.prefixes.longest(self.prompt, excluding=self.cache)
+        if length > self.reused:
+            fresh = again()
+            self.reused, self.chunks, self._features = fresh.reused, fresh.chunks, fresh._features
+
+    def _chunk(self, a: int, b: int, final: bool) -> None:
+        cache, module, prompt = self.cache, self.module, self.prompt
+        ids = prompt.ids if isinstance(prompt, MultimodalPrompt) else prompt
+        images = prompt.images if isinstance(prompt, MultimodalPrompt) else ()
+        reply = profiling.current()
+        started = time.perf_counter() if reply else 0.0
+        tokens = mx.array(list(ids[a:b]))[None]
+        if final:  # the decode step's tail: text only, for the next token's logits (evaluated by the decoder)
+            self.logits = last_logits_of(module)(tokens, cache.layers)
+        else:
+            spans = [s for s in images if s.start < b and s.end > a]
+            inputs = module.image_inputs(prompt, a, b, self._features) if spans else {}
+            if self._follow is None:
+                module(tokens, cache.layers, **inputs)
+                mx.eval(cache.arrays())
+            else:
+                mx.eval(cache.arrays(), self._follow(a, module.model(tokens, cache.layers, **inputs)))
+        cache.feed(ids[a:b], images=[s.key for s in images if a <= s.start < b])
+        if reply:
+            reply.prefill_chunk(a, b, time.perf_counter() - started)
+
+
+def last_logits_of(module: Any) -> Any:
+    """The module's logits at the last position: its own ``last_logits`` when it has one (skipping the
+    head's work for the other positions)."""
+    return getattr(module, "last_logits", None) or (lambda t, c: module(t, c)[:, -1, :])
 
 
 def _under(arrays: Arrays, prefix: str) -> Arrays:

@@ -9,44 +9,41 @@ and MLX's ``quantized_matmul`` / ``gather_qmm`` otherwise (on a GPU always):
 
 - the extension was built, for the MLX version that runs (its C++ interface is not stable across versions);
 - the default device is the CPU;
-- affine mode, 4 or 8 bits, group size 32, 64 or 128 (MLX's own choices);
+- affine mode, 2, 3, 4, 5, 6 or 8 bits, group size 32, 64 or 128 (MLX's own choices);
 - float32 activations, scales and biases (mlxchat computes in float32 on a CPU by default).
+
+The same extension gives float32 experts (``gather_matmul``) one sgemm per expert instead of MLX's CPU
+``gather_mm``, which multiplies every row alone.
 
 ``MLXCHAT_QUANT=off`` keeps MLX's kernels. Results equal MLX's up to the order of float32 additions.
 Tuning (rarely needed): ``MLXCHAT_QUANT_THREADS`` (default: the cores this process may use),
 ``MLXCHAT_QUANT_SPIN_US`` (how long idle workers spin before sleeping, default 50: longer helps a quiet
 machine a little and hurts a shared one a lot) and
-``MLXCHAT_QUANT_TILE`` (float32 values dequantized per sgemm call for many rows, default 2**20).
+``MLXCHAT_QUANT_TILE`` (float32 values dequantized per sgemm call for many rows, default 2**20) and, on CPUs
+with AMX, ``MLXCHAT_QUANT_AMX_ROWS`` (products with at least this many rows of x go through AMX tiles,
+default 3).
 """
 
 from __future__ import annotations
 
-import importlib
-import os
 from functools import cache
 from types import ModuleType
 from typing import Any
 
 import mlx.core as mx
 
-_BITS = (4, 8)
+from .extensions import load_extension
+
+_BITS = (2, 3, 4, 5, 6, 8)
 _GROUP_SIZES = (32, 64, 128)
 
 
 @cache
 def _native() -> tuple[ModuleType | None, str]:
     """The extension module, or None and why it is not used."""
-    if os.environ.get("MLXCHAT_QUANT", "").lower() in ("off", "0"):
-        return None, "MLXCHAT_QUANT=off"
-    try:
-        module = importlib.import_module("mlxchat._quantized")
-    except ImportError as exc:
-        return None, f"native kernels not built ({exc})"
-    running = ".".join(mx.__version__.split(".")[:3])  # type: ignore[attr-defined]
-    built = module.mlx_version()
-    if built != running:
-        return None, (f"native kernels built for MLX {built}, running {running} "
-                      "(pip install --no-build-isolation -e . rebuilds them against it)")
+    module, why = load_extension("_quantized", "MLXCHAT_QUANT")
+    if module is None:
+        return None, why
     try:  # builds a graph node only: proves that mx.array crosses into the extension
         module.quantized_matmul(mx.zeros((1, 32)), mx.zeros((1, 4), mx.uint32), mx.zeros((1, 1)), mx.zeros((1, 1)),
                                 32, 4)
@@ -90,6 +87,37 @@ def gather_quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: 
         return module.gather_quantized_matmul(x, w, scales, biases, indices, group_size, bits)  # type: ignore[no-any-return]
     return mx.gather_qmm(x, w, scales, biases, rhs_indices=indices, transpose=True, group_size=group_size, bits=bits,
                          mode=mode, sorted_indices=sorted_indices)
+
+
+def _gathers(x: mx.array, w: mx.array) -> ModuleType | None:
+    module = _native()[0]
+    if (
+        module is None
+        or not x.dtype == w.dtype == mx.float32
+        or mx.default_device().type != mx.DeviceType.cpu
+        or not module.has_sgemm()
+    ):
+        return None
+    return module
+
+
+def gathers_rows(x: mx.array, w: mx.array, scales: mx.array | None = None, biases: mx.array | None = None,
+                 group_size: int = 64, bits: int = 4, mode: str = "affine") -> bool:
+    """Whether the gathered product of ``x`` with experts ``w`` (quantized when ``scales`` is given) runs on
+    the native kernels, which order the rows by expert themselves (sorting them first only costs)."""
+    if scales is None:
+        return _gathers(x, w) is not None
+    return _applies(x, scales, biases, group_size, bits, mode) is not None
+
+
+def gather_matmul(x: mx.array, w: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
+    """``x @ w[indices].T`` per expert index for float experts ``w [E, out, in]``: ``mx.gather_mm(x,
+    w.swapaxes(-1, -2), rhs_indices=indices)``. MLX's CPU kernel multiplies every row alone (a matrix-vector
+    product per row and expert); the native one gives each expert's rows one sgemm."""
+    module = _gathers(x, w)
+    if module is not None:
+        return module.gather_matmul(x, w, indices)  # type: ignore[no-any-return]
+    return mx.gather_mm(x, w.swapaxes(-1, -2), rhs_indices=indices, sorted_indices=sorted_indices)
 
 
 def kernel_info() -> dict[str, Any]:

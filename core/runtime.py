@@ -20,6 +20,12 @@ Environment:
   to keep MLX's bundled one.
 - ``MLXCHAT_GEMV``: ``0`` disables the route (single rows and few rows alike).
 - ``MLXCHAT_ROWS``: the most rows of x the few-rows kernel takes (default 8, at most 8; ``0``: none).
+
+A ``cblas_sgemm`` already in the process when mlxchat is imported (a library linked to the system
+OpenBLAS, such as a distribution's numpy, imported first) comes first in the global scope and takes MLX's
+calls instead: :func:`configure_blas` finds out which library owns the first ``cblas_sgemm``, and when it is
+not the one chosen, says so (a warning, the state's note, ``mlxchat info``) and what to do: import mlxchat
+first, or start Python with ``LD_PRELOAD`` naming the route.
 """
 
 from __future__ import annotations
@@ -55,6 +61,17 @@ class BlasState:
     gemv_route: bool = False
     note: str = ""
     _route: Any = field(default=None, repr=False)
+
+    def route_taken(self) -> bool:
+        """Whether a one-row float32 product really goes through the route (runs one; imports mlx.core)."""
+        if self._route is None:
+            return False
+        import mlx.core as mx
+
+        before = self.routed_counts()[0]
+        with mx.stream(mx.cpu):
+            mx.eval(mx.ones((1, 64)) @ mx.ones((64, 64)))
+        return self.routed_counts()[0] > before
 
     def routed_counts(self) -> tuple[int, int]:
         """(products sent to sgemv, products sent to sgemm) since start, or (0, 0) without the route."""
@@ -163,6 +180,37 @@ def configure_blas() -> BlasState:
     return _state
 
 
+class _DlInfo(ctypes.Structure):
+    _fields_ = [("fname", ctypes.c_char_p), ("fbase", ctypes.c_void_p), ("sname", ctypes.c_char_p),
+                ("saddr", ctypes.c_void_p)]
+
+
+def _sgemm_owner() -> str | None:
+    """The file of the first ``cblas_sgemm`` in the process's global scope: the one MLX will call."""
+    process = ctypes.CDLL(None)
+    if not hasattr(process, "cblas_sgemm"):
+        return None
+    info = _DlInfo()
+    if not process.dladdr(ctypes.cast(process.cblas_sgemm, ctypes.c_void_p), ctypes.byref(info)):
+        return None
+    return os.path.realpath(info.fname.decode()) if info.fname else None
+
+
+def _lost_to(owner: str, chosen: str, route: Any) -> None:
+    """Records that ``owner``'s cblas_sgemm, loaded before mlxchat, takes MLX's calls instead of ``chosen``."""
+    assert _state is not None
+    spec = importlib.util.find_spec("mlxchat._blas_route")
+    preload = spec.origin if route is not None and spec is not None else chosen
+    _state.library = "a cblas_sgemm loaded before mlxchat"
+    _state.path = owner
+    _state.gemv_route = False
+    _state.note = (f"{owner} was loaded before mlxchat and its cblas_sgemm takes MLX's calls instead of "
+                   f"{'the single-row route' if route is not None else chosen} (decode runs several times "
+                   f"slower): import mlxchat before the library that loads it, or start Python with "
+                   f"LD_PRELOAD={preload}")
+    warnings.warn(f"mlxchat: {_state.note}", RuntimeWarning, stacklevel=4)
+
+
 def _use(path: str, origin: str) -> bool:
     """Puts the BLAS at ``path`` under MLX; False if it has no usable interface (or needs the route, absent)."""
     assert _state is not None
@@ -182,6 +230,10 @@ def _use(path: str, origin: str) -> bool:
     _state.path = path
     _state.gemv_route = route is not None and gemv
     _state._route = route
+    chosen = ctypes.cast(route.cblas_sgemm if route is not None else ctypes.CDLL(path).cblas_sgemm, ctypes.c_void_p)
+    owner = _sgemm_owner()
+    if owner is not None and ctypes.cast(ctypes.CDLL(None).cblas_sgemm, ctypes.c_void_p).value != chosen.value:
+        _lost_to(owner, path, route)
     return True
 
 
@@ -210,6 +262,7 @@ def runtime_info() -> dict[str, Any]:
     from .registry import registry
 
     state = configure_blas()
+    route = state.gemv_route and state.route_taken()
     return {
         "mlxchat": package_version(),
         "mlx": mx.__version__,  # type: ignore[attr-defined]
@@ -218,13 +271,27 @@ def runtime_info() -> dict[str, Any]:
         "device": str(mx.default_device()),
         "blas": state.library,
         "blas_path": state.path,
-        "gemv_route": state.gemv_route,
+        "gemv_route": route,
+        "blas_route": "mlxchat native" if route else f"off ({_route_off(state)})",
         "blas_note": state.note,
         **quantized.kernel_info(),
         **kernels.kernel_info(),
         "cpu_count": os.cpu_count(),
         "plugins": {name: sorted(arch.model_types) for name, arch in registry().architectures().items()},
     }
+
+
+def _route_off(state: BlasState) -> str:
+    """Why one-row products do not go through the route."""
+    if sys.platform != "linux":
+        return "Linux only"
+    if os.environ.get("MLXCHAT_GEMV") == "0":
+        return "MLXCHAT_GEMV=0"
+    if state.note:
+        return "see the note"
+    if importlib.util.find_spec("mlxchat._blas_route") is None:
+        return "not built"
+    return "not taken by MLX's products"
 
 
 def package_version() -> str:

@@ -44,12 +44,6 @@ from .prompt_cache import Follower, PromptCache, common_prefix_length
 from .sampling import LogitsAdjuster, RandomKeys, make_filter
 
 
-@dataclass
-class SpeculativeStats:
-    drafted: int = 0
-    accepted: int = 0
-
-
 class Acceptance:
     """Draws draft tokens and decides which the target keeps, for one sampling setting."""
 

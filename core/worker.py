@@ -2,14 +2,17 @@
 
 Plain jobs (:meth:`Worker.run`, :meth:`Worker.submit`) run one at a time in submission order. Stream jobs
 (generators, :meth:`Worker.start`) run side by side: the worker advances each in turn, handing every item
-to the job's reader at most one item ahead of it, so a slow reader holds up only its own job. A job may
-yield a :class:`Together` item instead (a decode step): the worker waits until every runnable job has
-done so or cannot go on, then runs the waiting items of a kind together (one forward pass over the
-sequences of several jobs) and resumes their jobs. A worker made with ``side_by_side=False`` (a model
+to the job's reader at most :data:`LEAD` items ahead of it, so a slow reader holds up only its own job. A job may
+yield a :class:`Together` item instead (a decode step, a prefill chunk), or a :class:`Gathered` group of
+them (a job running several generations): the worker waits until every runnable job has done so or cannot
+go on, then runs one *step*: the waiting items of each kind together (one forward pass over the sequences
+of several jobs), kinds in their ``order``, and resumes their jobs. A worker made with ``side_by_side=False`` (a model
 split over processes, whose every step is a collective) and any worker while :mod:`mlxchat.profiling` is
 on run one job at a time instead. Blocking callers wait on a future; streaming readers
 read a queue the job fills; asyncio readers await without blocking the event loop. A reader that stops
 reading sets the job's cancel flag; the job (which checks it between items) winds up at its next item.
+A worker whose thread can never move again (a collective waiting for a process that is gone) is given up
+from another thread (:meth:`Worker.fail`): its jobs end with the error instead of waiting for ever.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from __future__ import annotations
 import asyncio
 import atexit
 import collections
+import copy
+import logging
 import queue
 import threading
 import weakref
@@ -27,9 +32,14 @@ from typing import Any, TypeVar
 from . import profiling
 
 T = TypeVar("T")
+log = logging.getLogger("mlxchat")
 
 END = object()
 """The last item a :class:`StreamJob` hands over."""
+LEAD = 2
+"""Items a paced job may run ahead of its reader: one the reader takes while the step making the next one
+runs. With one, a reader whose thread had not yet taken its item (the worker holds the GIL between steps)
+kept its job out of the next step, so generations read from several threads seldom shared a step."""
 _live: weakref.WeakSet[Worker] = weakref.WeakSet()
 _IDLE_WAIT = 0.05
 """Seconds the worker sleeps at most when every job waits for its reader (a reader taking an item, a new
@@ -57,6 +67,12 @@ class Cancelled:
     def __bool__(self) -> bool:
         return self._event.is_set()
 
+    def check(self) -> bool:
+        """Whether to stop, asked at a generation's check points (between prefill chunks, after each token).
+        In a process group this is a collective every rank makes at the same points, while ``bool()`` only
+        reads (see :mod:`mlxchat.distributed.channel`)."""
+        return bool(self)
+
 
 class Together:
     """What a stream job yields to wait for work the worker runs for several jobs at once (a decode step
@@ -65,6 +81,8 @@ class Together:
     (:meth:`check`), so that the job's own error handling applies."""
 
     error: BaseException | None = None
+    order = 0
+    """Where this kind runs in a step (lower first)."""
 
     @classmethod
     def run_together(cls, items: list[Any]) -> None:
@@ -75,6 +93,30 @@ class Together:
         if self.error is not None:
             error, self.error = self.error, None
             raise error
+
+
+class Gathered:
+    """What a job yields to wait for several :class:`Together` items in one step (the generations of a batch
+    job); each item joins the others of its kind."""
+
+    def __init__(self, items: list[Together]):
+        if not items:
+            raise ValueError("a gathered step needs at least one item")
+        self.items = items
+
+
+def run_step(items: list[Together]) -> None:
+    """Run one step: the items of each kind together, kinds in their ``order``. A kind that fails hands its
+    failure to each of its items (:meth:`Together.check`); the other kinds still run."""
+    kinds: dict[type[Together], list[Together]] = {}
+    for item in items:
+        kinds.setdefault(type(item), []).append(item)
+    for kind in sorted(kinds, key=lambda k: k.order):
+        try:
+            kind.run_together(kinds[kind])
+        except Exception as exc:  # each job raises it where it waited (Together.check)
+            for item in kinds[kind]:
+                item.error = exc
 
 
 class _Failure:
@@ -103,6 +145,12 @@ class Worker:
         self._tasks: list[_Task] = []
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._closed = False
+        self.step_watchers: list[Callable[[list[Together]], None]] = []
+        """Called on the worker's thread after each step with the items it ran (a server's metrics count
+        the rows of its decode steps); a watcher must be quick (one that raises is logged and skipped)."""
+        self._failure: BaseException | None = None
+        self._settling = threading.Lock()  # jobs end once: on the thread, or all at once by fail()
+        self._running: Future[Any] | None = None
         self._thread.start()
         _live.add(self)
 
@@ -117,7 +165,7 @@ class Worker:
         flush_denormals()
         closing = False
         try:
-            while not closing or self._tasks or self._later:
+            while (not closing or self._tasks or self._later) and self._failure is None:
                 while not closing:
                     try:
                         job = self._jobs.get(block=not self._tasks and not self._later)
@@ -139,22 +187,37 @@ class Worker:
             mx.clear_streams()
 
     def _start_job(self, future: Future[Any], fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
-        if not future.set_running_or_notify_cancel():
-            return
+        with self._settling:
+            if future.done() or not future.set_running_or_notify_cancel():  # cancelled, or ended by fail()
+                return
+            if self._failure is not None:
+                _give_up(future, args[2] if fn is _StreamTask else None, self._failure)
+                return
+            if fn is _StreamTask:
+                task = _Task(future, args[2])
+                self._tasks.append(task)
+            else:
+                self._running = future
         if fn is _StreamTask:
             produce, cancel, handoff = args
             if self._closed:
                 handoff.abandon()
-            self._tasks.append(_Task(future, handoff))
             try:
-                self._tasks[-1].iterator = produce(cancel)
+                task.iterator = produce(cancel)
             except BaseException as exc:  # delivered to the reader, never lost on the worker
-                self._end(self._tasks[-1], exc)
+                self._end(task, exc)
             return
         try:
-            future.set_result(fn(*args))
+            result = fn(*args)
         except BaseException as exc:  # handed to whoever waits on the future
-            future.set_exception(exc)
+            with self._settling:
+                if not future.done():
+                    future.set_exception(exc)
+        else:
+            with self._settling:
+                if not future.done():
+                    future.set_result(result)
+        self._running = None
 
     def _advance(self) -> bool:
         """Advance every stream job as far as its reader allows, then run what waits together; whether
@@ -165,18 +228,16 @@ class Worker:
                 self._resume(task)
                 moved = True
         waiting = [task for task in self._tasks if task.waiting is not None]
-        kinds: dict[type, list[_Task]] = {}
+        items = [item for task in waiting for item in task.waiting or ()]  # in the jobs' order: FIFO
         for task in waiting:
-            kinds.setdefault(type(task.waiting), []).append(task)
-        for kind, tasks in kinds.items():
-            items = [task.waiting for task in tasks]
-            for task in tasks:
-                task.waiting = None
-            try:
-                kind.run_together(items)  # type: ignore[attr-defined]
-            except Exception as exc:  # each job raises it where it waited (Together.check)
-                for item in items:
-                    item.error = exc  # type: ignore[union-attr]
+            task.waiting = None
+        if items:
+            run_step(items)
+            for watch in tuple(self.step_watchers):
+                try:
+                    watch(items)
+                except Exception:  # noqa: BLE001 - an observer never stops the model's work
+                    log.exception("a step watcher failed")
         return moved or bool(waiting)
 
     def _resume(self, task: _Task) -> None:
@@ -190,7 +251,9 @@ class Worker:
             self._end(task, exc)
             return
         if isinstance(item, Together):
-            task.waiting = item
+            task.waiting = [item]
+        elif isinstance(item, Gathered):
+            task.waiting = item.items
         else:
             task.handoff.put(item)
 
@@ -203,16 +266,21 @@ class Worker:
                 close()
             except BaseException:  # noqa: BLE001 - the first failure is the one to report
                 pass
-        if error is not None:
-            task.handoff.put_last(_Failure(error))
-        task.handoff.put_last(END)
-        task.future.set_result(None)
+        with self._settling:
+            if task.future.done():  # ended by fail()
+                return
+            if error is not None:
+                task.handoff.put_last(_Failure(error))
+            task.handoff.put_last(END)
+            task.future.set_result(None)
 
     @property
     def on_worker(self) -> bool:
         return threading.current_thread() is self._thread
 
     def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
+        if self._failure is not None:
+            raise copy.copy(self._failure)
         if self._closed:
             raise RuntimeError("the model's worker is closed")
         future: Future[T] = Future()
@@ -230,30 +298,32 @@ class Worker:
         return await asyncio.wrap_future(self.submit(fn, *args))
 
     def start(self, produce: Callable[[Cancelled], Iterator[Any]], cancel: Cancelled,
-              put: Callable[[Any], Any]) -> StreamJob:
+              put: Callable[[Any], Any], *, paced: bool = True) -> StreamJob:
         """Run the generator ``produce(cancel)`` on the worker beside other stream jobs, handing its items to
-        ``put`` one at a time (see :class:`StreamJob`)."""
-        return StreamJob(self, produce, cancel, put)
+        ``put`` one at a time (see :class:`StreamJob`). ``paced=False``: the job never waits for its reader
+        (for a reader that takes every item to the end, as a blocking call does: pacing would only keep the
+        job out of the steps its reader's thread is too slow to ask for)."""
+        return StreamJob(self, produce, cancel, put, paced=paced)
 
     def stream(self, produce: Callable[[Cancelled], Iterator[T]],
-               cancel: Cancelled | None = None) -> Generator[T, None, None]:
+               cancel: Cancelled | None = None, *, paced: bool = True) -> Generator[T, None, None]:
         """Run the generator ``produce(cancel)`` on the worker; yield its items here as they come.
 
-        The job runs at most one item ahead of the reader, so what the reader has seen is what was
-        produced, give or take one. Stopping early (``break``, ``close()``) sets ``cancel``, which
-        ``produce`` must check between items, and waits for the job to wind up, so whatever it commits on
-        its way out is in place on return.
+        The job runs at most :data:`LEAD` items ahead of the reader (unless ``paced=False``: see
+        :meth:`start`), so what the reader has seen is what was produced, give or take that many. Stopping
+        early (``break``, ``close()``) sets ``cancel``, which ``produce`` must check between items, and waits
+        for the job to wind up, so whatever it commits on its way out is in place on return.
         """
         cancel = Cancelled() if cancel is None else cancel
         if self.on_worker:  # nothing runs beside a job started from the worker itself
             for item in produce(cancel):
-                if isinstance(item, Together):
-                    type(item).run_together([item])  # a failure is raised here, where the job waits
+                if isinstance(item, Together | Gathered):
+                    run_step(item.items if isinstance(item, Gathered) else [item])  # the job raises a failure
                 else:
                     yield item
             return
         items: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        job = self.start(produce, cancel, items.put)
+        job = self.start(produce, cancel, items.put, paced=paced)
         try:
             while (item := job.received(items.get())) is not END:
                 yield item
@@ -283,9 +353,49 @@ class Worker:
             if not self.on_worker:
                 self._thread.join()
 
+    def fail(self, error: BaseException) -> None:
+        """Give up on this worker, from any thread, when its thread may never move again (a model split over
+        processes whose collective waits for a rank that is gone; see :mod:`mlxchat.distributed`): the job it
+        runs and every job it holds end with ``error``, later ones are refused with it, and :meth:`close` no
+        longer waits for the thread. The thread is left where it is (a daemon, which the interpreter does not
+        wait for); should it move again, it ends nothing twice and stops."""
+        with self._settling:
+            if self._failure is not None:
+                return
+            self._failure, self._closed = error, True
+            queued = list(self._later)
+            while True:
+                try:
+                    job = self._jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if job is not None:
+                    queued.append(job)
+            held = [(future, args[2] if fn is _StreamTask else None) for future, fn, args in queued]
+            held += [(task.future, task.handoff) for task in self._tasks]
+            if self._running is not None:
+                held.append((self._running, None))
+            for future, handoff in held:
+                _give_up(future, handoff, error)
+        self._jobs.put(None)
+        self._wake.set()
+
 
 class _StreamTask:
     """The marker of a stream job in the worker's queue (its arguments: produce, cancel, handoff)."""
+
+
+def _give_up(future: Future[Any], handoff: _Handoff | None, error: BaseException) -> None:
+    """End a job of a worker given up (:meth:`Worker.fail`): a stream job's reader gets ``error`` through its
+    ``handoff`` (and its ``stop()`` returns), a plain job's caller through the future."""
+    if handoff is not None:
+        handoff.fail(error)
+    if future.done():
+        return
+    if handoff is not None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)
 
 
 class _Task:
@@ -293,21 +403,22 @@ class _Task:
         self.future = future
         self.handoff = handoff
         self.iterator: Iterator[Any] = iter(())
-        self.waiting: Together | None = None
+        self.waiting: list[Together] | None = None
 
 
 class StreamJob:
-    """A generator job on the worker whose items go to one reader, at most one item ahead of it.
+    """A generator job on the worker whose items go to one reader, at most :data:`LEAD` items ahead of it
+    (unless it is not ``paced``).
 
     The reader passes every item it takes through :meth:`received` (which re-raises the job's failure) until
-    it gets :data:`END`; a reader that stops early calls :meth:`stop` (blocking, for finalizers and sync
-    code) or :meth:`astop`, which cancels the job and waits for it to wind up, or drops it if it has not
-    started."""
+    it gets :data:`END`; a reader that stops early calls :meth:`stop` (blocking, for sync code) or
+    :meth:`astop`, which cancels the job and waits for it to wind up, or drops it if it has not started, or
+    :meth:`stop_soon`, which waits for nothing."""
 
     def __init__(self, worker: Worker, produce: Callable[[Cancelled], Iterator[Any]], cancel: Cancelled,
-                 put: Callable[[Any], Any]):
+                 put: Callable[[Any], Any], *, paced: bool = True):
         self.cancel = cancel
-        self._handoff = _Handoff(put, worker._wake)
+        self._handoff = _Handoff(put, worker._wake, paced)
         self._future = worker.submit(_StreamTask, produce, cancel, self._handoff)
 
     def received(self, item: Any) -> Any:
@@ -331,21 +442,30 @@ class StreamJob:
         if not self._abandon():
             await asyncio.wrap_future(self._future)
 
+    def stop_soon(self, then: Callable[[], None]) -> None:
+        """Tell the job its reader has gone without waiting: ``then`` runs once the job has wound up (at once
+        when it never started, else on the worker's thread), so an event loop never waits for the worker."""
+        self._abandon()
+        self._future.add_done_callback(lambda _: then())
+
 
 class _Handoff:
-    """Passes a job's items to its reader, at most one ahead; drops them once the reader has gone."""
+    """Passes a job's items to its reader, at most :data:`LEAD` ahead when ``paced``; drops them once the
+    reader has gone."""
 
-    def __init__(self, put: Callable[[Any], Any], wake: threading.Event):
+    def __init__(self, put: Callable[[Any], Any], wake: threading.Event, paced: bool = True):
         self._put = put
         self._wake = wake
+        self._paced = paced
         self._lock = threading.Lock()
         self._ahead = 0
         self._abandoned = False
 
     def ready(self) -> bool:
-        """Whether the job may produce its next item (the reader took the last one, or has gone)."""
+        """Whether the job may produce its next item (the reader is fewer than :data:`LEAD` behind, or has
+        gone, or the job is not paced)."""
         with self._lock:
-            return self._abandoned or self._ahead == 0
+            return self._abandoned or not self._paced or self._ahead < LEAD
 
     def put(self, item: Any) -> None:
         with self._lock:
@@ -358,6 +478,16 @@ class _Handoff:
         """The job's end (or failure): handed over whatever the reader has taken."""
         if not self._abandoned:
             self._put(item)
+
+    def fail(self, error: BaseException) -> None:
+        """End the job with ``error`` from another thread (:meth:`Worker.fail`); what it hands over later is
+        dropped."""
+        with self._lock:
+            if self._abandoned:
+                return
+            self._abandoned = True
+        self._put(_Failure(error))
+        self._put(END)
 
     def taken(self) -> None:
         with self._lock:

@@ -6,6 +6,7 @@ pytest's ``pytester`` serves the tests of the conformance kit itself (tests/test
 # pytest imports this file before any test module.
 import mlxchat  # noqa: I001
 
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -56,3 +57,25 @@ def scripted(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[list[int]]]:
 
     monkeypatch.setattr(mlxchat.generation, "make_sampler", make_sampler)
     yield replies
+
+
+def hold_worker_until_queued(model: mlxchat.GenerativeModel, count: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hold the model's worker until ``count`` more jobs are queued behind it, so that turns sent from several
+    threads reach it together ("at once" by counting, not by timing). Returns once the worker holds: a job
+    queued before the hold began would be taken with it and start a step ahead of the others."""
+    queued, holding = threading.Semaphore(0), threading.Event()
+    start = model.worker.start
+
+    def counted(*args, **kwargs):
+        job = start(*args, **kwargs)
+        queued.release()
+        return job
+
+    def hold() -> None:
+        holding.set()
+        for _ in range(count):
+            queued.acquire()
+
+    monkeypatch.setattr(model.worker, "start", counted)
+    model.worker.submit(hold)
+    holding.wait()

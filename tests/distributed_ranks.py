@@ -30,9 +30,9 @@ QUESTIONS = ("Hello there", "What is the capital of France?", "And of Italy?")
 FOLLOWED = "qwen3_5"  # a hybrid: DeltaNet states return through snapshots
 
 
-def session_turns(model: mlxchat.GenerativeModel) -> list[dict[str, Any]]:
-    """A 3-turn chat: each turn's reply tokens and what its cache served."""
-    session = model.chat_session(system="You are terse.", default_config=TURN)
+def session_turns(model: mlxchat.GenerativeModel, **options: Any) -> list[dict[str, Any]]:
+    """A 3-turn chat: each turn's reply tokens and what its cache served (``options``: the session's)."""
+    session = model.chat_session(system="You are terse.", default_config=TURN, **options)
     turns = []
     for question in QUESTIONS:
         result = session.send(question)
@@ -77,7 +77,8 @@ def followed(mode: str) -> dict[str, Any]:
     if model.rank != 0:  # type: ignore[attr-defined]
         model.follow()  # type: ignore[attr-defined]
         return {"followed": True}
-    record = {"session": session_turns(model), "stopped": stopped_stream(model)}
+    record = {"session": session_turns(model), "stopped": stopped_stream(model),
+              "kv8": session_turns(model, kv_bits=8, kv_group_size=32)}  # the others make caches of its format
     model.close()
     return record
 

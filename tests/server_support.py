@@ -6,6 +6,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future
 from contextlib import contextmanager
 from typing import Any
 
@@ -61,3 +62,49 @@ def serving(fixture: str, model: Any = None, **settings: Any) -> Iterator[Served
     finally:
         server.should_exit = True
         thread.join()
+
+
+class HeldStream:
+    """A streaming chat request whose reply has started, while the model's worker is held busy on a job
+    that waits for :attr:`release` (see :func:`held_mid_stream`)."""
+
+    def __init__(self, response: Any, release: threading.Event, held: Future[None]):
+        self.response, self.release, self.held = response, release, held
+
+
+@contextmanager
+def held_mid_stream(served: Served, model: Any, max_tokens: int = 3000,
+                    headers: dict[str, str] | None = None) -> Iterator[HeldStream]:
+    """Start a streaming reply of ``model`` (its end-of-reply tokens banned, so it runs ``max_tokens``), then
+    hold the worker busy once the first piece has arrived; the block runs while it is held. On the way out
+    the worker is let go and the response closed. A valve lets the worker go after 60 s whatever happens, so
+    that a blocked event loop fails the test instead of hanging it."""
+    import httpx
+
+    entered, release = threading.Event(), threading.Event()
+    valve = threading.Timer(60.0, release.set)
+    valve.start()
+
+    def busy() -> None:
+        entered.set()
+        release.wait()
+
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": max_tokens,
+            "temperature": 1.0, "seed": 1, "stream": True, "logit_bias": {str(e): -100.0 for e in model.eos_ids}}
+    client = httpx.Client(timeout=60)
+    try:
+        with client.stream("POST", served.url + "/v1/chat/completions", json=body, headers=headers) as response:
+            lines = response.iter_lines()
+            while not next(lines).startswith("data: "):
+                pass
+            held = model.worker.submit(busy)
+            assert entered.wait(60), "the worker never took the job that holds it"
+            try:
+                yield HeldStream(response, release, held)
+            finally:
+                release.set()
+                held.result(60)
+    finally:
+        valve.cancel()
+        release.set()
+        client.close()

@@ -1,6 +1,8 @@
 """Sequences decode together: concurrent generations, several sessions driven from threads, server requests
 and ``generate_batch`` share each decode step (one pass over the weights), and every sequence gets exactly
-what it gets alone, whoever leaves early; a failed step fails only the generations in it. (That one batched
+what it gets alone, whoever leaves early; a failed step fails only the generations in it. A long prompt goes in
+a budget of tokens a step while running streams decode a token a step; waiting prompts go in first come,
+first served. (That one batched
 step equals each row alone, on every architecture, is in the conformance kit: ``batched_decoding_problems``.)"""
 
 from __future__ import annotations
@@ -11,11 +13,12 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 import mlxchat
-from mlxchat import GenerationError, batching
-from mlxchat.batching import DecodeRow
+from mlxchat import GenerationError, batching, worker
+from mlxchat.batching import DecodeRow, PrefillChunk
 from mlxchat.testing import GREEDY
+from mlxchat.worker import END, Cancelled
 
-from conftest import fixture_path
+from conftest import fixture_path, hold_worker_until_queued
 
 PROMPTS = ["Hello there", "What is the capital of France?", "Tell me a number", "And of Italy?"]
 
@@ -43,11 +46,16 @@ def test_generate_batch_equals_each_prompt_alone_and_decodes_together(name: str,
     together = model.generate_batch(PROMPTS, config)
     assert [r.tokens for r in together] == [r.tokens for r in alone]
     assert [r.finish_reason for r in together] == [r.finish_reason for r in alone]
-    assert max(steps) == len(PROMPTS)  # all four in one step
+    # Offline batch work: every prompt is prefilled first, then all four decode in every step until one ends,
+    # whatever the machine's load (no reader's pace decides which rows share a step).
+    ends = sorted(len(r.tokens) + (r.finish_reason == "stop") for r in alone)
+    assert steps[: ends[0] - 1] == [len(PROMPTS)] * (ends[0] - 1)
+    assert sorted(steps, reverse=True) == steps
     model.close()
 
 
-def test_sessions_driven_from_threads_decode_together_and_equal_sessions_alone(steps: list[int]) -> None:
+def test_sessions_driven_from_threads_decode_together_and_equal_sessions_alone(steps: list[int],
+                                                                               monkeypatch) -> None:
     model = mlxchat.load_model(fixture_path("qwen3_5"), dtype="float32")
     config = {**GREEDY, "max_tokens": 20}
 
@@ -56,6 +64,7 @@ def test_sessions_driven_from_threads_decode_together_and_equal_sessions_alone(s
         return [session.send(q, config=config).tokens for q in ("Hello there", "And of Italy?")]
 
     expected = conversation()
+    hold_worker_until_queued(model, 4, monkeypatch)  # the four first turns reach the worker together
     steps.clear()
     results: list[list[list[int]]] = []
     threads = [threading.Thread(target=lambda: results.append(conversation())) for _ in range(4)]
@@ -88,21 +97,20 @@ def test_a_failed_step_fails_the_generations_in_it_and_the_model_goes_on(monkeyp
     model.close()
 
 
-def test_a_stream_left_mid_batch_stops_alone_and_the_others_finish_as_alone(steps: list[int]) -> None:
+def test_a_stream_left_mid_batch_stops_alone_and_the_others_finish_as_alone(steps: list[int],
+                                                                            monkeypatch) -> None:
     model = mlxchat.load_model(fixture_path("lfm2"), dtype="float32")
     config = {**GREEDY, "max_tokens": 16}
     alone = [model.generate(p, config).tokens for p in PROMPTS[1:]]
+    hold_worker_until_queued(model, len(PROMPTS), monkeypatch)  # the four streams start together
     steps.clear()
-    start = threading.Barrier(len(PROMPTS))
     results: dict[int, list[int]] = {}
     left: list[int] = []
 
     def full(index: int) -> None:
-        start.wait()
         results[index] = [c.token for c in model.stream(PROMPTS[index], config) if c.token is not None]
 
     def leaving() -> None:
-        start.wait()
         for chunk in model.stream(PROMPTS[0], config):
             left.append(chunk.token)
             if len(left) == 3:
@@ -118,7 +126,7 @@ def test_a_stream_left_mid_batch_stops_alone_and_the_others_finish_as_alone(step
     model.close()
 
 
-def test_concurrent_server_requests_decode_together(steps: list[int]) -> None:
+def test_concurrent_server_requests_decode_together(steps: list[int], monkeypatch) -> None:
     openai = pytest.importorskip("openai")
     pytest.importorskip("uvicorn")
     from server_support import serving
@@ -133,9 +141,133 @@ def test_concurrent_server_requests_decode_together(steps: list[int]) -> None:
             return reply.choices[0].message.content
 
         alone = [ask(q) for q in PROMPTS]
+        hold_worker_until_queued(model, len(PROMPTS), monkeypatch)  # the four requests reach the worker together
         steps.clear()
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
             together = list(pool.map(ask, PROMPTS))
     assert together == alone
     assert max(steps) > 1
+    model.close()
+
+
+class Inline:
+    """Generations on a model's worker whose reader takes every item on the worker itself, as it comes: no
+    reader's pace decides which steps a generation joins, so the steps (logged by :func:`logged_steps`) are
+    the worker's alone and the same on a loaded machine. ``then`` callbacks start more generations from the
+    worker after a generation's ``n``-th token."""
+
+    def __init__(self, model: mlxchat.GenerativeModel):
+        self.model = model
+        self.tokens: dict[str, list[int]] = {}
+        self.caches: dict[str, object] = {}
+        self.errors: list[BaseException] = []
+        self.running = 0
+        self.done = threading.Event()
+
+    def start(self, name: str, prompt: list[int], config: dict, then: dict[int, object] | None = None) -> None:
+        """Start a generation (from any thread; from the worker itself inside a ``then`` callback)."""
+        if not self.model.worker.on_worker:
+            self.model.worker.run(self.start, name, prompt, config, then)
+            return
+        cache = self.model.make_prompt_cache()
+        merged = self.model.defaults.merged(config)
+        self.tokens[name], self.caches[name] = [], cache
+        job: list = []
+        self.running += 1
+
+        def put(item) -> None:
+            try:
+                item = job[0].received(item)
+            except BaseException as exc:  # noqa: BLE001 - the test reports it
+                self.errors.append(exc)
+                return
+            if item is END:
+                self.running -= 1
+                if not self.running:
+                    self.done.set()
+            elif item.token is not None:
+                self.tokens[name].append(item.token)
+                if then and len(self.tokens[name]) in then:
+                    then[len(self.tokens[name])]()  # type: ignore[operator]
+
+        job.append(self.model.worker.start(
+            lambda cancel: self.model.run_generation(prompt, cache, merged, cancel), Cancelled(), put))
+
+    def wait(self) -> None:
+        assert self.done.wait(600) and not self.errors, self.errors
+
+
+@pytest.fixture
+def logged_steps(monkeypatch) -> list[list[tuple[str, object, int]]]:
+    """Every step the worker runs, as ``(kind, cache, tokens)`` per item: ``("decode", cache, 1)`` for a decode
+    row, ``("prefill", cache, n)`` for a prefill chunk that ran ``n`` prompt tokens."""
+    log: list[list[tuple[str, object, int]]] = []
+    real = worker.run_step
+
+    def logged(items):
+        real(items)
+        log.append([("decode", i.cache, 1) if isinstance(i, DecodeRow) else ("prefill", i.prefill.cache, i.ran)
+                    for i in items if isinstance(i, DecodeRow | PrefillChunk)])
+
+    monkeypatch.setattr(worker, "run_step", logged)
+    return log
+
+
+def test_a_long_prompt_goes_in_a_budget_a_step_while_a_running_stream_decodes_a_token_a_step(logged_steps) -> None:
+    model = mlxchat.load_model(fixture_path("qwen3"), dtype="float32", prefill_step_budget=8)
+    short, long = model.encode("Hello there"), [(7 * i) % 300 + 10 for i in range(100)]
+    config = {**GREEDY, "max_tokens": 40}
+    alone = {name: model.generate(prompt, config).tokens for name, prompt in (("short", short), ("long", long))}
+    logged_steps.clear()
+    run = Inline(model)
+    run.start("short", short, config, then={2: lambda: run.start("long", long, config)})
+    run.wait()
+    assert run.tokens == alone  # each stream as alone
+    a, b = run.caches["short"], run.caches["long"]
+    chunks = [(i, n) for i, step in enumerate(logged_steps) for kind, cache, n in step
+              if kind == "prefill" and cache is b and n]
+    assert len(chunks) == -(-len(long) // 8) and all(n <= 8 for _, n in chunks)  # the budget, a step at a time
+    # Every step that prefilled the long prompt also decoded a token of the running stream.
+    assert all(("decode", a, 1) in logged_steps[i] for i, _ in chunks)
+    assert any({("decode", a, 1), ("decode", b, 1)} <= set(step) for step in logged_steps)  # then both decode
+    model.close()
+
+
+def test_waiting_prompts_go_in_first_come_first_served_within_the_budget(logged_steps) -> None:
+    model = mlxchat.load_model(fixture_path("lfm2"), dtype="float32", prefill_step_budget=16)
+    first, second = [(5 * i) % 200 + 10 for i in range(40)], [(3 * i) % 200 + 12 for i in range(30)]
+    config = {**GREEDY, "max_tokens": 6}
+    alone = {name: model.generate(prompt, config).tokens for name, prompt in (("first", first), ("second", second))}
+    logged_steps.clear()
+    run = Inline(model)
+
+    def both() -> None:
+        run.start("first", first, config)
+        run.start("second", second, config)
+
+    model.worker.run(both)  # both wait for the same steps
+    run.wait()
+    assert run.tokens == alone
+    order = [name for step in logged_steps for kind, cache, n in step if kind == "prefill" and n
+             for name in run.caches if run.caches[name] is cache]
+    assert order == sorted(order, key=["first", "second"].index)  # the second waits until the first is in
+    assert all(sum(n for kind, _, n in step if kind == "prefill") <= 16 for step in logged_steps)
+    model.close()
+
+
+def test_eight_sessions_sending_from_their_own_threads_at_once_decode_together_as_each_alone(
+        steps: list[int], monkeypatch) -> None:
+    model = mlxchat.load_model(fixture_path("qwen3_5"), dtype="float32")
+    config = {**GREEDY, "max_tokens": 12}
+    questions = [f"Question {i}: what is {i} plus {i}?" for i in range(8)]
+    alone = [model.chat_session(system="Be terse.").send(q, config=config).tokens for q in questions]
+    sessions = [model.chat_session(system="Be terse.") for _ in questions]
+    # "at once": the worker goes on when all eight turns are queued behind its job
+    hold_worker_until_queued(model, len(questions), monkeypatch)
+    steps.clear()
+    with ThreadPoolExecutor(len(sessions)) as threads:
+        together = list(threads.map(lambda s, q: s.send(q, config=config).tokens, sessions, questions))
+    assert together == alone
+    assert steps[0] == len(sessions)  # all eight prompts went in in one step, then all eight rows decoded at once
+    assert len(steps) < sum(len(t) for t in alone) - len(sessions)  # fewer passes than tokens: rows shared them
     model.close()

@@ -8,6 +8,7 @@ The BLAS is chosen when mlxchat is imported, so each library is checked in its o
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -96,3 +97,57 @@ def test_the_default_is_the_system_openblas_else_numpys(monkeypatch: pytest.Monk
     assert runtime._candidates() == expected
     monkeypatch.setenv("MLXCHAT_BLAS", "numpy")
     assert runtime._candidates() == (expected[-1:] if bundled else [])
+
+
+# A library exporting cblas_sgemm loaded before mlxchat (as a distribution's numpy loads libopenblas): its
+# cblas_sgemm comes first in the process and takes MLX's calls. gemv_route must say what MLX really calls.
+LOADED_FIRST = r"""
+import ctypes, json, sys, warnings
+ctypes.CDLL(sys.argv[1], mode=ctypes.RTLD_GLOBAL)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    import mlxchat
+import mlx.core as mx
+state = mlxchat.runtime.configure_blas()
+before = state.routed_counts()[0]
+mx.eval(mx.ones((1, 300)) @ mx.ones((300, 77)))
+routed = state.routed_counts()[0] - before
+info = mlxchat.runtime.runtime_info()
+print(json.dumps({"gemv_route": state.gemv_route, "routed": routed, "note": state.note,
+                  "info_route": info["gemv_route"], "blas_route": info["blas_route"],
+                  "warnings": [str(w.message) for w in caught]}))
+"""
+
+SYSTEM_OPENBLAS = pytest.mark.skipif(runtime._system_openblas() is None, reason="no system OpenBLAS")
+
+
+def _loaded_first(preload: str | None = None) -> dict[str, object]:
+    env = {key: value for key, value in os.environ.items() if not key.startswith("MLXCHAT_")}
+    if preload:
+        env["LD_PRELOAD"] = preload
+    blas = runtime._system_openblas()
+    assert blas is not None
+    done = subprocess.run([sys.executable, "-c", LOADED_FIRST, blas], env=env, capture_output=True, text=True,
+                          check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+@SYSTEM_OPENBLAS
+def test_an_openblas_loaded_first_is_reported_and_the_route_claimed_only_when_taken() -> None:
+    result = _loaded_first()
+    assert result["routed"] == 0  # MLX's product went to the library loaded first
+    assert result["gemv_route"] is False and result["info_route"] is False
+    assert "loaded before mlxchat" in str(result["note"]) and "LD_PRELOAD=" in str(result["note"])
+    assert str(result["blas_route"]).startswith("off")
+    assert any("LD_PRELOAD=" in message for message in result["warnings"])  # type: ignore[attr-defined]
+
+
+@SYSTEM_OPENBLAS
+def test_with_the_route_preloaded_it_wins_over_an_openblas_loaded_first() -> None:
+    spec = importlib.util.find_spec("mlxchat._blas_route")
+    if spec is None or spec.origin is None:
+        pytest.skip("the route is not built")
+    result = _loaded_first(preload=spec.origin)
+    assert result["routed"] == 1 and result["gemv_route"] is True and result["info_route"] is True
+    assert result["note"] == "" and result["warnings"] == []
+    assert result["blas_route"] == "mlxchat native"

@@ -77,6 +77,7 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
 @pytest.mark.parametrize(("args", "option"), [(["--max-tokens", "-5"], "--max-tokens"),
                                               (["--temperature", "-1"], "--temperature"),
                                               (["--context-length", "1"], "--context-length"),
+                                              (["--prefill-step-budget", "0"], "--prefill-step-budget"),
                                               (["--tools", "no_such_module:f"], "--tools"),
                                               (["--tools", "nonsense"], "--tools")])
 def test_bad_arguments_are_one_line_before_any_model_loads(capsys: pytest.CaptureFixture[str], tmp_path: Path,
@@ -158,3 +159,24 @@ def test_generate_and_chat_show_the_model_images(capsys: pytest.CaptureFixture[s
     assert "image_a.png goes with your next message" in err and "needs the path of an image file" in err
     assert main(["generate", "--model", MODEL, "--image", image, "hi"]) == 1  # a text model
     assert "reads no images" in capsys.readouterr().err
+
+
+def test_generate_json_schema_constrains_the_reply(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    schema = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]},
+                                               "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["city", "n"], "additionalProperties": False}
+    path = tmp_path / "reply.json"
+    path.write_text(json.dumps(schema))
+    assert main(["generate", "--json-schema", str(path), "--thinking", "hide", "--seed", "1", "Weather?"]) == 0
+    reply = json.loads(capsys.readouterr().out)
+    assert reply["city"] in ("Paris", "Rome") and 0 <= reply["n"] <= 9
+
+
+def test_generate_json_schema_errors_before_loading(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"type": "object", "properties": {"a": {"type": "nothing"}}}')
+    assert main(["generate", "--json-schema", str(bad), "x"]) == 2
+    assert "$.properties.a" in capsys.readouterr().err
+    assert main(["generate", "--json-schema", str(tmp_path / "missing.json"), "x"]) == 2
+    assert main(["generate", "--json", "--thinking", "hide", "--max-tokens", "8", "x"]) == 0
+    assert capsys.readouterr().out.startswith("{")

@@ -46,6 +46,13 @@ def long_replies(model: mlxchat.GenerativeModel, tokens: int = 200) -> mlxchat.G
     return model
 
 
+def short_replies(session: mlxchat.ChatSession, tokens: int) -> None:
+    """Greedy replies of at most ``tokens`` in this session (the shared model's defaults stay as they are)."""
+    state = session.export_state()
+    state.default_config = state.default_config.merged({"max_tokens": tokens, "temperature": 0.0})
+    session.import_state(state)
+
+
 @pytest.fixture
 def long_model():
     model = long_replies(mlxchat.load_model(fixture_path("qwen3"), dtype="float32"))
@@ -60,6 +67,25 @@ def test_prompts_sent_while_streaming_queue_and_go_in_order(long_model) -> None:
     done = wait_for(controller, lambda s: idle(s) and len(s.messages) == 6)
     assert [m.content for m in done.messages if m.role == "user"] == ["first", "second", "third"]
     assert not controller.send("   ")
+    controller.close()
+
+
+def test_the_prompt_being_answered_is_in_the_messages_while_its_reply_streams(long_model) -> None:
+    controller = ChatController(long_model, publish_interval=0)
+    states: list[ChatState] = []
+    controller.subscribe(states.append)
+    controller.send("first")
+    assert [(m.role, m.content) for m in controller.state.messages] == [("user", "first")]  # at once
+    controller.send("second")  # queued: shown in the queue, not yet in the messages
+    done = wait_for(controller, lambda s: idle(s) and len(s.messages) == 4)
+    for state in states:
+        if state.streaming_message is not None and state.streaming_message.content:
+            asked = [m.content for m in state.messages if m.role == "user"]
+            answered = [m for m in state.messages if m.role == "assistant"]
+            assert state.messages[-1].role == "user" and len(asked) == len(answered) + 1, state
+    # the prompt shown while streaming is the one the session keeps, id and all
+    first_ids = {m.id for s in states for m in s.messages if m.content == "first" and m.id is not None}
+    assert first_ids == {done.messages[0].id}
     controller.close()
 
 
@@ -200,7 +226,7 @@ def test_the_model_is_resolved_at_every_turn_and_a_switch_keeps_the_conversation
 
 def test_checkpoints_versions_and_load_delegate_to_the_session() -> None:
     controller = ChatController(loaded("qwen3"), publish_interval=0)
-    controller.session._defaults = controller.session._defaults.merged({"max_tokens": 6, "temperature": 0.0})
+    short_replies(controller.session, 6)
     controller.send("Hello")
     wait_for(controller, lambda s: idle(s) and len(s.messages) == 2)
     controller.regenerate()
@@ -217,7 +243,7 @@ def test_checkpoints_versions_and_load_delegate_to_the_session() -> None:
 
 def test_states_for_asyncio() -> None:
     controller = ChatController(loaded("qwen3"), publish_interval=0.01)
-    controller.session._defaults = controller.session._defaults.merged({"max_tokens": 8, "temperature": 0.0})
+    short_replies(controller.session, 8)
 
     async def run() -> list[ChatState]:
         seen = []

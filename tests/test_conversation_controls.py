@@ -1,16 +1,18 @@
 """What an application puts around a turn, on a real model (the demo's weather and time tools) and the
 tiny fixtures: message ids and times, automatic tool calls with approval (approved, denied, edited), tools
-that fail or ask the user, the round limit, async tools, and the bugs a new user found (an async stream
-left by ``break``, a malformed call's text). Checkpoints and reply versions on every architecture are in
-the session contract (mlxchat.testing)."""
+that fail or ask the user, the round limit, async tools, the bugs a new user found (an async stream left
+by ``break``, a malformed call's text), and a session's state moved to another session. Checkpoints and
+reply versions on every architecture are in the session contract (mlxchat.testing)."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
 import json
+import threading
 
 import pytest
+from pydantic import ValidationError
 
 import mlxchat
 from mlxchat import SessionStateError, ToolContext, ToolResultEvent, tool
@@ -218,17 +220,64 @@ def test_async_tools_are_awaited_in_astream(demo) -> None:
 
 # -- the bugs a new user found ---------------------------------------------------------------------------
 
-def test_breaking_out_of_an_async_stream_ends_the_turn_before_control_returns() -> None:
+def test_breaking_out_of_an_async_stream_ends_the_turn_before_the_next_one() -> None:
     model = loaded("qwen3")
 
-    async def run() -> mlxchat.ChatResult:
+    async def run() -> tuple[mlxchat.ChatResult, list[mlxchat.ChatMessage]]:
         session = model.chat_session()
         async for _ in session.astream("Hello", config={**GREEDY, "max_tokens": 30}):
             break
-        assert session.messages[-1].role == "assistant" and session.report.finish_reason == "cancelled"
-        return await session.asend("Again", config=GREEDY)
+        return await session.asend("Again", config=GREEDY), session.messages
 
-    assert asyncio.run(run()).finish_reason in ("stop", "length")
+    result, messages = asyncio.run(run())
+    assert result.finish_reason in ("stop", "length")
+    assert [m.role for m in messages] == ["user", "assistant", "user", "assistant"]
+    assert messages[1].versions is not None and messages[1].versions[0].report.finish_reason == "cancelled"
+
+
+@pytest.mark.parametrize("leave", ["aclose", "break"])
+def test_a_reader_leaving_mid_stream_never_waits_on_the_event_loop_for_a_busy_worker(leave: str) -> None:
+    """The worker is held busy on an event the test controls: while it is, the loop must go on running
+    (the stream's end waits for the worker off the loop), and the turn ends, cancelled, once it is free."""
+    model = loaded("qwen3")
+    entered, release = threading.Event(), threading.Event()
+    valve = threading.Timer(60.0, release.set)  # only a loop blocked by the stop lets this fire
+    valve.start()
+
+    def busy() -> None:
+        entered.set()
+        release.wait()
+
+    async def run() -> tuple[bool, list[mlxchat.ChatMessage], mlxchat.ChatResult]:
+        session = model.chat_session()
+        stream = session.astream("Hello", config={**GREEDY, "max_tokens": 60})
+        events = aiter(stream)
+        await anext(events)
+        held = model.worker.submit(busy)
+        await asyncio.to_thread(entered.wait)
+        if leave == "aclose":
+            closing = asyncio.ensure_future(events.aclose())
+        else:
+            del events  # what ``break`` does: the iterator is dropped
+            closing = asyncio.ensure_future(stream.aended())
+        for _ in range(5):
+            await asyncio.sleep(0)
+        loop_ran_while_busy = not release.is_set() and not closing.done()
+        release.set()
+        await closing
+        await asyncio.wrap_future(held)
+        messages = session.messages
+        return loop_ran_while_busy, messages, await session.asend("Again", config=GREEDY)
+
+    try:
+        loop_ran_while_busy, messages, again = asyncio.run(run())
+    finally:
+        valve.cancel()
+        release.set()
+    assert loop_ran_while_busy
+    assert [m.role for m in messages] == ["user", "assistant"]
+    assert messages[1].versions is not None and messages[1].versions[0].report.finish_reason == "cancelled"
+    assert again.finish_reason in ("stop", "length")
 
 
 def test_a_malformed_call_stays_in_the_conversation_as_the_text_the_model_wrote(scripted) -> None:
@@ -243,16 +292,53 @@ def test_a_malformed_call_stays_in_the_conversation_as_the_text_the_model_wrote(
     assert_matches_stateless(model, session, follow, GREEDY, [get_weather.schema])
 
 
-def test_a_session_waiting_for_an_approval_saves_and_resumes_with_its_decisions(demo, tmp_path) -> None:
-    received: list[dict] = []
-    tools = approval_tools(received)
+def approved_for_lima(demo, tools) -> mlxchat.ChatSession:
+    """A session whose call to the weather tool was approved, its city edited to Lima, and not run yet."""
     session = demo.chat_session(tools=tools, auto_tools=True, max_tool_rounds=3)
     session.send("What's the weather in Paris?", config=DEMO)
     (call,) = session.pending_approvals
     session.respond_to_approval(call.id, approved=True, arguments={"city": "Lima"})
+    return session
+
+
+def test_a_session_waiting_for_an_approval_saves_and_resumes_with_its_decisions(demo, tmp_path) -> None:
+    received: list[dict] = []
+    tools = approval_tools(received)
+    session = approved_for_lima(demo, tools)
     session.save(tmp_path / "waiting.session")
     resumed = mlxchat.ChatSession.load(demo, tmp_path / "waiting.session", tools=tools)
     assert [m.model_dump() for m in resumed.messages] == [m.model_dump() for m in session.messages]
     assert resumed.pending_approvals == []
     answer = resumed.respond(config=DEMO)
     assert received == [{"city": "Lima"}] and "Lima" in answer.text
+
+
+def test_a_state_imported_into_another_session_goes_on_as_the_original_would(demo) -> None:
+    received: list[dict] = []
+    tools = approval_tools(received)
+    session = approved_for_lima(demo, tools)
+    state = session.export_state()
+    other = demo.chat_session(tools=tools)  # settings, transcript and decisions all come with the state
+    other.import_state(state)
+    state.messages.clear()  # the session holds its own copy
+    assert other.export_state() == session.export_state()
+    answer = other.respond(config=DEMO)
+    assert received == [{"city": "Lima"}] and "Lima" in answer.text
+    assert session.respond(config=DEMO).text == answer.text
+
+
+def test_a_state_is_checked_when_made_and_moves_only_between_turns() -> None:
+    session = loaded("qwen3").chat_session(system="Be terse.")
+    session.send("Hello", config=GREEDY)
+    saved = session.export_state().model_dump()
+    with pytest.raises(ValidationError, match="hidden 3 is more than the 2 messages"):
+        mlxchat.SessionState.model_validate({**saved, "hidden": 3})
+    saved["messages"][2]["id"] = saved["messages"][1]["id"]
+    with pytest.raises(ValidationError, match="repeats a message id"):
+        mlxchat.SessionState.model_validate(saved)
+    state = session.export_state()
+    for _ in session.send_stream("Again", config=GREEDY):
+        for move in (session.export_state, lambda: session.import_state(state)):
+            with pytest.raises(SessionStateError, match="in progress"):
+                move()
+        break

@@ -92,3 +92,15 @@ def test_load_session_without_a_path_opens_the_demo_model():
     finally:
         session.close()
         session.model.close()
+
+
+def test_a_reply_cut_by_a_stop_string_streams_and_returns_one_text_stored_without_its_end_spaces(demo):
+    """ChatResult.text is the stream's text, whitespace before the stop kept (as the APIs return it); the
+    stored turn differs only by the whitespace at its ends (see ChatResult.text)."""
+    session = demo.chat_session(default_config={**GREEDY, "stop": ["Tokyo"]})
+    stream = session.send_stream("What is the capital of Japan?")
+    streamed = "".join(event.text for event in stream if isinstance(event, mlxchat.TextDelta))
+    result = stream.result
+    assert result is not None and result.finish_reason == "stop"
+    assert streamed == result.text == "The capital of Japan is "
+    assert session.messages[-1].content == result.text.strip()

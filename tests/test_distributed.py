@@ -82,6 +82,69 @@ def test_pipeline_split_balances_bytes_with_rank_zero_holding_the_ends() -> None
         pipeline_split(units[:2], [10, 10], 3, 0)
 
 
+class Recorded:
+    """A channel that records rank 0's messages and gives them back, in order, to a follower."""
+
+    def __init__(self) -> None:
+        self.sent: list[int] = []
+        self.group = mx.distributed.init()
+
+    def post(self, kind: int, payload: object = None) -> None:
+        self.sent.append(kind)
+
+    def take(self) -> tuple[int, None]:
+        return self.sent.pop(0), None
+
+
+def test_cancel_flags_message_the_ranks_only_at_explicit_checks() -> None:
+    """Reading a rank's cancel flag again (an extra ``if cancel:``) sends nothing, so ranks cannot lose step:
+    only ``check()`` is the collective, made at the same points on every rank."""
+    from mlxchat.distributed.channel import CANCEL, CONTINUE, FollowerCancel, LeaderCancel
+    from mlxchat.worker import Cancelled
+
+    channel, flag = Recorded(), Cancelled()
+    leader = LeaderCancel(flag, channel)  # type: ignore[arg-type]
+    assert not leader.check() and channel.sent == [CONTINUE]
+    flag.set()
+    assert not leader and not leader and channel.sent == [CONTINUE]  # reads: no message, the last answer
+    assert leader.check() and leader and channel.sent == [CONTINUE, CANCEL]
+    follower = FollowerCancel(channel)  # type: ignore[arg-type]
+    assert not follower and not follower.check() and not follower  # rank 0's first answer: go on
+    assert follower.check() and follower and channel.sent == []  # then stop, in step
+
+
+def test_a_worker_given_up_ends_its_jobs_with_the_error_and_closes_without_waiting() -> None:
+    """What rank 0 does when its group is lost (its thread stuck in a collective for good, here in a wait that
+    never ends): the stream being read, a job queued behind it and any later call get the error, and closing
+    does not wait for the thread."""
+    import threading
+
+    from mlxchat.worker import Worker
+
+    worker, stuck, never = Worker(side_by_side=False), threading.Event(), threading.Event()
+
+    def produce(cancel: object) -> Any:
+        yield 1
+        stuck.set()
+        never.wait()
+        yield 2
+
+    stream = worker.stream(produce)
+    assert next(stream) == 1
+    queued = worker.submit(lambda: 3)
+    stuck.wait()
+    error = DistributedError("lost")
+    threading.Thread(target=worker.fail, args=(error,)).start()
+    with pytest.raises(DistributedError, match="lost"):
+        next(stream)
+    with pytest.raises(DistributedError, match="lost"):
+        queued.result()
+    with pytest.raises(DistributedError, match="lost"):
+        worker.run(lambda: 4)
+    worker.close()
+    never.set()
+
+
 def test_loading_split_without_a_group_says_how_to_launch() -> None:
     with pytest.raises(DistributedError, match="mlx.launch"):
         mlxchat.load_model(FIXTURES / "qwen3", distributed="tensor")
@@ -281,7 +344,8 @@ def test_ranks_that_follow_serve_rank_zeros_session(split_runs: dict[str, Any]) 
     single = _single(ranks.FOLLOWED)
     for mode in ("tensor", "pipeline"):
         record = split_runs["results"][0][f"follow/{mode}"]
-        assert record == {"session": ranks.session_turns(single), "stopped": ranks.stopped_stream(single)}
+        assert record == {"session": ranks.session_turns(single), "stopped": ranks.stopped_stream(single),
+                          "kv8": ranks.session_turns(single, kv_bits=8, kv_group_size=32)}
 
 
 @pytest.mark.slow

@@ -67,6 +67,29 @@ def test_recurrent_step_equals_recurrence() -> None:
     assert np.abs(np.array(state) - expected_state).max() < 1e-5
 
 
+def test_chunked_form_has_the_recurrences_gradients() -> None:
+    """Training (LoRA on Qwen3.5's DeltaNet layers) differentiates the chunked form, through its triangular
+    inverse: its gradients are those of the token-by-token step."""
+    q, k, v, g, beta = (f32(x[:, :, :40]) for x in inputs())
+    weights = mx.random.normal((B, H, 40, DV), key=mx.random.key(0))
+
+    def stepped(*args: mx.array) -> mx.array:
+        state, total = mx.zeros((B, H, DK, DV)), mx.array(0.0)
+        for t in range(40):
+            out, state = gated_delta_step(*(a[:, :, t] for a in args), state)
+            total = total + (out * weights[:, :, t]).sum()
+        return total
+
+    def chunked(*args: mx.array) -> mx.array:
+        return (gated_delta_chunked(*args, None, 16)[0] * weights).sum()
+
+    argnums = [0, 1, 2, 3, 4]
+    expected = mx.grad(stepped, argnums=argnums)(q, k, v, g, beta)
+    got = mx.grad(chunked, argnums=argnums)(q, k, v, g, beta)
+    for ours, theirs in zip(got, expected, strict=True):
+        np.testing.assert_allclose(np.array(ours), np.array(theirs), atol=1e-4, rtol=1e-4)
+
+
 def _layer(chunk: int) -> GatedDeltaNet:
     mx.random.seed(3)
     layer = GatedDeltaNet(32, num_key_heads=2, num_value_heads=4, key_head_dim=8, value_head_dim=12,

@@ -1,6 +1,5 @@
-"""The fused CPU kernels (mlxchat.kernels) equal MLX's own operations: softmax of attention under the
-causal mask (one query, a chunk after cached keys, a whole prompt; grouped-query heads), silu(g) * x, RMS
-norm and RoPE, values and gradients; and MLX's operations run where a kernel does not apply."""
+"""The fused CPU kernels (mlxchat.kernels) equal MLX's own operations: silu(g) * x, RMS norm and RoPE, values
+and gradients; and MLX's operations run where a kernel does not apply (attention: tests/test_attention.py)."""
 
 from __future__ import annotations
 
@@ -17,31 +16,6 @@ pytestmark = pytest.mark.skipif(kernels._native()[0] is None, reason=f"fused ker
 def close(a: mx.array, b: mx.array, tolerance: float = 2e-6) -> None:
     scale = max(float(mx.abs(b).max()), 1.0)
     assert float(mx.abs(a - b).max()) <= tolerance * scale
-
-
-@pytest.mark.parametrize(("length", "keys"), [(1, 1), (1, 300), (5, 40), (33, 33), (64, 200)])
-def test_attention_equals_mlx_causal_and_grouped(length: int, keys: int) -> None:
-    q = mx.random.normal((2, 6, length, 32), key=mx.random.key(1))
-    k = mx.random.normal((2, 3, keys, 32), key=mx.random.key(2))
-    v = mx.random.normal((2, 3, keys, 24), key=mx.random.key(3)) * 3
-    for causal in (True, False):
-        ours = kernels.attention(q, k, v, 0.2, causal)
-        assert ours is not None
-        mask = "causal" if causal and length > 1 else None
-        close(ours, mx.fast.scaled_dot_product_attention(q, k, v, scale=0.2, mask=mask))
-
-
-def test_attention_gradients_equal_mlx() -> None:
-    q, k, v = (mx.random.normal((1, 4, 6, 16), key=mx.random.key(i)) for i in range(3))
-
-    def loss(fn, q, k, v):  # noqa: ANN001, ANN202
-        return (fn(q, k, v) * mx.arange(16)).sum()
-
-    ours = mx.grad(lambda *a: loss(lambda q, k, v: kernels.attention(q, k, v, 0.3, True), *a), argnums=(0, 1, 2))
-    theirs = mx.grad(lambda *a: loss(lambda q, k, v: mx.fast.scaled_dot_product_attention(
-        q, k, v, scale=0.3, mask="causal"), *a), argnums=(0, 1, 2))
-    for a, b in zip(ours(q, k, v), theirs(q, k, v), strict=True):
-        close(a, b, 1e-5)
 
 
 def test_silu_mul_equals_mlx_over_the_whole_range() -> None:
@@ -90,7 +64,6 @@ def test_rope_equals_mlx_on_transposed_queries() -> None:
 
 def test_mlx_runs_where_a_kernel_does_not_apply() -> None:
     half = mx.random.normal((1, 2, 3, 8)).astype(mx.float16)
-    assert kernels.attention(half, half, half, 0.5, True) is None
     assert kernels.silu_mul(mx.ones((3,)), mx.ones((2, 3))) is None  # shapes that broadcast: the caller's op
     w = mx.ones((8,), mx.float16)
     assert kernels.rms_norm(half, w, 1e-6).dtype == mx.float16

@@ -4,12 +4,15 @@ coming back exactly. Every architecture's save-and-resume contract runs in test_
 
 from __future__ import annotations
 
+import ast
 import json
+from pathlib import Path
 
 import mlx.core as mx
 import pytest
 
 import mlxchat
+from mlxchat import persistence
 from mlxchat.errors import SavedStateError, SessionStateError
 from mlxchat.persistence import load_prompt_cache, load_session_state, save_prompt_cache
 from mlxchat.testing import GREEDY
@@ -77,6 +80,39 @@ def test_a_cache_file_that_does_not_fit_its_layers_is_refused(tmp_path) -> None:
         load_prompt_cache(model, tmp_path / "off.cache")
 
 
+@pytest.mark.parametrize(("name", "kv_bits"), [("qwen3", None), ("qwen3", 8), ("lfm2", None)])
+def test_a_cache_file_of_another_shape_is_refused_at_load(name, kv_bits, tmp_path) -> None:
+    """A tensor-parallel rank's file holds part of each layer's heads (or channels): it passes the header
+    check (same model) and must fail at load, not later as a GenerationError."""
+    model = loaded(name)
+    cache = model.make_prompt_cache(kv_bits=kv_bits)
+    model.generate([1, 2, 3], {"max_tokens": 2}, cache=cache)
+
+    def split() -> None:  # on the worker, whose arrays these are
+        for layer in cache.layers:
+            if isinstance(layer, mlxchat.cache.QuantizedKVCache) and layer.tail is not None:
+                heads = layer.tail[0].shape[1]
+                layer.tail = (layer.tail[0][:, : heads // 2], layer.tail[1][:, : heads // 2])
+                return
+            if isinstance(layer, mlxchat.cache.KeysValues) and layer.keys is not None:
+                heads = layer.keys.shape[1]
+                layer.keys, layer.values = layer.keys[:, : heads // 2], layer.values[:, : heads // 2]
+                return
+            if isinstance(layer, mlxchat.cache.StateCache) and layer.arrays and layer.arrays[0] is not None:
+                layer.arrays[0] = layer.arrays[0][..., : layer.arrays[0].shape[-1] // 2]
+                return
+        raise AssertionError("no layer holds arrays")
+
+    model.worker.run(split)
+    save_prompt_cache(model, cache, tmp_path / "rank.cache")
+    with pytest.raises(SavedStateError, match=r"do not fit this model's .*tensor-parallel rank"):
+        load_prompt_cache(model, tmp_path / "rank.cache")
+    whole = model.make_prompt_cache(kv_bits=kv_bits)
+    model.generate([1, 2, 3], {"max_tokens": 2}, cache=whole)
+    save_prompt_cache(model, whole, tmp_path / "whole.cache")
+    assert load_prompt_cache(model, tmp_path / "whole.cache")[0].tokens == whole.tokens
+
+
 def test_a_prompt_cache_file_is_not_a_session(tmp_path) -> None:
     model = loaded("qwen3")
     save_prompt_cache(model, model.make_prompt_cache(), tmp_path / "empty.cache", {"note": "hi"})
@@ -116,8 +152,8 @@ def test_saved_settings_and_calls_come_back(tmp_path, scripted) -> None:
     session.send("Weather in Rome?")
     session.save(tmp_path / "tools.session")
     resumed = mlxchat.ChatSession.load(model, tmp_path / "tools.session")
-    assert resumed.tools == session.tools and resumed.tool_calls == session.tool_calls
-    assert resumed._defaults == session._defaults and resumed._context_policy == "truncate_oldest"
+    assert resumed.export_state().model_dump(mode="json") == session.export_state().model_dump(mode="json")
+    assert resumed.export_state().context_policy == "truncate_oldest" and resumed.tool_calls == session.tool_calls
     resumed.add_tool_result("call_1", "sunny")  # the unanswered call is still pending
     header = json.loads(mx.load(str(tmp_path / "tools.session"), format="safetensors",
                                 return_metadata=True)[1]["mlxchat"])
@@ -144,3 +180,28 @@ def test_a_prompt_cache_with_images_comes_back_exactly(name, tmp_path) -> None:
     second = model.generate(follow, config, images=images, cache=restored)
     assert first.tokens == second.tokens
     assert first.report.cached_prompt_tokens == second.report.cached_prompt_tokens > 0
+
+
+def test_a_session_file_without_the_later_tool_settings_loads_with_their_defaults(saved, tmp_path) -> None:
+    """Files written before ``auto_tools``, ``max_tool_rounds`` and ``decisions`` were saved still load."""
+    arrays, metadata = mx.load(str(saved), format="safetensors", return_metadata=True)
+    header = json.loads(metadata["mlxchat"])
+    for name in ("auto_tools", "max_tool_rounds", "decisions"):
+        del header["extras"]["session"][name]
+    mx.save_safetensors(str(tmp_path / "older.safetensors"), arrays, metadata={"mlxchat": json.dumps(header)})
+    state = mlxchat.ChatSession.load(loaded("qwen3"), tmp_path / "older.safetensors").export_state()
+    assert (state.auto_tools, state.max_tool_rounds, state.decisions) == (False, 8, {})
+    assert [m.role for m in state.messages] == ["system", "user", "assistant"]
+
+
+def private_attributes(source: str) -> list[str]:
+    """The ``x._name`` attributes a module's source reads or writes (dunders aside)."""
+    return sorted({node.attr for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Attribute)
+                   and node.attr.startswith("_") and not node.attr.startswith("__")})
+
+
+def test_persistence_reaches_the_session_only_through_its_public_api() -> None:
+    """mlxchat.persistence saves and restores through export_state()/import_state(): it touches no private
+    attribute of a session (nor of anything else)."""
+    assert private_attributes(Path(persistence.__file__).read_text()) == []
+    assert private_attributes("session._busy or session._load_decisions({})") == ["_busy", "_load_decisions"]

@@ -97,3 +97,13 @@ def test_the_environment_switch_profiles_a_process(tmp_path: Path) -> None:
     subprocess.run([sys.executable, "-c", script], check=True, env={**os.environ, "MLXCHAT_PROFILE": str(path)})
     report = profiling.load(path)
     assert len(report["replies"]) == 1 and report["replies"][0]["generated_tokens"] == 3
+
+
+def test_a_profiled_constrained_reply_follows_its_schema(profiled: Path) -> None:
+    """The profiled decode path (one step at a time) applies a constraint's mask too."""
+    point = {"type": "object", "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 99}},
+             "required": ["x"]}
+    result = loaded("qwen3").generate("Hi", {"temperature": 1.0, "seed": 5, "max_tokens": 100, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "point", "schema": point}}})
+    assert result.finish_reason == "stop" and 0 <= json.loads(result.text)["x"] <= 99
+    assert profiling.report()["replies"][-1]["decode_steps"]  # it ran the profiled path

@@ -1,7 +1,7 @@
 """mlxchat's CPU quantized matmuls (mlxchat.quantized, native kernels in core/native) equal MLX's own
-``quantized_matmul`` / ``gather_qmm`` up to float32 rounding, through every kernel this CPU has, for 4 and
-8 bits, odd group counts, one row and many; they work under ``mx.compile`` and give ``x`` MLX's gradient;
-and where they do not apply, MLX's op runs unchanged.
+``quantized_matmul`` / ``gather_qmm`` up to float32 rounding, through every kernel this CPU has, for every
+width MLX's affine mode writes (2, 3, 4, 5, 6 and 8 bits), odd group counts, one row and many; they work
+under ``mx.compile`` and give ``x`` MLX's gradient; and where they do not apply, MLX's op runs unchanged.
 
 Tolerance: the kernels add up ``sum_g scale * sum_k q * x + sum_g bias * sum_k x`` (or look up
 ``scale * q + bias``), MLX ``sum_k x * (scale * q + bias)``: the same terms in another order, so the
@@ -23,15 +23,19 @@ native = pytest.importorskip("mlxchat._quantized", reason="native quantized kern
 
 
 def _available_isas() -> list[str]:
-    order = ["scalar", "avx2", "avx512"]
+    order = ["scalar", "avx2", "avx512", "amx"]
     return order[: order.index(native.detected_isa()) + 1]
 
 
 @pytest.fixture(params=_available_isas())
 def isa(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
+    """Every kernel this CPU has; AMX (tiles for products of several rows) also takes single rows here."""
     native.set_isa(request.param)
+    rows = native.amx_rows()
+    native.set_amx_rows(1 if request.param == "amx" else rows)
     yield request.param
     native.set_isa(native.detected_isa())
+    native.set_amx_rows(rows)
 
 
 def _quantized(n: int, k: int, group_size: int, bits: int, experts: int | None = None, seed: int = 0):  # type: ignore[no-untyped-def]
@@ -59,7 +63,7 @@ SHAPES = [(1, 64, 128, 64), (1, 37, 96, 32), (1, 300, 320, 64), (1, 257, 384, 12
           (3, 100, 192, 64), (4, 129, 448, 64), (8, 70, 256, 128), (9, 45, 224, 32), (33, 130, 320, 64)]
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
 @pytest.mark.parametrize("m,n,k,group_size", SHAPES, ids=lambda v: str(v))
 def test_quantized_matmul_equals_mlx(isa: str, bits: int, m: int, n: int, k: int, group_size: int) -> None:
     packed, scales, biases = _quantized(n, k, group_size, bits, seed=m + n)
@@ -69,7 +73,7 @@ def test_quantized_matmul_equals_mlx(isa: str, bits: int, m: int, n: int, k: int
     _assert_matches(ours, theirs, _bound(x, packed, scales, biases, group_size, bits))
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 6, 8])
 def test_many_rows_take_the_sgemm_path_and_still_equal_mlx(bits: int) -> None:
     packed, scales, biases = _quantized(300, 512, 64, bits)
     x = mx.random.normal((2, 40, 512))  # 80 rows, batch dimensions kept
@@ -108,7 +112,7 @@ def rows_limit(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
     native.set_small_rows(default)
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [3, 4, 8])
 @pytest.mark.parametrize("tokens", [1, 3, 40])
 def test_gathered_experts_equal_mlx_gather_qmm(isa: str, rows_limit: str, bits: int, tokens: int) -> None:
     experts, top_k, n, k = 6, 3, 72, 192
@@ -130,6 +134,32 @@ def test_gathered_experts_equal_mlx_gather_qmm(isa: str, rows_limit: str, bits: 
                            bits=bits, sorted_indices=True)
     ours = mq.gather_quantized_matmul(rows, packed, scales, biases, flat[order], 64, bits, sorted_indices=True)
     _assert_matches(ours, theirs, bound.reshape(-1, 1, n)[order])
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 40])
+def test_gathered_float_experts_equal_mlx_gather_mm_with_its_gradients(tokens: int) -> None:
+    """Float32 experts: one sgemm per expert's rows (MLX's CPU gather_mm multiplies each row alone)."""
+    experts, top_k, n, k = 6, 3, 72, 192
+    w = mx.random.normal((experts, n, k)) * 0.5
+    rng = np.random.default_rng(tokens)
+    indices = mx.array(np.stack([rng.choice(experts, top_k, replace=False) for _ in range(tokens)]).astype(np.uint32))
+    for x in (mx.random.normal((tokens, 1, 1, k)), mx.random.normal((tokens, top_k, 2, k))):
+        theirs = mx.gather_mm(x, w.swapaxes(-1, -2), rhs_indices=indices)
+        ours = native.gather_matmul(x, w, indices)
+        assert ours.shape == theirs.shape
+        bound = np.abs(np.array(x)) @ np.abs(np.array(w)).max(0).T
+        assert (np.abs(np.array(ours) - np.array(theirs)) <= 1e-5 * bound + 1e-6).all()
+
+        def ours_loss(x: mx.array, w: mx.array) -> mx.array:
+            return native.gather_matmul(x, w, indices).square().sum()  # type: ignore[no-any-return]
+
+        def theirs_loss(x: mx.array, w: mx.array) -> mx.array:
+            return mx.gather_mm(x, w.swapaxes(-1, -2), rhs_indices=indices).square().sum()
+
+        for ours_grad, theirs_grad in zip(mx.grad(ours_loss, (0, 1))(x, w), mx.grad(theirs_loss, (0, 1))(x, w),
+                                          strict=True):
+            np.testing.assert_allclose(np.array(ours_grad), np.array(theirs_grad), rtol=1e-4, atol=1e-3)
+    assert mq.gathers_rows(x, w) and not mq.gathers_rows(x.astype(mx.bfloat16), w.astype(mx.bfloat16))
 
 
 def test_works_under_mx_compile_including_shapeless() -> None:
@@ -157,6 +187,28 @@ def test_gradient_for_x_equals_mlx() -> None:
     theirs = mx.grad(
         lambda v: mx.quantized_matmul(v, packed, scales, biases, transpose=True, group_size=32, bits=8).square().sum()
     )(x)
+    np.testing.assert_allclose(np.array(ours), np.array(theirs), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("sort", [False, True])
+def test_gathered_gradient_for_x_equals_mlx(sort: bool) -> None:
+    """Adapters on a quantized mixture of experts train through the experts: ``x``'s gradient, broadcast over the
+    token's experts (decode layout) or one row per expert (sorted prefill layout), is MLX's."""
+    experts = _quantized(24, 128, 32, 4, experts=4, seed=2)
+    indices = mx.array([[0, 2], [3, 1], [2, 2]], dtype=mx.uint32)
+    x = mx.random.normal((3, 1, 1, 128))
+    if sort:
+        x, indices = mx.broadcast_to(x, (3, 2, 1, 128)).reshape(-1, 1, 128), indices.flatten()
+
+    weights = mx.random.normal((24,), key=mx.random.key(3))
+
+    def loss(product):  # type: ignore[no-untyped-def]
+        return lambda v: (product(v) * weights).sum()
+
+    ours = mx.grad(loss(lambda v: native.gather_quantized_matmul(v, *experts, indices, 32, 4)))(x)
+    theirs = mx.grad(loss(lambda v: mx.gather_qmm(v, *experts, rhs_indices=indices, transpose=True, group_size=32,
+                                                  bits=4)))(x)
+    assert ours.shape == x.shape
     np.testing.assert_allclose(np.array(ours), np.array(theirs), rtol=1e-4, atol=1e-4)
 
 

@@ -97,10 +97,10 @@ CASES: list[tuple[str, str, str, Any, dict[str, str], int]] = [
     ("n 0", "POST", "/v1/chat/completions", body(n=0), {}, 400),
     ("n 17", "POST", "/v1/chat/completions", body(n=17), {}, 400),
     ("another model", "POST", "/v1/chat/completions", body(model="gpt-4o"), {}, 404),
-    ("response_format json_object", "POST", "/v1/chat/completions", body(response_format={"type": "json_object"}),
+    ("response_format of an unknown type", "POST", "/v1/chat/completions", body(response_format={"type": "yaml"}),
      {}, 400),
-    ("response_format json_schema", "POST", "/v1/chat/completions", body(response_format={
-        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}), {}, 400),
+    ("response_format json_schema that cannot compile", "POST", "/v1/chat/completions", body(response_format={
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}), {}, 400),
     ("top_logprobs without logprobs", "POST", "/v1/chat/completions", body(top_logprobs=2), {}, 400),
     ("top_logprobs 21", "POST", "/v1/chat/completions", body(logprobs=True, top_logprobs=21), {}, 400),
     ("tool_choice naming a function not offered", "POST", "/v1/chat/completions", body(tools=[TOOL], tool_choice={
@@ -156,8 +156,10 @@ CASES: list[tuple[str, str, str, Any, dict[str, str], int]] = [
      {}, 400),
     ("responses: a function tool without name", "POST", "/v1/responses", {"input": "hi", "tools": [
         {"type": "function"}]}, {}, 400),
-    ("responses: json_schema format", "POST", "/v1/responses", {"input": "hi", "text": {"format": {
-        "type": "json_schema", "name": "x", "schema": {}}}}, {}, 400),
+    ("responses: json_schema format without a schema", "POST", "/v1/responses", {"input": "hi", "text": {"format": {
+        "type": "json_schema", "name": "x"}}}, {}, 400),
+    ("responses: an xml format", "POST", "/v1/responses", {"input": "hi", "text": {"format": {"type": "xml"}}},
+     {}, 400),
     ("responses: background", "POST", "/v1/responses", {"input": "hi", "background": True}, {}, 400),
     ("responses: top_logprobs", "POST", "/v1/responses", {"input": "hi", "top_logprobs": 2}, {}, 400),
     ("responses: include logprobs", "POST", "/v1/responses", {"input": "hi", "include": [
@@ -185,7 +187,8 @@ CASES: list[tuple[str, str, str, Any, dict[str, str], int]] = [
     ("PUT on a POST route", "PUT", "/v1/chat/completions", OK, {}, 405),
     ("DELETE models", "DELETE", "/v1/models", None, {}, 405),
     ("unknown route", "POST", "/v1/nothing", OK, {}, 404),
-    ("root", "GET", "/", None, {}, 404),
+    ("POST to the chat page", "POST", "/", OK, {}, 405),
+    ("unknown page file", "GET", "/page/nothing.js", None, {}, 404),
 ]
 
 
@@ -220,7 +223,7 @@ def test_the_malformed_request_table_has_enough_cases() -> None:
 def test_malformed_requests_get_openai_errors_and_the_server_still_answers(server, case, method, path, payload,
                                                                           headers, status) -> None:
     assert_openai_error(send(server, method, path, payload, headers), status)
-    assert send(server, "GET", "/health").json() == {"status": "ok"}
+    assert send(server, "GET", "/health").json()["status"] == "ok"
     assert server.state.queued == 0
 
 
@@ -344,10 +347,13 @@ def test_a_client_that_leaves_during_prefill_stops_it() -> None:
 # -- bounds ----------------------------------------------------------------------------------------------
 
 def test_the_cache_pool_stays_within_its_count_and_bytes() -> None:
+    """Eight conversations of ~430 tokens each, different from their first words (how a cache grows its buffers,
+    or copies a shared prefix, depends on which request comes first: only the tokens held are certain)."""
     def conversations(served: Served) -> None:
+        contents = [f"Conversation {i}: " + " ".join(f"item {i}-{j}" for j in range(60)) for i in range(8)]
         threads = [threading.Thread(target=send, args=(served, "POST", "/v1/chat/completions",
-                                                       body(messages=[{"role": "user", "content": f"Hello {i}"}])))
-                   for i in range(8)]
+                                                       body(messages=[{"role": "user", "content": content}])))
+                   for content in contents]
         for thread in threads:
             thread.start()
         for thread in threads:
@@ -357,9 +363,11 @@ def test_the_cache_pool_stays_within_its_count_and_bytes() -> None:
     with serving("qwen3_chat", caches=3) as served:
         conversations(served)
         assert len(served.state.pool) == 3
-    with serving("qwen3_chat", caches=8, max_cache_gb=2.5e-3) as served:  # 2.5 MB: two of these caches
+    with serving("qwen3_chat", caches=8, max_cache_gb=2.5e-3) as served:  # 2.5 MB: eight hold >= 7 MB
         conversations(served)
-        assert 0 < len(served.state.pool) < 8 and served.state.pool.nbytes <= 2.5e6
+        held = [len(cache) for _, cache in served.state.pool._entries]
+        assert held and min(held) >= 430  # each holds its prompt (at 2 KB a token, >= 0.88 MB)
+        assert len(held) < 8 and served.state.pool.nbytes <= 2.5e6
 
 
 @contextmanager
@@ -451,7 +459,7 @@ def test_cors_headers_only_for_the_origins_given() -> None:
 
 
 def test_refusals_are_logged_once_per_burst(caplog) -> None:
-    with serving("qwen3_chat") as served, caplog.at_level(logging.WARNING, logger="mlxchat.server"):
+    with caplog.at_level(logging.WARNING, logger="mlxchat.server"), serving("qwen3_chat") as served:
         for _ in range(40):
             send(served, "POST", "/v1/chat/completions", json.dumps(OK).encode(), {"content-type": "text/plain"})
     lines = [r for r in caplog.records if r.name == "mlxchat.server"]

@@ -159,6 +159,13 @@ def test_default_config_and_per_turn_overrides(model) -> None:
     assert len(session.send("More", config={"max_tokens": 6}).tokens) <= 6
 
 
+def test_an_unknown_turn_keyword_names_what_a_turn_takes(model) -> None:
+    session = model.chat_session()
+    with pytest.raises(TypeError, match=r"no keyword 'temperature'.*response_format.*config=\{"):
+        session.send("Hello", temperature=0.2)  # type: ignore[call-arg]
+    assert session.messages == []
+
+
 def test_one_session_runs_one_turn_at_a_time(model) -> None:
     session = model.chat_session()
     stream = iter(session.send_stream("Hello", config={**GREEDY, "max_tokens": 30}))

@@ -17,6 +17,7 @@ from mlxchat.chat_template import ChatTemplate
 from mlxchat.demo.build import TEMPLATE
 from mlxchat.demo.data import DemoData
 from mlxchat.demo.world import DEMO_TOOLS
+from mlxchat.layers import fuse_projections
 from mlxchat.tokenizer import Tokenizer
 from mlxchat.tools.schema import tool_schemas
 from mlxchat.train import (
@@ -224,6 +225,14 @@ def test_accumulation_matches_one_big_batch(examples, tokenizer):
         np.testing.assert_allclose(np.array(value), np.array(results[1][name]), atol=1e-5, err_msg=name)
 
 
+def test_rejects_token_ids_outside_the_vocabulary(tokenizer):
+    from mlxchat import InvalidInputError
+
+    module = from_scratch(tiny_config(tokenizer.vocab_size))
+    with pytest.raises(InvalidInputError, match=f"token id {tokenizer.vocab_size} is outside"):
+        train(module, [Example.pretraining([1, 2, tokenizer.vocab_size])], TrainConfig(steps=1))
+
+
 def test_rejects_data_without_targets(tokenizer):
     module = from_scratch(tiny_config(tokenizer.vocab_size))
     with pytest.raises(ValueError, match="no training targets"):
@@ -258,6 +267,7 @@ def test_checkpoint_reloads_with_identical_logits(saved, template):
     folder, module = saved
     model = mlxchat.load_model(folder, dtype="float32")
     ids = template.encode([{"role": "user", "content": "What is the capital of Peru?"}])
+    fuse_projections(module)  # as loading does: the same joined products, so the same sums to the bit
     ours = np.array(module(mx.array([ids]))[0])
     np.testing.assert_array_equal(np.array(model.logits(ids)), ours)
     assert model.apply_chat_template([{"role": "user", "content": "What is the capital of Peru?"}]) == ids
@@ -296,3 +306,14 @@ def test_saving_a_loaded_model_round_trips(saved, tmp_path: Path):
     assert json.loads((tmp_path / "config.json").read_text())["dtype"] == "bfloat16"
     model.close()
     again.close()
+
+
+def test_train_prints_nothing_unless_asked(examples, tokenizer, capsys):
+    config = TrainConfig(steps=2, learning_rate=1e-3, warmup_steps=0, batch_tokens=512, log_every=1)
+    module = from_scratch(tiny_config(tokenizer.vocab_size), seed=0)
+    train(module, examples[:8], config)
+    assert capsys.readouterr().out == ""
+    log = train(module, examples[:8], config, verbose=True)
+    printed = capsys.readouterr().out.splitlines()
+    assert [line.split()[1] for line in printed] == ["1/2", "2/2"] and all("tok/s" in line for line in printed)
+    assert log[-1].tokens_per_s > 0

@@ -4,12 +4,15 @@ equals a stateless render of the same history (greedy, token for token)."""
 
 from __future__ import annotations
 
+import ipaddress
+
 import pytest
 from PIL import Image, ImageOps
 
 import mlxchat
 from mlxchat.multimodal import MultimodalPrompt
 from mlxchat.prompt_cache import common_prefix_length
+from mlxchat.server import images as server_images
 
 from conftest import fixture_path, loaded
 from vision_support import VISION
@@ -82,7 +85,7 @@ def test_a_changed_earlier_image_restarts_reuse_exactly_at_its_first_placeholder
     assert result.tokens == stateless(model, changed)
 
 
-def test_the_server_reads_data_url_images_and_fetches_remote_ones_only_when_allowed(tmp_path) -> None:
+def test_the_server_reads_data_url_images_and_fetches_remote_ones_only_when_allowed(tmp_path, monkeypatch) -> None:
     import base64
     import functools
     import http.server
@@ -116,6 +119,11 @@ def test_the_server_reads_data_url_images_and_fetches_remote_ones_only_when_allo
         assert refused.status_code == 400 and "remote image URLs are not allowed" in refused.json()["error"]["message"]
         assert ask(served, "file:///etc/passwd").status_code == 400
     with serving("qwen3_5_vl", allow_remote_images=True) as served:
+        refused = ask(served, remote)  # allowed remote images come only from public addresses
+        assert refused.status_code == 400 and "public addresses" in refused.json()["error"]["message"]
+        real = server_images.refusal  # the test's own site on 127.0.0.1 stands for a public one
+        monkeypatch.setattr(server_images, "refusal",
+                            lambda address: None if address == ipaddress.ip_address("127.0.0.1") else real(address))
         fetched = ask(served, remote)
         assert fetched.status_code == 200 and fetched.json()["choices"][0]["message"]["content"] == expected
         assert ask(served, "file:///etc/passwd").status_code == 400

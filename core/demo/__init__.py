@@ -2,8 +2,9 @@
 in the package so that mlxchat works offline out of the box.
 
 It knows a small world (capitals, two-digit arithmetic, metric conversions, greetings) and calls the
-demo tools ``get_weather(city)`` and ``get_time(city)`` (:data:`mlxchat.demo.world.DEMO_TOOLS`). Rebuild
-it with ``python -m mlxchat.demo.build``; measure it with ``python -m mlxchat.demo.evaluate``.
+demo tools ``get_weather(city)`` and ``get_time(city)`` (:data:`mlxchat.demo.world.DEMO_TOOLS`; the chat
+page runs them as :data:`~mlxchat.demo.world.DEMO_PAGE_TOOLS`, which ask the user first). Rebuild it with
+``python -m mlxchat.demo.build``; measure it with ``python -m mlxchat.demo.evaluate``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
 """The demo model's small world: what it knows (capitals, metric units) and the two tools it can call.
 
 The tool functions are deterministic stand-ins (the same city always gets the same weather and clock), so
-the demo works offline and its answers can be checked against what the tools returned.
+the demo works offline and its answers can be checked against what the tools returned. The chat page gets
+the same two tools with the same schemas (the model sees the prompt it was trained on), made to show the
+page's questions: one waits for the user's approval, the other asks the user (:data:`DEMO_PAGE_TOOLS`).
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 
-from ..tools import tool
+from ..tools import Tool, ToolContext, tool
 
 CAPITALS: dict[str, str] = {
     "France": "Paris", "Germany": "Berlin", "Italy": "Rome", "Spain": "Madrid", "Portugal": "Lisbon",
@@ -99,3 +101,22 @@ def get_time(city: str) -> str:
 
 
 DEMO_TOOLS = (get_weather, get_time)
+"""The demo tools as a terminal runs them: automatically (``generate --tools demo``, ``chat --tools demo``)."""
+
+
+def _get_time_of_the_city_the_user_means(city: str, context: ToolContext) -> str:
+    """Get the current local time in a city.
+
+    Args:
+        city: Name of the city.
+    """
+    answer = context.request_input(f"Which {city}? Add the country or region, or leave it empty for the "
+                                   "best-known one.")
+    return get_time(" ".join(answer.split()) or city)
+
+
+DEMO_PAGE_TOOLS = (Tool(get_weather.fn, needs_approval=True),
+                   Tool(_get_time_of_the_city_the_user_means, name="get_time"))
+"""The demo tools as the chat page runs them (``serve --tools demo``, ``chat --web --tools demo``): the
+weather waits for the user's approval (Approve, edit the arguments, or Deny with a reason), and the time
+first asks the user which city they mean (an input request). Their schemas are :data:`DEMO_TOOLS`'."""

@@ -60,33 +60,44 @@ class Channel:
 
 
 class LeaderCancel(Cancelled):
-    """Rank 0's cancel flag: each check also tells the other ranks whether the generation goes on."""
+    """Rank 0's cancel flag: each :meth:`check` also tells the other ranks whether the generation goes on;
+    ``bool()`` is what the last check told them (no message: reading it again keeps the ranks in step)."""
 
     def __init__(self, cancel: Cancelled, channel: Channel):
         super().__init__()
         self._cancel, self._channel = cancel, channel
+        self._said = False
 
     def set(self) -> None:
         self._cancel.set()
 
+    def check(self) -> bool:
+        self._said = bool(self._cancel)
+        self._channel.post(CANCEL if self._said else CONTINUE)
+        return self._said
+
     def __bool__(self) -> bool:
-        stop = bool(self._cancel)
-        self._channel.post(CANCEL if stop else CONTINUE)
-        return stop
+        return self._said
 
 
 class FollowerCancel(Cancelled):
-    """Another rank's cancel flag: each check is rank 0's answer at the same check."""
+    """Another rank's cancel flag: each :meth:`check` is rank 0's answer at the same check; ``bool()`` is
+    the last answer."""
 
     def __init__(self, channel: Channel):
         super().__init__()
         self._channel = channel
+        self._said = False
 
-    def __bool__(self) -> bool:
+    def check(self) -> bool:
         kind, _ = self._channel.take()
         if kind == END:
             raise LeaderEnded
         if kind not in (CONTINUE, CANCEL):
             raise DistributedError(f"rank {self._channel.group.rank()} lost step with rank 0 (message {kind} "
                                    "during a generation)")
-        return kind == CANCEL
+        self._said = kind == CANCEL
+        return self._said
+
+    def __bool__(self) -> bool:
+        return self._said

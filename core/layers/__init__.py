@@ -1,7 +1,8 @@
 """Named layers plugins build their blocks from."""
 
-from .attention import Attention, attend, window_mask
+from .attention import Attended, Attention, attend, attend_over, fetch_attended, window_mask
 from .decoder import CausalLM, Decoder
+from .fused import Projections, fuse_projections
 from .gated_delta import GatedDeltaNet, RMSNormGated, gated_delta_chunked, gated_delta_step
 from .mlp import SwiGLU, gate_function, gelu_tanh_gate, silu_gate
 from .moe import SparseMoE, SwitchGLU, SwitchLinear, softmax_top_k, stack_experts
@@ -30,6 +31,7 @@ __all__ = [
     "Decoder",
     "GatedDeltaNet",
     "MRoPE",
+    "Projections",
     "ProportionalRoPE",
     "RMSNorm",
     "RMSNormGated",
@@ -43,10 +45,13 @@ __all__ = [
     "VocabParallelEmbedding",
     "VocabParallelHead",
     "all_reduce",
+    "Attended",
     "attend",
+    "attend_over",
     "attend_all",
     "balanced",
     "depthwise_weight",
+    "fuse_projections",
     "gate_function",
     "gated_delta_chunked",
     "gated_delta_step",
@@ -61,5 +66,6 @@ __all__ = [
     "slice_outputs",
     "softmax_top_k",
     "stack_experts",
+    "fetch_attended",
     "window_mask",
 ]

@@ -6,10 +6,25 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .. import kernels
-from ..cache import KeysValues, RowCaches
+from ..cache import KeysValues, QuantizedKeysValues, QuantizedKVCache, RowCaches, padded
+from .fused import Projections
 from .norms import RMSNorm
 from .parallel import RowParallelLinear, head_split, slice_outputs
 from .rope import RoPE
+
+Attended = tuple[mx.array, mx.array] | QuantizedKeysValues
+"""What a chunk's queries attend over: float keys and values, or a quantized cache's packed ones and float
+tail (:meth:`~mlxchat.cache.QuantizedKVCache.update_and_fetch_quantized`)."""
+
+
+def fetch_attended(cache: KeysValues | None, keys: mx.array, values: mx.array) -> Attended:
+    """Add this chunk's keys and values to the cache (when there is one); give what its queries attend over,
+    a quantized cache's packed part as it is stored."""
+    if cache is None:
+        return keys, values
+    if isinstance(cache, QuantizedKVCache):
+        return cache.update_and_fetch_quantized(keys, values)
+    return cache.update_and_fetch(keys, values)
 
 
 def attend(
@@ -24,25 +39,71 @@ def attend(
     """Causal attention of ``[B, heads, L, D]`` queries over the cache plus this chunk's keys and values;
     with a ``window``, each query sees only itself and the ``window - 1`` positions before it.
 
-    Keys and values keep their own (fewer) heads: grouped-query attention is done by the kernel (on a CPU,
-    :func:`mlxchat.kernels.attention` for the causal and unmasked cases). With the caches of several sequences
-    (:class:`~mlxchat.cache.RowCaches`) each row attends over its own.
+    Keys and values keep their own (fewer) heads: grouped-query attention is done by the kernel. With the
+    caches of several sequences (:class:`~mlxchat.cache.RowCaches`) each row attends over its own.
     """
     if isinstance(cache, RowCaches):
         rows: list[KeysValues] = cache.caches  # type: ignore[assignment]
         return mx.concatenate([attend(queries[i : i + 1], keys[i : i + 1], values[i : i + 1], row, scale, mask,
                                       window) for i, row in enumerate(rows)], axis=0)
-    if cache is not None:
-        keys, values = cache.update_and_fetch(keys, values)
-    if window is None and (mask is None or mask == "causal"):
-        fused = kernels.attention(queries, keys, values, scale, causal=mask == "causal" or queries.shape[2] > 1)
+    return attend_over(queries, fetch_attended(cache, keys, values), scale, mask, window)
+
+
+def attend_over(queries: mx.array, held: Attended, scale: float, mask: mx.array | str | None = None,
+                window: int | None = None) -> mx.array:
+    """Causal attention of ``[B, heads, L, D]`` queries (the last ``L`` positions) over what
+    :func:`fetch_attended` gave, within the last ``window`` positions when one is given; a ``mask`` array
+    (``[L, keys]``, true where a query sees a key) replaces the causal and window masks.
+
+    On a CPU (float32) one fused native kernel reads float or packed keys and values where they lie
+    (:func:`mlxchat.kernels.attention`); elsewhere MLX's attention runs (over a quantized cache:
+    :func:`quantized_attend`).
+    """
+    causal = mask is None or isinstance(mask, str)
+    if isinstance(held, QuantizedKeysValues):
+        if causal:
+            fused = kernels.quantized_attention(queries, held, scale, window)
+            if fused is not None:
+                return fused
+            if window is None:
+                return quantized_attend(queries, held, scale)
+        keys, values = held.dequantized()
+    else:
+        keys, values = held
+    if causal:
+        fused = kernels.attention(queries, keys, values, scale, window)
         if fused is not None:
             return fused
-    if window is not None:
-        mask = window_mask(queries.shape[2], keys.shape[2], window)
-    elif mask is None and queries.shape[2] > 1:
-        mask = "causal"
+        if window is not None:
+            mask = window_mask(queries.shape[2], keys.shape[2], window)
+        elif queries.shape[2] > 1:
+            mask = "causal"
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+
+
+def quantized_attend(queries: mx.array, held: QuantizedKeysValues, scale: float) -> mx.array:
+    """Causal attention over a quantized cache with MLX's operations (where the native kernel does not run:
+    a GPU, other dtypes or bits): the scores of the packed keys and the weighted sum of the packed values
+    are ``mx.quantized_matmul`` products (no float copy of the cache), the float tail attended as floats,
+    one softmax over both."""
+    batch, heads, length, dims = queries.shape
+    kv_heads, dims_v = held.keys.shape[1], held.values.shape[-1]
+    grouped = (queries * scale).reshape(batch, kv_heads, heads // kv_heads * length, dims)  # heads of a KV head
+    scores = grouped @ held.keys.swapaxes(-1, -2)
+    if held.prefix is not None:
+        scores = mx.concatenate([mx.quantized_matmul(padded(grouped, held.group_size), *held.prefix[0], transpose=True,
+                                                     group_size=held.group_size, bits=held.bits), scores], -1)
+    total = scores.shape[-1]
+    if length > 1:
+        last = mx.arange(heads // kv_heads * length)[:, None] % length + total - length
+        scores = mx.where(mx.arange(total)[None] <= last, scores, -mx.inf)
+    probs = mx.softmax(scores.astype(mx.float32), axis=-1, precise=True).astype(scores.dtype)
+    held_count = total - held.keys.shape[2]
+    out = probs[..., held_count:] @ held.values
+    if held.prefix is not None:
+        out = out + mx.quantized_matmul(probs[..., :held_count], *held.prefix[1], transpose=False,
+                                        group_size=held.group_size, bits=held.bits)[..., :dims_v]
+    return out.reshape(batch, heads, length, dims_v)
 
 
 class Attention(nn.Module):
@@ -50,7 +111,8 @@ class Attention(nn.Module):
     earlier positions or (``window``) the last few: give such a layer a
     :class:`~mlxchat.cache.SlidingWindowCache` of that window.
 
-    Attribute names are the checkpoint's (``q_proj`` ... ``o_proj``, ``q_norm``, ``k_norm``).
+    Attribute names are the checkpoint's (``q_proj`` ... ``o_proj``, ``q_norm``, ``k_norm``); q/k/v run as one
+    product once loaded (:mod:`mlxchat.layers.fused`).
     """
 
     def __init__(
@@ -74,6 +136,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
         self.o_proj: nn.Module = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
+        self._qkv = Projections("q_proj", "k_proj", "v_proj")
         self.qk_norm = qk_norm_eps is not None
         if qk_norm_eps is not None:
             self.q_norm = RMSNorm(head_dim, qk_norm_eps)
@@ -82,9 +145,10 @@ class Attention(nn.Module):
 
     def __call__(self, x: mx.array, cache: KeysValues | None = None) -> mx.array:
         batch, length, _ = x.shape
-        q = self.q_proj(x).reshape(batch, length, self.num_heads, self.head_dim)
-        k = self.k_proj(x).reshape(batch, length, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(batch, length, self.num_kv_heads, self.head_dim)
+        q, k, v = self._qkv(self, x)
+        q = q.reshape(batch, length, self.num_heads, self.head_dim)
+        k = k.reshape(batch, length, self.num_kv_heads, self.head_dim)
+        v = v.reshape(batch, length, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))

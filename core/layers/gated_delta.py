@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import math
 from functools import partial
+from typing import cast
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from .. import kernels
 from ..cache import StateCache
+from .fused import Projections
 from .parallel import RowParallelLinear, head_split, slice_outputs
 
 CHUNK_SIZE = 64
@@ -113,6 +115,20 @@ def _weighted_solution(inverse: mx.array, beta: mx.array, gamma: mx.array) -> tu
     return tb, tb * mx.exp(gamma)[..., None, :]
 
 
+@mx.custom_function
+def _lower_inverse(system: mx.array) -> mx.array:
+    """The inverse of lower-triangular matrices, with a gradient (MLX's ``tri_inv``, LAPACK, on the CPU only, has
+    none; training needs it)."""
+    return mx.linalg.tri_inv(system, upper=False, stream=mx.cpu)
+
+
+@_lower_inverse.vjp
+def _lower_inverse_vjp(primals: tuple[mx.array], cotangent: mx.array, output: mx.array) -> tuple[mx.array]:
+    """``d(A^-1) = -A^-1 dA A^-1``: the gradient of ``A`` is ``-A^-T G A^-T``, kept on ``A``'s lower triangle."""
+    inverse_t = output.swapaxes(-1, -2)
+    return (mx.tril(-(inverse_t @ cotangent @ inverse_t)),)
+
+
 def gated_delta_chunked(
     q: mx.array,
     k: mx.array,
@@ -145,7 +161,7 @@ def gated_delta_chunked(
 
     k_t = k.swapaxes(-1, -2)
     system, attn = _intra_chunk(gamma, beta, k @ k_t, q @ k_t, *_triangles(size))
-    inverse = mx.linalg.tri_inv(system, upper=False, stream=mx.cpu)  # LAPACK: MLX has it on the CPU only
+    inverse = cast(mx.array, _lower_inverse(system))
     tb, tbe = _weighted_solution(inverse, beta, gamma)
     values = tb @ v  # what the chunk writes if the incoming state were zero
     readers = tbe @ k  # the keys through which the incoming state enters those values
@@ -208,7 +224,8 @@ def _gate_silu(x: mx.array, gate: mx.array) -> mx.array:
 
 class GatedDeltaNet(nn.Module):
     """The Gated DeltaNet mixer: projections, causal depthwise conv over ``[q | k | v]``, the gated delta
-    rule, a gated RMSNorm and the output projection. Attribute names are the checkpoint's.
+    rule, a gated RMSNorm and the output projection. Attribute names are the checkpoint's; the four input
+    projections run as one product once loaded (:mod:`mlxchat.layers.fused`).
 
     Cache: a :class:`~mlxchat.cache.StateCache` of two arrays, the last ``K-1`` conv inputs ``[B, K-1, C]``
     and the delta-rule state ``[B, Hv, Dk, Dv]`` (float32). ``conv1d.weight`` is ``[C, K, 1]`` (MLX layout).
@@ -244,10 +261,11 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = mx.ones((num_value_heads,))
         self.norm = RMSNormGated(value_head_dim, eps)
         self.out_proj: nn.Module = nn.Linear(self.value_dim, hidden_size, bias=False)
+        self._in = Projections("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
 
     def __call__(self, x: mx.array, cache: StateCache | None = None) -> mx.array:
         batch, length, _ = x.shape
-        qkv = self.in_proj_qkv(x)
+        qkv, z, b, a = self._in(self, x)
         conv_state = cache[0] if cache is not None else None
         if conv_state is None:
             conv_state = mx.zeros((batch, self.conv_kernel - 1, self.conv_dim), qkv.dtype)
@@ -262,8 +280,8 @@ class GatedDeltaNet(nn.Module):
         v = v.reshape(batch, length, heads, self.value_head_dim).astype(mx.float32)
         if group > 1:  # value head j reads key head j // group
             q, k = mx.repeat(q, group, axis=2), mx.repeat(k, group, axis=2)
-        beta = mx.sigmoid(self.in_proj_b(x).astype(mx.float32))
-        g = log_decay(self.A_log, self.in_proj_a(x), self.dt_bias)
+        beta = mx.sigmoid(b.astype(mx.float32))
+        g = log_decay(self.A_log, a, self.dt_bias)
 
         state = cache[1] if cache is not None else None
         if length == 1 and state is not None:
@@ -279,7 +297,7 @@ class GatedDeltaNet(nn.Module):
             # A copy: a slice would keep the whole prompt's projections alive in the cache.
             cache.update(mx.contiguous(window[:, -(self.conv_kernel - 1) :]), state, tokens=length)
 
-        z = self.in_proj_z(x).reshape(batch, length, heads, self.value_head_dim)
+        z = z.reshape(batch, length, heads, self.value_head_dim)
         out = self.norm(out.astype(x.dtype), z)
         return self.out_proj(out.reshape(batch, length, self.value_dim))
 

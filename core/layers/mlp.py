@@ -9,6 +9,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .. import kernels
+from .fused import Projections
 from .parallel import RowParallelLinear, balanced, input_unit, slice_outputs
 
 
@@ -50,7 +51,8 @@ def gate_function(activation: str) -> Callable[[mx.array, mx.array], mx.array]:
 
 class SwiGLU(nn.Module):
     """``down_proj(act(gate_proj(x)) * up_proj(x))``: SiLU by default (SwiGLU), ``gelu`` / ``gelu_tanh`` for
-    GeGLU (the names transformers' ``hidden_act`` uses are accepted)."""
+    GeGLU (the names transformers' ``hidden_act`` uses are accepted). Gate and up run as one product once
+    loaded (:mod:`mlxchat.layers.fused`)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, activation: str = "silu"):
         super().__init__()
@@ -58,9 +60,10 @@ class SwiGLU(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj: nn.Module = nn.Linear(intermediate_size, hidden_size, bias=bias)
         self._gate = gate_function(activation)
+        self._gate_up = Projections("gate_proj", "up_proj")
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(self._gate(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(self._gate(*self._gate_up(self, x)))
 
     def shard(self, group: mx.distributed.Group, *, reduce: bool = True) -> None:
         """Tensor parallel: each rank keeps a slice of the hidden units (whole quantization groups of

@@ -13,11 +13,11 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import CheckpointError
-from ..quantized import gather_quantized_matmul
+from ..quantized import gather_matmul, gather_quantized_matmul, gathers_rows
 from .mlp import SwiGLU, gate_function
 from .parallel import ExpertSplit, all_reduce, shard_experts
 
-# Below this many (token, expert) pairs, sorting tokens by expert costs more than it saves.
+# Below this many (token, expert) pairs, sorting tokens by expert for MLX's kernels costs more than it saves.
 _SORT_THRESHOLD = 64
 
 
@@ -30,7 +30,11 @@ class SwitchLinear(nn.Module):
         self.weight = mx.random.uniform(-bound, bound, (num_experts, output_dims, input_dims))
 
     def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
-        return mx.gather_mm(x, self.weight.swapaxes(-1, -2), rhs_indices=indices, sorted_indices=sorted_indices)
+        return gather_matmul(x, self.weight, indices, sorted_indices)
+
+    def gathers_rows(self, x: mx.array) -> bool:
+        """Whether the product orders ``x``'s rows by expert itself (see :func:`mlxchat.quantized.gathers_rows`)."""
+        return gathers_rows(x, self.weight)
 
     def to_quantized(self, group_size: int = 64, bits: int = 4, mode: str = "affine", **_: object) -> nn.Module:
         return QuantizedSwitchLinear.from_weight(self.weight, group_size, bits, mode)
@@ -57,6 +61,11 @@ class QuantizedSwitchLinear(nn.Module):
     def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
         return gather_quantized_matmul(x, self["weight"], self["scales"], self.get("biases"), indices,
                                        self.group_size, self.bits, self.mode, sorted_indices)
+
+    def gathers_rows(self, x: mx.array) -> bool:
+        """Whether the product orders ``x``'s rows by expert itself (see :func:`mlxchat.quantized.gathers_rows`)."""
+        return gathers_rows(x, self["weight"], self["scales"], self.get("biases"), self.group_size, self.bits,
+                            self.mode)
 
 
 class SwitchGLU(nn.Module):
@@ -87,9 +96,10 @@ class SwitchGLU(nn.Module):
     def _experts(self, x: mx.array, indices: mx.array) -> mx.array:
         top_k, shape = indices.shape[-1], indices.shape
         x = mx.expand_dims(x, (-2, -3))
-        sort = indices.size >= _SORT_THRESHOLD
+        sort = indices.size >= _SORT_THRESHOLD and not self.gate_proj.gathers_rows(x)
         if sort:
-            # Group rows by expert so that each expert's weights are read once per chunk.
+            # Group rows by expert so that each expert's weights are read once per chunk (MLX's kernels; the
+            # native CPU kernels group them themselves).
             flat = indices.flatten()
             order = mx.argsort(flat)
             inverse = mx.argsort(order)
@@ -105,7 +115,7 @@ class SwitchGLU(nn.Module):
 def softmax_top_k(logits: mx.array, top_k: int, normalize: bool) -> tuple[mx.array, mx.array]:
     """Softmax over all experts, keep the ``top_k`` largest, optionally renormalise them to sum to 1."""
     probs = mx.softmax(logits.astype(mx.float32), axis=-1)
-    indices = mx.argpartition(-probs, kth=top_k - 1, axis=-1)[..., :top_k]
+    indices = mx.stop_gradient(mx.argpartition(-probs, kth=top_k - 1, axis=-1)[..., :top_k])  # no gradient: ranks
     weights = mx.take_along_axis(probs, indices, axis=-1)
     if normalize:
         weights = weights / weights.sum(axis=-1, keepdims=True)
@@ -160,12 +170,17 @@ class SparseMoE(nn.Module):
 
 _PER_EXPERT = re.compile(r"^(.*)\.experts\.(\d+)\.(\w+)\.(weight|scales|biases)$")
 
+FUSED_EXPERTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+"""Fused expert tensors ``<p>.experts.<name> [E, out, in]`` and the :class:`SwitchGLU` projections they hold
+along ``out``, in order: transformers' layout (the one peft's ``target_parameters`` adapt)."""
+
 
 def stack_experts(weights: dict[str, mx.array], names: dict[str, str] | None = None) -> dict[str, mx.array]:
     """Bring expert tensors into the ``switch_mlp`` layout, from either checkpoint layout:
 
     - per expert: ``<p>.experts.<e>.<proj>.weight`` stacked into ``<p>.switch_mlp.<proj>.weight``;
-    - fused: ``<p>.experts.gate_up_proj [E, 2I, H]`` split into gate and up, ``<p>.experts.down_proj``.
+    - fused (:data:`FUSED_EXPERTS`): ``<p>.experts.gate_up_proj [E, 2I, H]`` split into gate and up,
+      ``<p>.experts.down_proj``.
 
     ``names`` renames checkpoint projections to ``gate_proj``/``up_proj``/``down_proj`` (e.g. ``w1``).
     """
@@ -174,16 +189,15 @@ def stack_experts(weights: dict[str, mx.array], names: dict[str, str] | None = N
     groups: dict[tuple[str, str, str], dict[int, mx.array]] = {}
     for key, value in weights.items():
         match = _PER_EXPERT.match(key)
+        prefix, _, fused = key.rpartition(".experts.")
         if match:
             prefix, expert, proj, kind = match.groups()
             groups.setdefault((prefix, names.get(proj, proj), kind), {})[int(expert)] = value
-        elif key.endswith(".experts.gate_up_proj"):
-            prefix = key[: -len(".experts.gate_up_proj")]
-            gate, up = mx.split(value, 2, axis=-2)
-            out[f"{prefix}.switch_mlp.gate_proj.weight"] = gate
-            out[f"{prefix}.switch_mlp.up_proj.weight"] = up
-        elif key.endswith(".experts.down_proj"):
-            out[f"{key[: -len('.experts.down_proj')]}.switch_mlp.down_proj.weight"] = value
+        elif prefix and fused in FUSED_EXPERTS:
+            projections = FUSED_EXPERTS[fused]
+            parts = mx.split(value, len(projections), axis=-2) if len(projections) > 1 else [value]
+            for proj, part in zip(projections, parts, strict=True):
+                out[f"{prefix}.switch_mlp.{proj}.weight"] = part
         else:
             out[key] = value
     for (prefix, proj, kind), experts in groups.items():

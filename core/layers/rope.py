@@ -14,7 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .. import kernels
-from ..config import RopeConfig
+from ..config import ModelConfig, RopeConfig
 from ..errors import CheckpointError
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
@@ -58,6 +58,26 @@ def rope_inv_freq(dims: int, rope: RopeConfig, max_position_embeddings: int) -> 
     )
 
 
+def context_limit(config: ModelConfig) -> tuple[int, str]:
+    """The most tokens a model with this config serves, and why, derived as vLLM derives ``max_model_len``:
+    linear and dynamic scaling stretch ``max_position_embeddings`` by ``factor``, yarn stretches
+    ``original_max_position_embeddings`` by ``factor``; llama3 (and every other type) already counts its
+    scaling in ``max_position_embeddings``."""
+    rope = getattr(config, "rope", None)
+    rope = rope if isinstance(rope, RopeConfig) else None  # Gemma 4 keeps one per layer kind: none scales
+    max_position_embeddings = config.max_position_embeddings
+    window = f"max_position_embeddings {max_position_embeddings}"
+    if rope is None or rope.rope_type not in ("linear", "dynamic", "yarn") or not rope.factor:
+        kind = f" ({rope.rope_type} RoPE)" if rope is not None and rope.rope_type != "default" else ""
+        return max_position_embeddings, f"{window}{kind}"
+    original = max_position_embeddings
+    if rope.rope_type == "yarn" and rope.original_max_position_embeddings:
+        original, window = rope.original_max_position_embeddings, \
+            f"original_max_position_embeddings {rope.original_max_position_embeddings}"
+    limit = int(original * rope.factor)
+    return limit, f"{rope.rope_type} RoPE: factor {rope.factor:g} x {window}"
+
+
 def _yarn(inv: list[float], dims: int, rope: RopeConfig, max_position_embeddings: int) -> tuple[list[float], float]:
     """YaRN: high frequencies kept, low ones interpolated by ``factor``, a linear ramp between; the attention
     factor (``0.1 ln(factor) + 1`` unless the config gives one) scales the rotated features."""
@@ -97,7 +117,10 @@ class RoPE(nn.Module):
     ``dynamic`` (NTK-aware) scaling raises the base once the sequence seen so far (``offset`` plus this
     chunk) outgrows ``max_position_embeddings``, as transformers does: keys already cached keep the
     frequencies they were rotated with, so a cached run matches transformers' cached run, not its full
-    forward.
+    forward, and past the window the result depends on how the sequence was chunked (``generate``'s
+    schedule, the prompt in one forward and then one token at a time, is proven against transformers in
+    tests/test_rope_scaling.py). The base follows each forward's length alone, as in a fresh transformers
+    model (whose rotary layer otherwise keeps the longest length any earlier forward reached).
     """
 
     def __init__(self, dims: int, rope: RopeConfig, max_position_embeddings: int = 32768):

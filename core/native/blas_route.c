@@ -15,6 +15,11 @@
  * OpenBLAS inside numpy's wheel (scipy-openblas: 64-bit integers, symbols scipy_cblas_sgemm64_), which
  * exports no cblas_sgemm of its own and so is reachable only through this route. It is built on Linux
  * only (macOS uses Accelerate through Metal).
+ *
+ * The first cblas_sgemm in the process's global scope is the one MLX calls: a library that exports one and
+ * was loaded before mlxchat (a distribution's numpy linked to libopenblas) takes MLX's calls instead. Then
+ * the remedy is to load this library first with LD_PRELOAD: until mlxchat_blas_route_init binds it, it
+ * passes every call on to the next cblas_sgemm (RTLD_NEXT), so whatever calls it early is served.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -87,6 +92,14 @@ void mlxchat_blas_route_counts(long *out) {
     out[0] = __atomic_load_n(&routed_counts[0], __ATOMIC_RELAXED);
     out[1] = __atomic_load_n(&routed_counts[1], __ATOMIC_RELAXED);
 }
+
+/* Called before mlxchat_blas_route_init (preloaded): bind to the next library's CBLAS. */
+static void bind_next(void) {
+    sgemm32 = (sgemm32_fn)dlsym(RTLD_NEXT, "cblas_sgemm");
+    sgemv32 = (sgemv32_fn)dlsym(RTLD_NEXT, "cblas_sgemv");
+    if (!sgemm32 || !sgemv32) abort(); /* no CBLAS after this one: nothing can compute the product */
+}
+static pthread_once_t next_once = PTHREAD_ONCE_INIT;
 
 static void sgemv(int order, int trans, int m, int n, float alpha, const float *a, int lda, const float *x,
                   int inc_x, float beta, float *y, int inc_y) {
@@ -330,6 +343,7 @@ static void few_rows(int m, int n, int k, float alpha, const float *a, int lda, 
 
 void cblas_sgemm(int order, int trans_a, int trans_b, int m, int n, int k, float alpha, const float *a, int lda,
                  const float *b, int ldb, float beta, float *c, int ldc) {
+    if (!sgemm32 && !sgemm64) pthread_once(&next_once, bind_next);
     if (gemv_route && order == ROW_MAJOR && m == 1) {
         /* c[1, n] = a[1, k] . op(b)[k, n]: a's elements are contiguous unless a is stored transposed */
         int inc_a = trans_a == NO_TRANS ? 1 : lda;

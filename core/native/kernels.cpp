@@ -3,12 +3,11 @@
  * passes (see mlxchat.kernels).
  *
  * On the CPU, MLX computes exp one value at a time (about 16 ns each here), so a SwiGLU gate and the softmax
- * of attention cost more than the matrix products around them in a prefill; and mx.fast.rms_norm falls
- * back to seven separate operations (mx.fast.rope to about twenty). These primitives do each in one
- * vectorized pass: the softmax of attention scores with the causal mask applied as it goes, silu(g) * u,
- * RMS normalization, rotate-half RoPE, and exp and silu alone. exp is a
- * degree-7 polynomial of 2^f with an exact power-of-two scaling (about 1 ulp; MLX's within a few ulp of it), 0
- * below -87.3 and saturating at 3.3e38 above 88.7 (the softmax and the gates never reach that far).
+ * of attention cost more than the matrix products around them in a prefill; mx.fast.rms_norm falls back to
+ * seven separate operations (mx.fast.rope to about twenty), and attention to products whose scores grow with
+ * the context. These primitives do each in one pass: attention over float32 or packed keys and values
+ * (attention.cpp: online softmax, keys and values read in place, split over the cores), silu(g) * u, RMS
+ * normalization, rotate-half RoPE, and exp and silu alone (vectorized: simd.h).
  *
  * They are ordinary nodes of MLX's lazy graph, evaluated on the CPU stream, built and used like
  * mlxchat._quantized (Linux, the MLX version they were built against, float32 on the CPU device).
@@ -17,6 +16,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -31,153 +31,14 @@
 #include "mlx/transforms.h"
 #include "mlx/version.h"
 
-#if defined(__x86_64__)
-#include <immintrin.h>
-#define MLXK_AVX512 __attribute__((target("avx512f,avx512dq,avx2,fma")))
-#define MLXK_AVX2 __attribute__((target("avx2,fma")))
-#endif
+#include "attention.h"
+#include "simd.h"
 
 namespace nb = nanobind;
 namespace mx = mlx::core;
+using namespace mlxchat_simd;
 
 namespace {
-
-enum class Isa { scalar, avx2, avx512 };
-
-Isa best_isa() {
-#if defined(__x86_64__)
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq")) return Isa::avx512;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::avx2;
-#endif
-  return Isa::scalar;
-}
-
-const Isa isa = best_isa();
-
-// -- exp ------------------------------------------------------------------------------------------------
-
-constexpr float kLog2e = 1.44269504088896341f;
-constexpr float kLow = -87.3f, kHigh = 88.7f;  // float32 exp leaves the normal range beyond these
-// 2^f = e^(f ln 2) on [-0.5, 0.5]: Taylor coefficients (ln 2)^i / i!, i = 0..7 (error below 1e-8)
-constexpr float kC[8] = {1.0f, 0.693147180559945f, 0.240226506959101f, 0.0555041086648216f,
-                         0.00961812910762848f, 0.00133335581464284f, 0.000154035303933816f, 1.52527338040598e-05f};
-
-/* exp(x): 0 below kLow (where float32 exp underflows; -inf included), clamped above kHigh. */
-inline float exp_scalar(float x) {
-  if (!(x >= kLow)) return x != x ? x : 0.0f;
-  x = std::fmin(x, kHigh);
-  const float t = x * kLog2e, n = std::nearbyint(t), f = t - n;
-  float p = kC[7];
-  for (int i = 6; i >= 0; --i) p = p * f + kC[i];
-  return std::ldexp(p, int(n));
-}
-
-#if defined(__x86_64__)
-MLXK_AVX512 inline __m512 exp512(__m512 in) {
-  const __mmask16 live = _mm512_cmp_ps_mask(in, _mm512_set1_ps(kLow), _CMP_GE_OQ);
-  const __m512 x = _mm512_min_ps(_mm512_max_ps(in, _mm512_set1_ps(kLow)), _mm512_set1_ps(kHigh));
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(kLog2e));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(kC[7]);
-  for (int i = 6; i >= 0; --i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kC[i]));
-  return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, n));
-}
-
-MLXK_AVX2 inline __m256 exp256(__m256 in) {
-  const __m256 live = _mm256_cmp_ps(in, _mm256_set1_ps(kLow), _CMP_GE_OQ);
-  const __m256 x = _mm256_min_ps(_mm256_max_ps(in, _mm256_set1_ps(kLow)), _mm256_set1_ps(kHigh));
-  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(kLog2e));
-  const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m256 f = _mm256_sub_ps(t, n);
-  __m256 p = _mm256_set1_ps(kC[7]);
-  for (int i = 6; i >= 0; --i) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kC[i]));
-  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_and_ps(live, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
-}
-
-MLXK_AVX2 inline float hsum256(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-MLXK_AVX2 inline float hmax256(__m256 v) {
-  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_max_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-#endif
-
-// -- softmax ---------------------------------------------------------------------------------------------
-
-/* One row: out[j] = exp(x[j] - max) / sum over j < visible, 0 from visible on. */
-void softmax_row_scalar(const float* x, float* out, int n, int visible) {
-  float top = -INFINITY;
-  for (int j = 0; j < visible; ++j) top = std::fmax(top, x[j]);
-  float sum = 0.0f;
-  for (int j = 0; j < visible; ++j) sum += out[j] = exp_scalar(x[j] - top);
-  const float scale = visible > 0 ? 1.0f / sum : 0.0f;
-  for (int j = 0; j < visible; ++j) out[j] *= scale;
-  for (int j = visible; j < n; ++j) out[j] = 0.0f;
-}
-
-#if defined(__x86_64__)
-MLXK_AVX512 void softmax_row_avx512(const float* x, float* out, int n, int visible) {
-  const int whole = visible - visible % 16;
-  __m512 top = _mm512_set1_ps(-INFINITY);
-  for (int j = 0; j < whole; j += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(x + j));
-  float m = _mm512_reduce_max_ps(top);
-  for (int j = whole; j < visible; ++j) m = std::fmax(m, x[j]);
-  const __m512 shift = _mm512_set1_ps(m);
-  __m512 acc = _mm512_setzero_ps();
-  for (int j = 0; j < whole; j += 16) {
-    const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(x + j), shift));
-    _mm512_storeu_ps(out + j, e);
-    acc = _mm512_add_ps(acc, e);
-  }
-  float sum = _mm512_reduce_add_ps(acc);
-  for (int j = whole; j < visible; ++j) sum += out[j] = exp_scalar(x[j] - m);
-  const float inv = visible > 0 ? 1.0f / sum : 0.0f;
-  const __m512 scale = _mm512_set1_ps(inv);
-  for (int j = 0; j < whole; j += 16) _mm512_storeu_ps(out + j, _mm512_mul_ps(_mm512_loadu_ps(out + j), scale));
-  for (int j = whole; j < visible; ++j) out[j] *= inv;
-  for (int j = visible; j < n; ++j) out[j] = 0.0f;
-}
-
-MLXK_AVX2 void softmax_row_avx2(const float* x, float* out, int n, int visible) {
-  const int whole = visible - visible % 8;
-  __m256 top = _mm256_set1_ps(-INFINITY);
-  for (int j = 0; j < whole; j += 8) top = _mm256_max_ps(top, _mm256_loadu_ps(x + j));
-  float m = hmax256(top);
-  for (int j = whole; j < visible; ++j) m = std::fmax(m, x[j]);
-  const __m256 shift = _mm256_set1_ps(m);
-  __m256 acc = _mm256_setzero_ps();
-  for (int j = 0; j < whole; j += 8) {
-    const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(x + j), shift));
-    _mm256_storeu_ps(out + j, e);
-    acc = _mm256_add_ps(acc, e);
-  }
-  float sum = hsum256(acc);
-  for (int j = whole; j < visible; ++j) sum += out[j] = exp_scalar(x[j] - m);
-  const float inv = visible > 0 ? 1.0f / sum : 0.0f;
-  const __m256 scale = _mm256_set1_ps(inv);
-  for (int j = 0; j < whole; j += 8) _mm256_storeu_ps(out + j, _mm256_mul_ps(_mm256_loadu_ps(out + j), scale));
-  for (int j = whole; j < visible; ++j) out[j] *= inv;
-  for (int j = visible; j < n; ++j) out[j] = 0.0f;
-}
-#endif
-
-void softmax_row(const float* x, float* out, int n, int visible) {
-#if defined(__x86_64__)
-  if (isa == Isa::avx512) return softmax_row_avx512(x, out, n, visible);
-  if (isa == Isa::avx2) return softmax_row_avx2(x, out, n, visible);
-#endif
-  softmax_row_scalar(x, out, n, visible);
-}
 
 // -- silu(g) * u -----------------------------------------------------------------------------------------
 
@@ -361,13 +222,40 @@ class Kernel : public mx::UnaryPrimitive {
     return {inputs[0].shape()};
   }
 
+  /* Transforms go through `reference`, the same function in MLX's operations, over the inputs it differentiates
+   * (the others, such as packed integers, are held constant: their gradient is zero). */
   std::vector<mx::array> vjp(const std::vector<mx::array>& primals, const std::vector<mx::array>& cotangents,
                              const std::vector<int>& argnums, const std::vector<mx::array>&) override {
-    const auto grads = mx::vjp([this](const std::vector<mx::array>& in) { return std::vector<mx::array>{reference(in)}; },
-                               primals, cotangents).second;
+    std::vector<int> free;
+    for (int i = 0; i < int(primals.size()); ++i)
+      if (differentiable(i)) free.push_back(i);
+    const auto grads = mx::vjp(over(primals, free), pick(primals, free), cotangents).second;
     std::vector<mx::array> out;
-    for (int arg : argnums) out.push_back(grads[arg]);
+    for (int arg : argnums) {
+      const auto at = std::find(free.begin(), free.end(), arg);
+      out.push_back(at == free.end() ? mx::zeros_like(primals[arg], stream()) : grads[at - free.begin()]);
+    }
     return out;
+  }
+
+  std::vector<mx::array> jvp(const std::vector<mx::array>& primals, const std::vector<mx::array>& tangents,
+                             const std::vector<int>& argnums) override {
+    std::vector<int> free;
+    std::vector<mx::array> moving;
+    for (size_t i = 0; i < argnums.size(); ++i)
+      if (differentiable(argnums[i])) {
+        free.push_back(argnums[i]);
+        moving.push_back(tangents[i]);
+      }
+    if (free.empty()) return {mx::zeros(output_shapes(primals)[0], mx::float32, stream())};
+    return mx::jvp(over(primals, free), pick(primals, free), moving).second;
+  }
+
+  std::pair<std::vector<mx::array>, std::vector<int>> vmap(const std::vector<mx::array>& inputs,
+                                                            const std::vector<int>& axes) override {
+    std::vector<int> all(inputs.size());
+    for (size_t i = 0; i < all.size(); ++i) all[i] = int(i);
+    return {mx::vmap(over(inputs, all), axes, {0})(inputs), {0}};
   }
 
  protected:
@@ -375,8 +263,29 @@ class Kernel : public mx::UnaryPrimitive {
     throw std::logic_error(std::string(name()) + " has no reference to differentiate");
   }
 
+  virtual bool differentiable(int) const {
+    return true;
+  }
+
+  /* `reference` as a function of the inputs `free` (the others as in `inputs`). */
+  std::function<std::vector<mx::array>(const std::vector<mx::array>&)> over(const std::vector<mx::array>& inputs,
+                                                                            const std::vector<int>& free) {
+    return [this, inputs, free](const std::vector<mx::array>& x) {
+      auto all = inputs;
+      for (size_t i = 0; i < free.size(); ++i) all[free[i]] = x[i];
+      return std::vector<mx::array>{reference(all)};
+    };
+  }
+
+  static std::vector<mx::array> pick(const std::vector<mx::array>& inputs, const std::vector<int>& which) {
+    std::vector<mx::array> out;
+    for (int i : which) out.push_back(inputs[i]);
+    return out;
+  }
+
+  /* Runs `run(held, out)` on the stream's CPU encoder: `out` allocated, `held` the inputs as they are. */
   template <typename Run>
-  void dispatch(const std::vector<mx::array>& inputs, mx::array& out, Run run) {
+  void dispatch_held(const std::vector<mx::array>& inputs, mx::array& out, Run run) {
     out.set_data(mx::allocator::malloc(out.nbytes()));
     auto& encoder = mx::cpu::get_command_encoder(stream());
     for (const auto& a : inputs) encoder.set_input_array(a);
@@ -384,6 +293,14 @@ class Kernel : public mx::UnaryPrimitive {
     std::vector<mx::array> held;
     for (const auto& a : inputs) held.push_back(mx::array::unsafe_weak_copy(a));
     encoder.dispatch([held = std::move(held), out = mx::array::unsafe_weak_copy(out), run]() mutable {
+      run(held, out);
+    });
+  }
+
+  /* As dispatch_held, with the inputs' float32 data contiguous (copied where they are not). */
+  template <typename Run>
+  void dispatch(const std::vector<mx::array>& inputs, mx::array& out, Run run) {
+    dispatch_held(inputs, out, [run](const std::vector<mx::array>& held, mx::array& out) {
       std::vector<std::vector<float>> copies(held.size());
       std::vector<const float*> data;
       for (size_t i = 0; i < held.size(); ++i) {
@@ -398,46 +315,6 @@ class Kernel : public mx::UnaryPrimitive {
       run(held, data, out.data<float>());
     });
   }
-};
-
-class Softmax : public Kernel {
- public:
-  Softmax(mx::Stream stream, int queries) : Kernel(stream), queries_(queries) {}
-
-  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    dispatch(inputs, out, [queries = queries_](const std::vector<mx::array>& in, const std::vector<const float*>& x,
-                                               float* y) {
-      const int n = in[0].shape(-1);
-      const int64_t rows = int64_t(in[0].size() / std::max(n, 1));
-      for (int64_t r = 0; r < rows; ++r) {
-        const int visible = queries > 0 ? std::min(n, n - queries + 1 + int(r % queries)) : n;
-        softmax_row(x[0] + r * n, y + r * n, n, std::max(visible, 0));
-      }
-    });
-  }
-
-  const char* name() const override {
-    return "MlxchatSoftmax";
-  }
-
-  bool is_equivalent(const mx::Primitive& other) const override {
-    return queries_ == static_cast<const Softmax&>(other).queries_;
-  }
-
- protected:
-  mx::array reference(const std::vector<mx::array>& in) override {
-    const auto s = stream();
-    if (queries_ == 0) return mx::softmax(in[0], {-1}, false, s);
-    const int n = in[0].shape(-1);
-    const auto visible = mx::less_equal(mx::reshape(mx::arange(n, s), {1, n}, s),
-                                        mx::reshape(mx::arange(n - queries_, n, s), {queries_, 1}, s), s);
-    const auto rows = mx::reshape(in[0], {-1, queries_, n}, s);
-    const auto masked = mx::where(visible, rows, mx::array(-INFINITY), s);
-    return mx::reshape(mx::softmax(masked, {-1}, false, s), in[0].shape(), s);
-  }
-
- private:
-  int queries_;
 };
 
 class SiluMul : public Kernel {
@@ -575,6 +452,113 @@ class Rope : public Kernel {
   int dims_, offset_;
 };
 
+/*
+ * Causal attention of queries [B, heads, L, D] over keys and values read in place (mlxchat_attention::attend):
+ * float32 keys and values [B, kv_heads, T, D|Dv], or (bits 4 or 8) mx.quantize's packed keys and values with
+ * their scales and biases followed by float32 ones (a quantized cache's float tail). Inputs: q, k, v; or q,
+ * packed keys, scales, biases, packed values, scales, biases, tail keys, tail values. The output is
+ * [B, heads, L, Dv].
+ */
+class Attention : public Kernel {
+ public:
+  Attention(mx::Stream stream, float scale, int window, int bits, int group)
+      : Kernel(stream), scale_(scale), window_(window), bits_(bits), group_(group) {}
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
+    return {{in[0].shape(0), in[0].shape(1), in[0].shape(2), in.back().shape(3)}};
+  }
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    dispatch_held(inputs, out, [scale = scale_, window = window_, bits = bits_, group = group_](
+                                   const std::vector<mx::array>& held, mx::array& out) {
+      namespace att = mlxchat_attention;
+      std::vector<std::vector<float>> copies(held.size());
+      std::vector<att::View> views;
+      for (size_t i = 0; i < held.size(); ++i) views.push_back(view(held[i], copies[i]));
+      att::Problem p;
+      const auto& q = held[0];
+      p.queries = views[0];
+      p.batch = q.shape(0), p.heads = q.shape(1), p.length = q.shape(2), p.dims = q.shape(3);
+      p.kv_heads = held.back().shape(1), p.value_dims = held.back().shape(3);
+      p.scale = scale, p.window = window, p.out = out.data<float>();
+      auto floats = [&](size_t k, size_t v) {
+        att::Segment seg;
+        seg.count = held[k].shape(2);
+        seg.keys.dims = held[k].shape(3), seg.keys.data = views[k];
+        seg.values.dims = held[v].shape(3), seg.values.data = views[v];
+        return seg;
+      };
+      if (bits == 0) {
+        p.segments[0] = floats(1, 2), p.count = 1;
+      } else {
+        att::Segment& seg = p.segments[0];
+        seg.count = held[1].shape(2);
+        for (auto [rows, at] : {std::pair{&seg.keys, size_t(1)}, std::pair{&seg.values, size_t(4)}}) {
+          rows->bits = bits, rows->group = group, rows->dims = held[at].shape(3) * 32 / bits;
+          rows->data = views[at], rows->scales = views[at + 1], rows->biases = views[at + 2];
+        }
+        p.segments[1] = floats(7, 8), p.count = 2;
+      }
+      att::attend(p);
+    });
+  }
+
+  const char* name() const override {
+    return "MlxchatAttention";
+  }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const Attention&>(other);
+    return scale_ == o.scale_ && window_ == o.window_ && bits_ == o.bits_ && group_ == o.group_;
+  }
+
+ protected:
+  bool differentiable(int input) const override {
+    return bits_ == 0 || input == 0 || input >= 7;
+  }
+
+  mx::array reference(const std::vector<mx::array>& in) override {
+    const auto s = stream();
+    mx::array keys = in[1], values = in[2];
+    if (bits_ != 0) {
+      auto whole = [&](size_t at, const mx::array& tail) {
+        const auto held = mx::dequantize(in[at], in[at + 1], in[at + 2], group_, bits_, "affine", std::nullopt,
+                                         std::nullopt, s);
+        const auto cut = mx::slice(held, {0, 0, 0, 0}, {held.shape(0), held.shape(1), held.shape(2), tail.shape(3)}, s);
+        return mx::concatenate({cut, tail}, 2, s);
+      };
+      keys = whole(1, in[7]), values = whole(4, in[8]);
+    }
+    const auto& q = in[0];
+    const int batch = q.shape(0), heads = q.shape(1), length = q.shape(2), kv_heads = keys.shape(1);
+    const int total = keys.shape(2), group = heads / kv_heads;
+    const auto grouped = mx::reshape(mx::multiply(q, mx::array(scale_), s), {batch, kv_heads, group, length, q.shape(3)}, s);
+    auto scores = mx::matmul(grouped, mx::swapaxes(mx::expand_dims(keys, 2, s), -1, -2, s), s);
+    const auto positions = mx::reshape(mx::arange(total - length, total, s), {length, 1}, s);
+    const auto key_positions = mx::reshape(mx::arange(total, s), {1, total}, s);
+    auto visible = mx::less_equal(key_positions, positions, s);
+    if (window_ > 0)
+      visible = mx::logical_and(visible, mx::less(mx::subtract(positions, key_positions, s), mx::array(window_), s), s);
+    scores = mx::where(visible, scores, mx::array(-INFINITY), s);
+    const auto probs = mx::softmax(scores, {-1}, true, s);
+    const auto out = mx::matmul(probs, mx::expand_dims(values, 2, s), s);
+    return mx::reshape(out, {batch, heads, length, values.shape(3)}, s);
+  }
+
+ private:
+  /* The array's place and strides, its features contiguous (copied into `copy` when they are not). */
+  static mlxchat_attention::View view(const mx::array& a, std::vector<float>& copy) {
+    if (a.strides()[3] == 1 || a.shape(3) == 1)
+      return {a.data<void>(), int64_t(a.strides()[0]), int64_t(a.strides()[1]), int64_t(a.strides()[2])};
+    copy.resize(a.size());  // 4-byte elements (float32, uint32) copied as they are
+    copy_contiguous(a, copy.data());
+    return {copy.data(), int64_t(a.shape(1)) * a.shape(2) * a.shape(3), int64_t(a.shape(2)) * a.shape(3), a.shape(3)};
+  }
+
+  float scale_;
+  int window_, bits_, group_;
+};
+
 /* Sets flush-to-zero and denormals-are-zero on the thread that evaluates it (the stream's): a denormal operand
  * costs about a hundred cycles on x86, and decays of linear attention reach them (a DeltaNet chunk's
  * exp(gamma) below 1e-38). Results change only where a value would be below 1.2e-38. */
@@ -618,14 +602,6 @@ void check_float32(const mx::array& a, const char* what) {
   if (a.ndim() < 1 || a.shape(-1) < 1) throw std::invalid_argument(std::string(what) + " must not be empty");
 }
 
-/* Softmax over the last axis; `queries` > 0 applies the causal mask of that many queries ending at the last
- * key (row r is query r % queries and sees the keys up to n - queries + r % queries). */
-mx::array softmax(const mx::array& x, int queries) {
-  check_float32(x, "scores");
-  if (queries < 0) throw std::invalid_argument("queries must be 0 or more");
-  return mx::array(x.shape(), mx::float32, std::make_shared<Softmax>(cpu_stream(), queries), {x});
-}
-
 mx::array silu_mul(const mx::array& g, const mx::array& u) {
   check_float32(g, "gate");
   check_float32(u, "x");
@@ -658,18 +634,80 @@ mx::array rope(const mx::array& x, const mx::array& inv_freq, int dims, int offs
                    {x, inv_freq});
 }
 
+void check_rows(const mx::array& a, mx::Dtype dtype, const char* what) {
+  if (a.dtype() != dtype || a.ndim() != 4)
+    throw std::invalid_argument(std::string(what) + " must be [batch, heads, positions, features] of " +
+                                (dtype == mx::float32 ? "float32" : "uint32"));
+}
+
+/* Checks the queries against float keys and values [B, kv_heads, T, D|Dv]: T counts every key the queries see. */
+void check_attention(const mx::array& q, const mx::array& k, const mx::array& v, int window) {
+  check_rows(q, mx::float32, "queries");
+  check_rows(k, mx::float32, "keys");
+  check_rows(v, mx::float32, "values");
+  if (k.shape(0) != q.shape(0) || v.shape(0) != q.shape(0) || v.shape(1) != k.shape(1) || v.shape(2) != k.shape(2))
+    throw std::invalid_argument("keys and values must have the queries' batch and one head and position count");
+  if (k.shape(1) < 1 || q.shape(1) % k.shape(1)) throw std::invalid_argument("query heads must be a multiple of KV heads");
+  if (k.shape(3) != q.shape(3)) throw std::invalid_argument("keys must have the queries' features");
+  if (window < 0) throw std::invalid_argument("window must be 0 (none) or more");
+}
+
+mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, float scale, int window) {
+  check_attention(q, k, v, window);
+  if (q.shape(2) > k.shape(2)) throw std::invalid_argument("there must be a key for every query");
+  return mx::array({q.shape(0), q.shape(1), q.shape(2), v.shape(3)}, mx::float32,
+                   std::make_shared<Attention>(cpu_stream(), scale, window, 0, 0), {q, k, v});
+}
+
+/* Packed keys or values with their scales and biases: the tail's batch, heads and features (up to padding). */
+void check_packed(const mx::array& packed, const mx::array& scales, const mx::array& biases, const mx::array& tail,
+                  int bits, int group, const char* what) {
+  check_rows(packed, mx::uint32, what);
+  check_rows(scales, mx::float32, "scales");
+  check_rows(biases, mx::float32, "biases");
+  const int features = packed.shape(3) * 32 / bits;
+  for (const auto* a : {&scales, &biases})
+    if (a->shape(0) != packed.shape(0) || a->shape(1) != packed.shape(1) || a->shape(2) != packed.shape(2) ||
+        a->shape(3) * group != features)
+      throw std::invalid_argument(std::string(what) + ": scales and biases must have a group of each row's features");
+  if (packed.shape(0) != tail.shape(0) || packed.shape(1) != tail.shape(1) || features < tail.shape(3) ||
+      features - tail.shape(3) >= group)
+    throw std::invalid_argument(std::string(what) + " must have the float ones' batch, heads and features");
+}
+
+mx::array quantized_attention(const mx::array& q, const mx::array& kp, const mx::array& ks, const mx::array& kb,
+                              const mx::array& vp, const mx::array& vs, const mx::array& vb, const mx::array& k,
+                              const mx::array& v, float scale, int window, int bits, int group) {
+  if (bits != 4 && bits != 8) throw std::invalid_argument("bits must be 4 or 8");
+  if (group != 32 && group != 64 && group != 128) throw std::invalid_argument("group_size must be 32, 64 or 128");
+  check_attention(q, k, v, window);
+  check_packed(kp, ks, kb, k, bits, group, "packed keys");
+  check_packed(vp, vs, vb, v, bits, group, "packed values");
+  if (vp.shape(2) != kp.shape(2)) throw std::invalid_argument("packed keys and values must hold as many positions");
+  if (q.shape(2) > k.shape(2)) throw std::invalid_argument("the queries' own keys must be among the float ones");
+  return mx::array({q.shape(0), q.shape(1), q.shape(2), v.shape(3)}, mx::float32,
+                   std::make_shared<Attention>(cpu_stream(), scale, window, bits, group), {q, kp, ks, kb, vp, vs, vb, k, v});
+}
+
 }  // namespace
 
 NB_MODULE(_kernels, m) {
   m.doc() = "Fused float32 CPU kernels as MLX primitives (see mlxchat.kernels).";
-  m.def("softmax", &softmax, nb::arg("scores"), nb::arg("queries") = 0,
-        "Softmax over the last axis; with queries > 0, under the causal mask of that many trailing queries.");
   m.def("silu_mul", &silu_mul, nb::arg("gate"), nb::arg("x"), "silu(gate) * x.");
   m.def("exp", [](const mx::array& x) { return unary(x, Unary::exp); }, nb::arg("x"), "exp(x), vectorized.");
   m.def("silu", [](const mx::array& x) { return unary(x, Unary::silu); }, nb::arg("x"), "x * sigmoid(x).");
   m.def("rms_norm", &rms_norm, nb::arg("x"), nb::arg("weight"), nb::arg("eps"), "weight * x / rms(x).");
   m.def("rope", &rope, nb::arg("x"), nb::arg("inv_freq"), nb::arg("dims"), nb::arg("offset"),
         "Rotate-half RoPE of x [..., L, D] at positions offset.. over its first dims features.");
+  m.def("attention", &attention, nb::arg("queries"), nb::arg("keys"), nb::arg("values"), nb::arg("scale"),
+        nb::arg("window") = 0,
+        "Causal attention of [B, heads, L, D] queries (the last L positions) over [B, kv_heads, T, D] keys and "
+        "values read in place; window > 0 limits each query to that many last keys.");
+  m.def("quantized_attention", &quantized_attention, nb::arg("queries"), nb::arg("packed_keys"),
+        nb::arg("key_scales"), nb::arg("key_biases"), nb::arg("packed_values"), nb::arg("value_scales"),
+        nb::arg("value_biases"), nb::arg("keys"), nb::arg("values"), nb::arg("scale"), nb::arg("window"),
+        nb::arg("bits"), nb::arg("group_size"),
+        "attention over mx.quantize's packed keys and values (4 or 8 bits) followed by float ones.");
   m.def("flush_denormals", [] {
     return mx::array(mx::Shape{}, mx::bool_, std::make_shared<FlushDenormals>(cpu_stream()), {});
   }, "An array whose evaluation sets flush-to-zero / denormals-are-zero on the CPU stream's thread.");
@@ -677,5 +715,9 @@ NB_MODULE(_kernels, m) {
     return std::to_string(MLX_VERSION_MAJOR) + "." + std::to_string(MLX_VERSION_MINOR) + "." +
            std::to_string(MLX_VERSION_PATCH);
   });
+  m.def("set_attention_isa", [](const std::string& name) {
+    mlxchat_attention::use_isa(name == "avx512" ? Isa::avx512 : name == "avx2" ? Isa::avx2 : Isa::scalar);
+  }, nb::arg("isa"), "Run attention's inner loops on this instruction set (avx512, avx2, scalar; at most the CPU's).");
+  m.def("threads", &mlxchat_attention::threads, "The threads attention splits its work over.");
   m.def("isa", [] { return std::string(isa == Isa::avx512 ? "avx512" : isa == Isa::avx2 ? "avx2" : "scalar"); });
 }

@@ -12,6 +12,10 @@
  * At 4 bits the x values are stored de-interleaved per SIMD block (even positions, then odd), so that the
  * low and high nibbles of a run of bytes multiply contiguous x vectors without any shuffles.
  *
+ * Other widths (2, 3, 5 and 6 bits: mlx_lm.convert's --q-bits and its mixed recipes) are packed the same way,
+ * as one little-endian bit stream per row (value k in bits [k * bits, (k + 1) * bits)): their rows are
+ * repacked a few at a time, into L1, as 4 bits (2 and 3) or 8 bits (5 and 6), for those kernels.
+ *
  * Results differ from MLX's own kernel (which sums x * (scale * q + bias) one value at a time) only in the
  * order of float32 additions.
  */
@@ -20,6 +24,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -29,7 +34,8 @@
 
 namespace mlxchat_q {
 
-enum class Isa { scalar = 0, avx2 = 1, avx512 = 2 };
+/* amx: AMX tiles for products of several rows of x (qmatmul_amx.h), the AVX-512 kernels for the rest. */
+enum class Isa { scalar = 0, avx2 = 1, avx512 = 2, amx = 3 };
 
 /*
  * Weight rows are streamed R at a time, R streams a row length apart, which the hardware prefetcher follows
@@ -40,9 +46,15 @@ inline size_t prefetch_rows(size_t row_bytes, int tile_rows) {
   return std::max<size_t>(tile_rows, 8192 / std::max<size_t>(row_bytes, 1));
 }
 
+/* The width whose kernels read a row: other widths are repacked, 2 and 3 bits as 4 (the table-lookup kernels),
+ * 5 and 6 bits as 8 (see repack). */
+inline int kernel_bits(int bits) {
+  return bits <= 4 ? 4 : 8;
+}
+
 /* Floats per SIMD register of an ISA (0: the scalar kernel, which keeps x in its natural order). */
 inline int simd_width(Isa isa) {
-  return isa == Isa::avx512 ? 16 : isa == Isa::avx2 ? 8 : 0;
+  return isa >= Isa::avx512 ? 16 : isa == Isa::avx2 ? 8 : 0;
 }
 
 /* Rows of x (prepared by prepare_x) against rows of one packed weight matrix. */
@@ -63,7 +75,7 @@ inline void prepare_x(const float* const* rows, int M, int K, int gs, int bits, 
   for (int m = 0; m < M; ++m) {
     const float* row = rows[m];
     float* dst = xp + (size_t)m * K;
-    if (bits == 4 && width > 0) {
+    if (kernel_bits(bits) == 4 && width > 0) {
       for (int b = 0; b < K; b += 2 * width)
         for (int j = 0; j < width; ++j) {
           dst[b + j] = row[b + 2 * j];
@@ -352,10 +364,114 @@ void rows_simd(const Panel& p, int n0, int n1) {
 
 #endif  // __x86_64__
 
+// -- other widths: repacked for the 4- and 8-bit kernels -------------------------------------------------
+
+/* Whether rows of this width are repacked before the kernels read them (everything but 4 and 8 bits). */
+inline bool repacked_width(int bits) {
+  return bits != 4 && bits != 8;
+}
+
+/* `count` values (a multiple of 32) of `bits` bits from a little-endian bit stream into dst at `out_bits` (4 or
+ * 8): one byte each, or two to a byte (value 2j in the low nibble of byte j, 2j + 1 in the high). */
+inline void repack_scalar(const uint8_t* src, int count, int bits, int out_bits, uint8_t* dst) {
+  const unsigned mask = (1u << bits) - 1;
+  const auto value = [&](int k) {
+    const int bit = k * bits, byte = bit >> 3;
+    const unsigned word = src[byte] | (bit % 8 + bits > 8 ? unsigned(src[byte + 1]) << 8 : 0u);
+    return uint8_t((word >> (bit % 8)) & mask);
+  };
+  if (out_bits == 8)
+    for (int k = 0; k < count; ++k) dst[k] = value(k);
+  else
+    for (int k = 0; k < count; k += 2) dst[k / 2] = uint8_t(value(k) | value(k + 1) << 4);
+}
+
+#if defined(__x86_64__)
+
+/*
+ * 64 values at a time with AVX-512 VBMI: the 8 values of output qword q start at bit 8 q * bits, a whole
+ * byte (q * bits), and span `bits` bytes: vpermb brings bytes [q * bits, q * bits + 8) into qword q, and
+ * vpmultishiftqb takes value j from its bit j * bits; for 4 bits, pairs are then joined into nibbles
+ * (vpmaddubsw: v0 + 16 v1, then vpmovwb). The loads and stores are masked to the stream's bytes.
+ */
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi"))) inline void repack_vbmi(const uint8_t* src, int count,
+                                                                             int bits, int out_bits, uint8_t* dst) {
+  alignas(64) uint8_t gather[64], shifts[64];
+  for (int i = 0; i < 64; ++i) {
+    gather[i] = uint8_t((i / 8) * bits + i % 8);
+    shifts[i] = uint8_t((i % 8) * bits);
+  }
+  const __m512i from = _mm512_load_si512(gather), at = _mm512_load_si512(shifts);
+  const __m512i mask = _mm512_set1_epi8(char((1u << bits) - 1)), pairs = _mm512_set1_epi16(0x1001);
+  const bool nibbles = out_bits == 4;
+  for (int k = 0; k < count; k += 64) {
+    const int values = std::min(64, count - k), bytes = values * bits / 8;
+    const __m512i packed = _mm512_maskz_loadu_epi8(bytes == 64 ? ~0ull : (1ull << bytes) - 1, src + (size_t)k * bits / 8);
+    const __m512i v = _mm512_and_si512(_mm512_multishift_epi64_epi8(at, _mm512_permutexvar_epi8(from, packed)), mask);
+    if (nibbles)
+      _mm256_mask_storeu_epi8(dst + k / 2, values == 64 ? ~0u : (1u << (values / 2)) - 1,
+                              _mm512_cvtepi16_epi8(_mm512_maddubs_epi16(v, pairs)));
+    else
+      _mm512_mask_storeu_epi8(dst + k, values == 64 ? ~0ull : (1ull << values) - 1, v);
+  }
+}
+
+inline bool has_vbmi() {
+  static const bool vbmi = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512bw");
+  }();
+  return vbmi;
+}
+
+#endif
+
+inline void repack(const uint8_t* src, int count, int bits, int out_bits, Isa isa, uint8_t* dst) {
+#if defined(__x86_64__)
+  if (isa >= Isa::avx512 && has_vbmi()) return repack_vbmi(src, count, bits, out_bits, dst);
+#endif
+  repack_scalar(src, count, bits, out_bits, dst);
+}
+
+/* Weight rows [n, n + count) of a panel of another width repacked into `buffer`, as a panel of kernel_bits'
+ * width whose row 0 is row n (its scales, biases and outputs shifted to match). */
+inline Panel repacked_rows(const Panel& p, Isa isa, int n, int count, std::vector<uint8_t>& buffer) {
+  const int bits = kernel_bits(p.bits);
+  const size_t row_bytes = (size_t)p.K * p.bits / 8, kernel_row_bytes = (size_t)p.K * bits / 8;
+  buffer.resize((size_t)count * kernel_row_bytes);
+#if defined(__x86_64__)
+  // the next rows' bytes (one contiguous run), which the hardware prefetcher does not fetch soon enough
+  const char* next = reinterpret_cast<const char*>(p.w + (size_t)(n + count) * row_bytes);
+  for (size_t at = 0; at < count * row_bytes; at += 64) _mm_prefetch(next + at, _MM_HINT_T0);
+#endif
+  for (int r = 0; r < count; ++r)
+    repack(p.w + (size_t)(n + r) * row_bytes, p.K, p.bits, bits, isa, buffer.data() + r * kernel_row_bytes);
+  Panel q = p;
+  q.w = buffer.data();
+  q.bits = bits;
+  q.scales += (size_t)n * p.G;
+  q.biases += (size_t)n * p.G;
+  q.out += n;
+  return q;
+}
+
+inline void rows(const Panel& p, Isa isa, int n0, int n1);
+
+/* Rows [n0, n1) of a panel of another width: 16 rows at a time repacked (into L1), then the kernels. */
+inline void rows_repacked(const Panel& p, Isa isa, int n0, int n1) {
+  constexpr int STEP = 16;
+  thread_local std::vector<uint8_t> buffer;
+  for (int n = n0; n < n1; n += STEP) {
+    const int count = std::min(STEP, n1 - n);
+    rows(repacked_rows(p, isa, n, count, buffer), isa, 0, count);
+  }
+}
+
 /* out rows [n0, n1) of a panel with the ISA's kernel. */
 inline void rows(const Panel& p, Isa isa, int n0, int n1) {
+  if (repacked_width(p.bits)) return rows_repacked(p, isa, n0, n1);
 #if defined(__x86_64__)
-  if (isa == Isa::avx512) {
+  if (isa >= Isa::avx512) {
     if (p.bits == 4) rows_simd<4, true>(p, n0, n1); else rows_simd<8, true>(p, n0, n1);
     return;
   }
@@ -441,8 +557,13 @@ MLXQ_AVX2 void dequantize_rows_avx2(const Panel& p, int n0, int n1, float* dst) 
 #endif  // __x86_64__
 
 inline void dequantize_rows(const Panel& p, Isa isa, int n0, int n1, float* dst) {
+  if (repacked_width(p.bits)) {  // one row at a time, repacked
+    std::vector<uint8_t> buffer;
+    for (int n = n0; n < n1; ++n) dequantize_rows(repacked_rows(p, isa, n, 1, buffer), isa, 0, 1, dst + (size_t)(n - n0) * p.K);
+    return;
+  }
 #if defined(__x86_64__)
-  if (isa == Isa::avx512) return dequantize_rows_avx512(p, n0, n1, dst);
+  if (isa >= Isa::avx512) return dequantize_rows_avx512(p, n0, n1, dst);
   if (isa == Isa::avx2) return dequantize_rows_avx2(p, n0, n1, dst);
 #endif
   dequantize_rows_scalar(p, n0, n1, dst);

@@ -33,6 +33,8 @@
 #include "mlx/mlx.h"
 #include "mlx/primitives.h"
 #include "mlx/version.h"
+#include "pool.h"
+#include "qmatmul_amx.h"
 #include "qmatmul_kernels.h"
 
 namespace nb = nanobind;
@@ -49,7 +51,7 @@ Isa best_isa() {
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
       __builtin_cpu_supports("avx512dq"))
-    return Isa::avx512;
+    return mlxchat_q::amx_usable() ? Isa::amx : Isa::avx512;
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::avx2;
 #endif
   return Isa::scalar;
@@ -63,7 +65,7 @@ std::atomic<Isa> active_isa{detected_isa};
 std::atomic<int> small_rows{48};
 
 const char* isa_name(Isa isa) {
-  return isa == Isa::avx512 ? "avx512" : isa == Isa::avx2 ? "avx2" : "scalar";
+  return isa == Isa::amx ? "amx" : isa == Isa::avx512 ? "avx512" : isa == Isa::avx2 ? "avx2" : "scalar";
 }
 
 int env_int(const char* name, int fallback) {
@@ -71,121 +73,11 @@ int env_int(const char* name, int fallback) {
   return value && *value ? std::atoi(value) : fallback;
 }
 
-// -- a small thread pool --------------------------------------------------------------------------------
+/* With AMX, products of at least this many rows of x go through tiles (qmatmul_amx.h); fewer stay on AVX-512,
+ * which reads two rows' weights once as fast as tiles read them for three (measured on Qwen3-0.6B's products). */
+std::atomic<int> amx_rows{env_int("MLXCHAT_QUANT_AMX_ROWS", 3)};
 
-/*
- * Runs task(0..n-1) on the calling thread and (threads - 1) workers. A job is claimed task by task with a
- * compare-and-swap on one word holding (job number, next task), so a worker that wakes late can never run
- * a task of a job it did not read; jobs alternate between two slots for the same reason. Workers spin a
- * short while after a job (decode issues one every few tens of microseconds; MLXCHAT_QUANT_SPIN_US), then
- * sleep on a futex.
- */
-class Pool {
- public:
-  using Task = void (*)(const void* ctx, int index);
-
-  explicit Pool(int threads) {
-    for (int i = 1; i < threads; ++i) workers_.emplace_back([this] { work(); });
-  }
-
-  ~Pool() {
-    stop_.store(true);
-    posted_.fetch_add(1, std::memory_order_release);
-    posted_.notify_all();
-    for (auto& t : workers_) t.join();
-  }
-
-  int threads() const {
-    return int(workers_.size()) + 1;
-  }
-
-  /* `linger`: whether workers spin for the next job afterwards (not when the caller runs sgemm next, whose
-   * own threads need the cores). */
-  void run(int tasks, Task task, const void* ctx, bool linger = true) {
-    // one job at a time: a second CPU stream that finds the pool busy runs its tasks itself
-    std::unique_lock<std::mutex> lock(busy_, std::try_to_lock);
-    if (workers_.empty() || tasks <= 1 || !lock.owns_lock()) {
-      for (int i = 0; i < tasks; ++i) task(ctx, i);
-      return;
-    }
-    const uint32_t job = ++job_;
-    Slot& slot = slots_[job & 1];
-    slot.task.store(task, std::memory_order_relaxed);
-    slot.ctx.store(ctx, std::memory_order_relaxed);
-    slot.tasks.store(tasks, std::memory_order_relaxed);
-    slot.done.store(0, std::memory_order_relaxed);
-    linger_.store(linger, std::memory_order_relaxed);
-    claim_.store(uint64_t(job) << 32, std::memory_order_release);
-    posted_.fetch_add(1, std::memory_order_release);
-    posted_.notify_all();
-    help(job);
-    while (slot.done.load(std::memory_order_acquire) < tasks) pause();
-  }
-
- private:
-  struct Slot {
-    std::atomic<Task> task{nullptr};
-    std::atomic<const void*> ctx{nullptr};
-    std::atomic<int> tasks{0};
-    std::atomic<int> done{0};
-  };
-
-  static void pause() {
-#if defined(__x86_64__)
-    _mm_pause();
-#endif
-  }
-
-  /* Claims and runs tasks of `job` until none is left (or a newer job was posted). */
-  void help(uint32_t job) {
-    Slot& slot = slots_[job & 1];
-    uint64_t word = claim_.load(std::memory_order_acquire);
-    while (true) {
-      if (uint32_t(word >> 32) != job) return;
-      const Task task = slot.task.load(std::memory_order_relaxed);
-      const void* ctx = slot.ctx.load(std::memory_order_relaxed);
-      const int tasks = slot.tasks.load(std::memory_order_relaxed);
-      const int index = int(word & 0xffffffffu);
-      if (index >= tasks) return;
-      if (claim_.compare_exchange_weak(word, word + 1, std::memory_order_acq_rel)) {
-        task(ctx, index);
-        slot.done.fetch_add(1, std::memory_order_release);
-        word = claim_.load(std::memory_order_acquire);
-      }
-    }
-  }
-
-  void work() {
-    const auto spin = std::chrono::microseconds(env_int("MLXCHAT_QUANT_SPIN_US", 50));
-    uint32_t seen = posted_.load(std::memory_order_acquire);
-    while (true) {
-      uint32_t now = posted_.load(std::memory_order_acquire);
-      const auto patience = linger_.load(std::memory_order_relaxed) ? spin : std::chrono::microseconds(0);
-      const auto until = std::chrono::steady_clock::now() + patience;
-      for (int i = 1; now == seen; ++i) {
-        pause();
-        now = posted_.load(std::memory_order_acquire);
-        if (i % 64 == 0 && std::chrono::steady_clock::now() > until) break;
-      }
-      if (now == seen) {
-        posted_.wait(seen, std::memory_order_acquire);
-        continue;
-      }
-      seen = now;
-      if (stop_.load()) return;
-      help(uint32_t(claim_.load(std::memory_order_acquire) >> 32));
-    }
-  }
-
-  std::vector<std::thread> workers_;
-  Slot slots_[2];
-  std::atomic<uint64_t> claim_{0};
-  std::atomic<uint32_t> posted_{0};
-  std::atomic<bool> stop_{false};
-  std::atomic<bool> linger_{true};
-  std::mutex busy_;
-  uint32_t job_ = 0;  // guarded by busy_
-};
+// -- the thread pool (pool.h) ----------------------------------------------------------------------------
 
 int default_threads() {
   cpu_set_t set;
@@ -193,8 +85,9 @@ int default_threads() {
   return std::max(1, env_int("MLXCHAT_QUANT_THREADS", cores));
 }
 
-Pool& pool() {
-  static Pool instance(default_threads());
+mlxchat_pool::Pool& pool() {
+  static mlxchat_pool::Pool instance(default_threads(),
+                                     std::chrono::microseconds(env_int("MLXCHAT_QUANT_SPIN_US", 50)));
   return instance;
 }
 
@@ -298,6 +191,89 @@ void gemm_segment(const Product& p, const Segment& s) {
       std::memcpy(p.out + p.out_at[s.row0 + r], staged.data() + (size_t)r * p.N, sizeof(float) * p.N);
 }
 
+// -- AMX: segments of several rows through tiles ------------------------------------------------------
+
+bool goes_to_amx(const Product& p, const Segment& s) {
+  return p.isa == Isa::amx && s.rows >= amx_rows.load();
+}
+
+/* A 64-byte line: buffers of them are aligned for AVX-512 stores (allocated without zeroing: all is written). */
+struct alignas(64) Line {
+  uint8_t bytes[64];
+};
+
+struct AmxJob {
+  struct Task {
+    int panel, n0, n1, b0, b1;
+  };
+  const float* const* rows;                  // each ordered row of x
+  std::vector<mlxchat_q::AmxPanel> panels;  // one per segment on AMX
+  std::vector<int> first_block, first_row;   // where each panel's blocks of x and rows start
+  uint32_t* tiles;                            // [blocks][K / 32] tiles of x
+  float* group_sums;                          // [blocks][G][16]
+  std::vector<Task> tasks;
+};
+
+void run_amx_prepare(const void* ctx, int block) {
+  const auto& job = *static_cast<const AmxJob*>(ctx);
+  const int i = int(std::upper_bound(job.first_block.begin(), job.first_block.end(), block) - job.first_block.begin()) - 1;
+  const auto& p = job.panels[i];
+  const int m0 = (block - job.first_block[i]) * mlxchat_q::AMX_ROWS;
+  mlxchat_q::prepare_x_block(job.rows + job.first_row[i] + m0, std::min(mlxchat_q::AMX_ROWS, p.M - m0), p.K, p.gs,
+                             p.bits, job.tiles + (size_t)block * (p.K / mlxchat_q::AMX_K) * mlxchat_q::AMX_TILE,
+                             job.group_sums + (size_t)block * p.G * 16);
+}
+
+void run_amx_task(const void* ctx, int index) {
+  const auto& job = *static_cast<const AmxJob*>(ctx);
+  const AmxJob::Task& t = job.tasks[index];
+  mlxchat_q::run_amx(job.panels[t.panel], t.n0, t.n1, t.b0, t.b1);
+}
+
+/*
+ * The segments on AMX: their rows of x, each segment's in whole blocks of AMX_ROWS, are prepared as tiles
+ * (in parallel when there are many), then tasks of (segment, up to AMX_BLOCKS blocks, a range of weight rows
+ * in multiples of 32) run on the pool.
+ */
+void compute_amx(const Product& p, const float* const* rows) {
+  const int chunks = p.K / mlxchat_q::AMX_K;
+  AmxJob job;
+  job.rows = rows;
+  int blocks = 0;
+  for (const Segment& s : p.segments)
+    if (goes_to_amx(p, s)) {
+      job.first_block.push_back(blocks);
+      job.first_row.push_back(s.row0);
+      blocks += mlxchat_q::amx_blocks(s.rows);
+    }
+  if (blocks == 0) return;
+  const std::unique_ptr<Line[]> tiles(new Line[(size_t)blocks * chunks * mlxchat_q::AMX_TILE * 4 / 64]);
+  std::vector<float> group_sums((size_t)blocks * p.G * 16);
+  job.tiles = reinterpret_cast<uint32_t*>(tiles.get());
+  job.group_sums = group_sums.data();
+  for (const Segment& s : p.segments)
+    if (goes_to_amx(p, s)) {
+      const int b = job.first_block[job.panels.size()];
+      job.panels.push_back({job.tiles + (size_t)b * chunks * mlxchat_q::AMX_TILE, job.group_sums + (size_t)b * p.G * 16,
+                            p.out_at.data() + s.row0, s.rows, p.K, p.G, p.gs, p.bits, s.w, s.scales, s.biases, p.out});
+    }
+  if (blocks > 4)
+    pool().run(blocks, run_amx_prepare, &job);
+  else
+    for (int b = 0; b < blocks; ++b) run_amx_prepare(&job, b);
+
+  const bool small_weight = (size_t)p.N * p.K * p.bits / 8 < (1u << 16);  // not worth waking other threads
+  const int passes = (p.N + 31) / 32, pieces = small_weight ? 1 : std::min(4 * pool().threads(), passes);
+  const int step = (passes + pieces - 1) / pieces * 32;
+  for (int i = 0; i < int(job.panels.size()); ++i) {
+    const int panel_blocks = mlxchat_q::amx_blocks(job.panels[i].M);
+    for (int b0 = 0; b0 < panel_blocks; b0 += mlxchat_q::AMX_BLOCKS)
+      for (int n0 = 0; n0 < p.N; n0 += step)
+        job.tasks.push_back({i, n0, std::min(n0 + step, p.N), b0, std::min(b0 + mlxchat_q::AMX_BLOCKS, panel_blocks)});
+  }
+  pool().run(int(job.tasks.size()), run_amx_task, &job);
+}
+
 /* Copies any float32 array into contiguous row-major order. */
 void copy_contiguous(const mx::array& a, float* out) {
   const float* src = a.data<float>();
@@ -332,22 +308,27 @@ void compute(Product& p, const mx::array& x, const std::vector<int>& source, con
     rows[i] = data + (size_t)source[i] * p.K;
     p.out_at[i] = long(target[i]) * p.N;
   }
-  p.x.resize((size_t)count * p.K);
-  p.xsum.resize((size_t)count * p.G);
-  mlxchat_q::prepare_x(rows.data(), count, p.K, p.gs, p.bits, p.isa, p.x.data(), p.xsum.data());
-
   SmallJob job{&p, {}};
   const int threads = pool().threads();
   const bool small_weight = (size_t)p.N * p.K * p.bits / 8 < (1u << 16);  // not worth waking other threads
   for (int i = 0; i < int(p.segments.size()); ++i) {
-    if (goes_to_gemm(p.segments[i])) continue;
+    if (goes_to_amx(p, p.segments[i]) || goes_to_gemm(p.segments[i])) continue;
     const int pieces = small_weight ? 1 : std::min(4 * threads, std::max(1, p.N / 16));
     const int step = ((p.N + pieces - 1) / pieces + 3) / 4 * 4;  // whole tiles of 4 weight rows
     for (int n0 = 0; n0 < p.N; n0 += step) job.chunks.push_back({i, n0, std::min(n0 + step, p.N)});
   }
+  const bool others = !job.chunks.empty() || std::any_of(p.segments.begin(), p.segments.end(), [&](const Segment& s) {
+    return !goes_to_amx(p, s) && goes_to_gemm(s);
+  });
+  if (others) {  // x in the order the ISA's AVX kernels read it (all rows: few when decoding)
+    p.x.resize((size_t)count * p.K);
+    p.xsum.resize((size_t)count * p.G);
+    mlxchat_q::prepare_x(rows.data(), count, p.K, p.gs, p.bits, p.isa, p.x.data(), p.xsum.data());
+  }
   if (!job.chunks.empty()) pool().run(int(job.chunks.size()), run_chunk, &job);
+  compute_amx(p, rows.data());
   for (const Segment& s : p.segments)
-    if (goes_to_gemm(s)) gemm_segment(p, s);
+    if (!goes_to_amx(p, s) && goes_to_gemm(s)) gemm_segment(p, s);
 }
 
 Product product_for(const mx::array& x, int n, int gs, int bits, mx::array& out) {
@@ -393,8 +374,12 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
     std::vector<mx::array> grads;
     for (int arg : argnums) {
       if (arg != 0) throw std::invalid_argument("mlxchat quantized matmul: only x has a gradient");
-      grads.push_back(mx::quantized_matmul(cotangents[0], primals[1], primals[2], primals[3], false, group_size_,
-                                           bits_, "affine", stream()));
+      // The cotangent times the weight dequantized (a layer at a time, freed after) on BLAS: MLX's CPU
+      // product with a quantized weight untransposed runs on one thread (QLoRA's backward spent minutes a
+      // step there).
+      const auto weight = mx::dequantize(primals[1], primals[2], primals[3], group_size_, bits_, "affine",
+                                         std::nullopt, cotangents[0].dtype(), stream());
+      grads.push_back(mx::matmul(cotangents[0], weight, stream()));
     }
     return grads;
   }
@@ -456,6 +441,132 @@ mx::Shape gathered_shape(const mx::array& x, const mx::array& w, const mx::array
   return shape;
 }
 
+/* The rows of a gathered product ordered by expert: ordered row i is row source[i] of x (as [rows, K]) and goes
+ * to row target[i] of out; expert e's rows are [start[e], start[e + 1]), rows with an index out of range last. */
+struct ExpertOrder {
+  std::vector<int> source, target, start;
+};
+
+/* x [..., M, K] against indices [...] (out's batch shape is both broadcast, see gathered_shape): a counting sort of
+ * the rows by expert, so that each expert's weights are read once. */
+ExpertOrder order_by_expert(const mx::array& x, const mx::array& indices, const mx::array& out, int experts) {
+  const int per_index = x.shape(-2);
+  const mx::Shape batch(out.shape().begin(), out.shape().end() - 2);
+  const mx::Shape x_batch(x.shape().begin(), x.shape().end() - 2);
+  const int64_t count = int64_t(out.size() / ((size_t)per_index * out.shape(-1)));
+  std::vector<int> expert(count), x_row(count);
+  for (int64_t t = 0; t < count; ++t) {
+    const int64_t e = index_at(indices, broadcast_index(t, batch, indices.shape()));
+    expert[t] = e >= 0 && e < experts ? int(e) : experts;
+    x_row[t] = int(broadcast_index(t, batch, x_batch));
+  }
+  ExpertOrder order;
+  order.start.assign(experts + 2, 0);
+  for (int e : expert) order.start[e + 1] += per_index;
+  for (int e = 0; e <= experts; ++e) order.start[e + 1] += order.start[e];
+  order.source.resize(order.start[experts + 1]);
+  order.target.resize(order.source.size());
+  std::vector<int> fill(order.start.begin(), order.start.end() - 1);
+  for (int64_t t = 0; t < count; ++t)
+    for (int m = 0; m < per_index; ++m) {
+      const int at = fill[expert[t]]++;
+      order.source[at] = x_row[t] * per_index + m;
+      order.target[at] = int(t) * per_index + m;
+    }
+  return order;
+}
+
+/* Whether rows[i] == rows[0] + i for the n rows from `at`. */
+bool consecutive(const std::vector<int>& rows, int at, int n) {
+  for (int i = 1; i < n; ++i)
+    if (rows[at + i] != rows[at] + i) return false;
+  return true;
+}
+
+/*
+ * x @ w[indices].T for float32 experts w [E, N, K] (mx.gather_mm(x, w.swapaxes(-1, -2), rhs_indices=indices)):
+ * MLX's CPU gather_mm multiplies each row alone (one matrix-vector product per row and expert, reading the
+ * expert's weights each time); here the rows are grouped by expert and each expert's rows are one sgemm.
+ */
+class GatherMatmul : public mx::UnaryPrimitive {
+ public:
+  explicit GatherMatmul(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (const auto& a : inputs) encoder.set_input_array(a);
+    encoder.set_output_array(out);
+    encoder.dispatch([x = mx::array::unsafe_weak_copy(inputs[0]), w = mx::array::unsafe_weak_copy(inputs[1]),
+                      indices = mx::array::unsafe_weak_copy(inputs[2]), out = mx::array::unsafe_weak_copy(out)]() mutable {
+      const int K = x.shape(-1), N = w.shape(1), experts = w.shape(0);
+      const ExpertOrder order = order_by_expert(x, indices, out, experts);
+      std::vector<float> copy;
+      const float* data = x.data<float>();
+      if (!x.flags().row_contiguous) {
+        copy.resize(x.size());
+        copy_contiguous(x, copy.data());
+        data = copy.data();
+      }
+      float* y = out.data<float>();
+      std::vector<float> rows, staged;
+      for (int e = 0; e < experts; ++e) {
+        const int at = order.start[e], n = order.start[e + 1] - at;
+        if (n == 0) continue;
+        const float* a = data + (size_t)order.source[at] * K;
+        if (!consecutive(order.source, at, n)) {
+          rows.resize((size_t)n * K);
+          for (int i = 0; i < n; ++i)
+            std::memcpy(rows.data() + (size_t)i * K, data + (size_t)order.source[at + i] * K, sizeof(float) * K);
+          a = rows.data();
+        }
+        const bool direct = consecutive(order.target, at, n);
+        if (!direct) staged.resize((size_t)n * N);
+        float* c = direct ? y + (size_t)order.target[at] * N : staged.data();
+        process_sgemm()(101, 111, 112, n, N, K, 1.0f, a, K, w.data<float>() + (size_t)e * N * K, K, 0.0f, c, N);
+        if (!direct)
+          for (int i = 0; i < n; ++i)
+            std::memcpy(y + (size_t)order.target[at + i] * N, staged.data() + (size_t)i * N, sizeof(float) * N);
+      }
+      for (int i = order.start[experts]; i < order.start[experts + 1]; ++i)
+        std::fill(y + (size_t)order.target[i] * N, y + (size_t)(order.target[i] + 1) * N, 0.0f);
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("mlxchat's gathered matmul runs on the CPU only; use mx.gather_mm on a GPU");
+  }
+
+  /* MLX's gather_mm's gradients (for x and w), of the same product written with it. */
+  std::vector<mx::array> vjp(const std::vector<mx::array>& primals, const std::vector<mx::array>& cotangents,
+                             const std::vector<int>& argnums, const std::vector<mx::array>&) override {
+    const mx::array indices = primals[2];
+    const auto product = [indices, s = stream()](const std::vector<mx::array>& xw) {
+      return std::vector<mx::array>{
+          mx::gather_mm(xw[0], mx::swapaxes(xw[1], -1, -2, s), std::nullopt, indices, false, s)};
+    };
+    const auto grads = mx::vjp(product, {primals[0], primals[1]}, cotangents).second;
+    std::vector<mx::array> out;
+    for (int arg : argnums) {
+      if (arg > 1) throw std::invalid_argument("mlxchat gathered matmul: indices have no gradient");
+      out.push_back(grads[arg]);
+    }
+    return out;
+  }
+
+  const char* name() const override {
+    return "MlxchatGatherMatmul";
+  }
+
+  bool is_equivalent(const mx::Primitive&) const override {
+    return true;
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {gathered_shape(inputs[0], inputs[1], inputs[2])};
+  }
+};
+
 class GatherQuantizedMatmul : public mx::UnaryPrimitive {
  public:
   GatherQuantizedMatmul(mx::Stream stream, int group_size, int bits)
@@ -471,34 +582,15 @@ class GatherQuantizedMatmul : public mx::UnaryPrimitive {
                       indices = mx::array::unsafe_weak_copy(inputs[4]), out = mx::array::unsafe_weak_copy(out),
                       gs = group_size_, bits = bits_]() mutable {
       Product p = product_for(x, w.shape(1), gs, bits, out);
-      const int experts = w.shape(0), per_index = x.shape(-2);
-      // out's batch shape is x's batch shape broadcast with indices' shape (see output_shapes)
-      const mx::Shape batch(out.shape().begin(), out.shape().end() - 2);
-      const mx::Shape x_batch(x.shape().begin(), x.shape().end() - 2);
-      const int64_t count = int64_t(out.size() / ((size_t)per_index * p.N));
-      std::vector<int> expert(count), x_row(count);
-      for (int64_t t = 0; t < count; ++t) {
-        const int64_t e = index_at(indices, broadcast_index(t, batch, indices.shape()));
-        expert[t] = e >= 0 && e < experts ? int(e) : experts;  // out of range: zeros, below
-        x_row[t] = int(broadcast_index(t, batch, x_batch));
-      }
-      // order rows by expert (a counting sort; invalid indices last), so each expert's weights are read once
-      std::vector<int> start(experts + 2, 0);
-      for (int e : expert) start[e + 1] += per_index;
-      for (int e = 0; e <= experts; ++e) start[e + 1] += start[e];
-      std::vector<int> source(start[experts + 1]), target(source.size()), fill(start.begin(), start.end() - 1);
-      for (int64_t t = 0; t < count; ++t)
-        for (int m = 0; m < per_index; ++m) {
-          const int at = fill[expert[t]]++;
-          source[at] = x_row[t] * per_index + m;
-          target[at] = int(t) * per_index + m;
-        }
+      const int experts = w.shape(0);
+      const ExpertOrder order = order_by_expert(x, indices, out, experts);
+      const std::vector<int>& start = order.start;
       const size_t w_stride = (size_t)p.N * p.K * bits / 8, s_stride = (size_t)p.N * p.G;
       for (int e = 0; e < experts; ++e)
         if (start[e + 1] > start[e])
           p.segments.push_back({start[e], start[e + 1] - start[e], w.data<uint8_t>() + e * w_stride,
                                 scales.data<float>() + e * s_stride, biases.data<float>() + e * s_stride});
-      compute(p, x, source, target);
+      compute(p, x, order.source, order.target);
       for (int i = start[experts]; i < start[experts + 1]; ++i)
         std::fill(p.out + p.out_at[i], p.out + p.out_at[i] + p.N, 0.0f);
     });
@@ -506,6 +598,26 @@ class GatherQuantizedMatmul : public mx::UnaryPrimitive {
 
   void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
     throw std::runtime_error("mlxchat's gathered quantized matmul runs on the CPU only; use mx.gather_qmm on a GPU");
+  }
+
+  // x's gradient (adapters on a quantized mixture of experts train through the experts): the cotangent times each
+  // row's expert weight, untransposed, summed back over the experts x was broadcast to.
+  std::vector<mx::array> vjp(const std::vector<mx::array>& primals, const std::vector<mx::array>& cotangents,
+                             const std::vector<int>& argnums, const std::vector<mx::array>&) override {
+    std::vector<mx::array> grads;
+    for (int arg : argnums) {
+      if (arg != 0) throw std::invalid_argument("mlxchat gathered quantized matmul: only x has a gradient");
+      const auto& x = primals[0];
+      auto grad = mx::gather_qmm(cotangents[0], primals[1], primals[2], primals[3], std::nullopt, primals[4], false,
+                                 group_size_, bits_, "affine", std::nullopt, false, stream());
+      const int extra = int(grad.ndim()) - int(x.ndim());
+      std::vector<int> axes;
+      for (int i = 0; i < int(grad.ndim()); ++i)
+        if (i < extra || (x.shape(i - extra) == 1 && grad.shape(i) != 1)) axes.push_back(i);
+      if (!axes.empty()) grad = mx::sum(grad, axes, true, stream());
+      grads.push_back(mx::reshape(grad, x.shape(), stream()));
+    }
+    return grads;
   }
 
   const char* name() const override {
@@ -529,7 +641,7 @@ class GatherQuantizedMatmul : public mx::UnaryPrimitive {
 
 void check_common(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
                   int group_size, int bits) {
-  if (bits != 4 && bits != 8) throw std::invalid_argument("bits must be 4 or 8");
+  if (bits < 2 || bits > 8 || bits == 7) throw std::invalid_argument("bits must be 2, 3, 4, 5, 6 or 8");
   if (group_size != 32 && group_size != 64 && group_size != 128)
     throw std::invalid_argument("group_size must be 32, 64 or 128");
   if (x.dtype() != mx::float32 || scales.dtype() != mx::float32 || biases.dtype() != mx::float32)
@@ -564,6 +676,19 @@ mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::arr
                    {x, row_contiguous(w), row_contiguous(scales), row_contiguous(biases)});
 }
 
+/* x [..., M, K] times expert indices[...] of float32 w [E, N, K]: out [..., M, N] (batch shapes broadcast). */
+mx::array gather_matmul(const mx::array& x, const mx::array& w, const mx::array& indices) {
+  if (w.ndim() != 3) throw std::invalid_argument("w must be 3-dimensional [experts, out, in]");
+  if (x.ndim() < 2) throw std::invalid_argument("x must have at least two dimensions");
+  if (x.dtype() != mx::float32 || w.dtype() != mx::float32) throw std::invalid_argument("x and w must be float32");
+  if (indices.dtype() != mx::uint32 && indices.dtype() != mx::int32)
+    throw std::invalid_argument("indices must be int32 or uint32");
+  if (x.shape(-1) != w.shape(-1)) throw std::invalid_argument("x's last dimension does not match w's inputs");
+  if (process_sgemm() == nullptr) throw std::runtime_error("no cblas_sgemm in this process");
+  return mx::array(gathered_shape(x, w, indices), mx::float32, std::make_shared<GatherMatmul>(cpu_stream()),
+                   {x, row_contiguous(w), indices});
+}
+
 /* x [..., M, K] times expert indices[...] of w [E, N, K*bits/32]: out [..., M, N] (batch shapes broadcast). */
 mx::array gather_quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales,
                                   const mx::array& biases, const mx::array& indices, int group_size, int bits) {
@@ -587,6 +712,9 @@ NB_MODULE(_quantized, m) {
   m.def("gather_quantized_matmul", &gather_quantized_matmul, nb::arg("x"), nb::arg("w"), nb::arg("scales"),
         nb::arg("biases"), nb::arg("indices"), nb::arg("group_size"), nb::arg("bits"),
         "x @ dequantize(w[indices]).T, one expert per index (mx.gather_qmm with rhs_indices, transpose=True).");
+  m.def("gather_matmul", &gather_matmul, nb::arg("x"), nb::arg("w"), nb::arg("indices"),
+        "x @ w[indices].T for float32 experts w [E, out, in], rows grouped by expert (mx.gather_mm with "
+        "rhs_indices and w transposed).");
   m.def("mlx_version", [] {
     return std::to_string(MLX_VERSION_MAJOR) + "." + std::to_string(MLX_VERSION_MINOR) + "." +
            std::to_string(MLX_VERSION_PATCH);
@@ -594,8 +722,11 @@ NB_MODULE(_quantized, m) {
   m.def("isa", [] { return std::string(isa_name(active_isa.load())); });
   m.def("detected_isa", [] { return std::string(isa_name(detected_isa)); });
   m.def("set_isa", [](const std::string& name) {
-    const Isa wanted = name == "avx512" ? Isa::avx512 : name == "avx2" ? Isa::avx2 : name == "scalar" ? Isa::scalar
-                                                                                                     : Isa(-1);
+    const Isa wanted = name == "amx"      ? Isa::amx
+                       : name == "avx512" ? Isa::avx512
+                       : name == "avx2"   ? Isa::avx2
+                       : name == "scalar" ? Isa::scalar
+                                          : Isa(-1);
     if (int(wanted) < 0 || int(wanted) > int(detected_isa))
       throw std::invalid_argument("ISA not available here: " + name + " (best: " + isa_name(detected_isa) + ")");
     active_isa.store(wanted);
@@ -604,4 +735,6 @@ NB_MODULE(_quantized, m) {
   m.def("has_sgemm", [] { return process_sgemm() != nullptr; });
   m.def("small_rows", [] { return small_rows.load(); });
   m.def("set_small_rows", [](int rows) { small_rows.store(std::max(1, rows)); });
+  m.def("amx_rows", [] { return amx_rows.load(); });
+  m.def("set_amx_rows", [](int rows) { amx_rows.store(std::max(1, rows)); });
 }

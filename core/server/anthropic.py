@@ -11,31 +11,35 @@ sign), ``text`` and ``tool_use``. A stream sends ``message_start``, ``ping``, pe
 and ``message_stop``; an error after the start is an ``error`` event. Errors are Anthropic-shaped
 (``{"type": "error", "error": {"type", "message"}}``); ``x-api-key`` authenticates.
 
-Refused with a 400: image, document and redacted-thinking blocks, server tools (web search, ...).
+User messages may carry ``image`` blocks (``base64``, or ``url`` where the server allows remote images:
+:mod:`mlxchat.server.images`), reused by their pixels as on chat.completions. Refused with a 400: document
+and redacted-thinking blocks, images in tool results, server tools (web search, ...).
 """
 
 from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from ..errors import MlxchatError
 from ..reply import TextDelta, ThinkingDelta, ToolCallEvent
 from ..session import ChatResult, Done, StreamEvent
 from .chat_completions import generation_config
-from .errors import ApiError, request_error, validated
+from .errors import ANTHROPIC_PATHS, ApiError, validated
 from .guard import read_json
-from .turns import Messages, ToolChoice, Turn, check_model, tool_setup, watching
+from .images import check_images
+from .lifecycle import Exchange
+from .turns import Messages, ToolChoice, Turn, check_model, tool_setup
 
 if TYPE_CHECKING:
     from .state import ServerState
 
 TOOL_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
-BLOCK_TYPES = ("text", "tool_use", "tool_result", "thinking")
+BLOCK_TYPES = ("text", "image", "tool_use", "tool_result", "thinking")
+IMAGE_MEDIA_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp")
 
 
 class TextBlock(BaseModel):
@@ -75,7 +79,43 @@ class ThinkingBlock(BaseModel):
     thinking: str
 
 
-Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock, Field(discriminator="type")]
+class Base64Source(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["base64"]
+    media_type: str
+    data: str
+
+    @field_validator("media_type")
+    @classmethod
+    def _image(cls, value: str) -> str:
+        if value not in IMAGE_MEDIA_TYPES:
+            raise ValueError(f"media_type {value[:40]!r}: one of {', '.join(IMAGE_MEDIA_TYPES)}")
+        return value
+
+
+class UrlSource(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["url"]
+    url: str
+
+
+class ImageBlock(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["image"]
+    source: Annotated[Base64Source | UrlSource, Field(discriminator="type")]
+
+    def part(self) -> dict[str, Any]:
+        """The block as an OpenAI ``image_url`` part (a ``data:`` URL, or the remote URL to fetch)."""
+        source = self.source
+        url = source.url if isinstance(source, UrlSource) else f"data:{source.media_type};base64,{source.data}"
+        return {"type": "image_url", "image_url": {"url": url}}
+
+
+Block = Annotated[TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock,
+                  Field(discriminator="type")]
 
 
 class Message(BaseModel):
@@ -171,7 +211,7 @@ class MessagesRequest(BaseModel):
             if isinstance(message.content, str):
                 messages.append({"role": message.role, "content": message.content})
                 continue
-            misplaced = {"user": ("tool_use", "thinking"), "assistant": ("tool_result",)}[message.role]
+            misplaced = {"user": ("tool_use", "thinking"), "assistant": ("tool_result", "image")}[message.role]
             if any(block.type in misplaced for block in message.content):
                 raise ApiError(400, f"messages.{index}: a {message.role} message cannot hold "
                                     f"{' or '.join(misplaced)} blocks", param=f"messages.{index}")
@@ -192,7 +232,11 @@ class MessagesRequest(BaseModel):
                 if isinstance(block, ToolResultBlock):
                     name = {"name": names[block.tool_use_id]} if block.tool_use_id in names else {}
                     messages.append({"role": "tool", "tool_call_id": block.tool_use_id, **name, "content": block.text})
-            if text:
+            if any(isinstance(b, ImageBlock) for b in message.content):
+                messages.append({"role": "user", "content": [
+                    b.part() if isinstance(b, ImageBlock) else {"type": "text", "text": b.text}
+                    for b in message.content if isinstance(b, ImageBlock | TextBlock)]})
+            elif text:
                 messages.append({"role": "user", "content": text})
         return messages
 
@@ -276,10 +320,8 @@ def remembered(conversation: Messages, blocks: list[dict[str, Any]]) -> Messages
     return [*conversation, reply]
 
 
-async def handle(state: ServerState, request: Any) -> Any:
-    """``POST /v1/messages``."""
-    from starlette.responses import JSONResponse, StreamingResponse
-
+async def prepare(state: ServerState, request: Any) -> MessageExchange:
+    """``POST /v1/messages`` as a turn (its life is :class:`~mlxchat.server.lifecycle.Lifecycle`)."""
     parsed = validated(MessagesRequest, await read_json(request, state.settings))
     check_model(parsed.model, state.name, "not_found_error")
     conversation = parsed.conversation()
@@ -289,57 +331,61 @@ async def handle(state: ServerState, request: Any) -> Any:
                                None if thinking is None else {"enable_thinking": thinking})
     tools, config = tool_setup(state.model, conversation, [t.chat_tool() for t in parsed.tools or []] or None,
                                parsed.choice(), config)
+    remote = check_images(conversation, allow_remote=state.settings.allow_remote_images,
+                          reads_images=state.model.supports_images)
     single = parsed.tool_choice is not None and parsed.tool_choice.disable_parallel_tool_use
-    turn = Turn(state, conversation, tools=tools, config=config, max_calls=1 if single else None)
-    await turn.start()
-    message_id = f"msg_{uuid.uuid4().hex}"
-    blocks = Blocks()
-    stops = parsed.stop_sequences or []
+    turn = Turn(state, conversation, tools=tools, config=config, max_calls=1 if single else None,
+                tool_choice=parsed.choice().library)
+    return MessageExchange(turn, parsed, conversation, state, remote)
 
-    def message(result: ChatResult | None) -> dict[str, Any]:
-        reason, sequence = stop_of(result, state.model.tokenizer, stops) if result else (None, None)
+
+class MessageExchange(Exchange):
+    """An Anthropic message: its content blocks, from the turn's events."""
+
+    def __init__(self, turn: Turn, parsed: MessagesRequest, conversation: Messages, state: ServerState,
+                 remote_images: list[dict[str, Any]]):
+        super().__init__(turn, parsed.stream, remote_images)
+        self.conversation, self.state = conversation, state
+        self.id = f"msg_{uuid.uuid4().hex}"
+        self.blocks = Blocks()
+        self.stops = parsed.stop_sequences or []
+
+    def message(self, result: ChatResult | None) -> dict[str, Any]:
+        reason, sequence = stop_of(result, self.state.model.tokenizer, self.stops) if result else (None, None)
         usage = usage_of(result) if result else {"input_tokens": 0, "output_tokens": 0}
-        return {"id": message_id, "type": "message", "role": "assistant", "model": state.name,
-                "content": blocks.blocks if result else [], "stop_reason": reason, "stop_sequence": sequence,
+        return {"id": self.id, "type": "message", "role": "assistant", "model": self.state.name,
+                "content": self.blocks.blocks if result else [], "stop_reason": reason, "stop_sequence": sequence,
                 "usage": usage}
 
-    if not parsed.stream:
-        try:
-            async with watching(request, turn.cancel):
-                while (event := await turn.next()) is not None:
-                    blocks.feed(event)
-        except MlxchatError as exc:
-            await turn.finish()
-            raise request_error(exc) from None
-        blocks.close()
-        await turn.finish(remembered(conversation, blocks.blocks))
-        return JSONResponse(message(turn.result))
+    async def complete(self) -> dict[str, Any]:
+        while (event := await self.turn.next()) is not None:
+            self.blocks.feed(event)
+        self.blocks.close()
+        return self.message(self.turn.result)
 
-    first = await turn.first(request)
+    async def lines(self, first: StreamEvent | None) -> AsyncGenerator[str, None]:
+        yield sse({"type": "message_start", "message": self.message(None)})
+        yield sse({"type": "ping"})
+        event = first
+        while event is not None:
+            if isinstance(event, Done):
+                for announced in self.blocks.close():
+                    yield sse(announced)
+                final = self.message(event.result)
+                yield sse({"type": "message_delta", "usage": final["usage"], "delta": {
+                    "stop_reason": final["stop_reason"], "stop_sequence": final["stop_sequence"]}})
+                yield sse({"type": "message_stop"})
+            else:
+                for announced in self.blocks.feed(event):
+                    yield sse(announced)
+            event = await self.turn.next()
 
-    async def events() -> AsyncIterator[str]:
-        def sse(event: dict[str, Any]) -> str:
-            return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
+    def error_lines(self, error: ApiError) -> list[str]:
+        return [sse(error.body(ANTHROPIC_PATHS[0]))]
 
-        try:
-            yield sse({"type": "message_start", "message": message(None)})
-            yield sse({"type": "ping"})
-            event: StreamEvent | None = first
-            while event is not None:
-                if isinstance(event, Done):
-                    for announced in blocks.close():
-                        yield sse(announced)
-                    final = message(event.result)
-                    yield sse({"type": "message_delta", "usage": final["usage"], "delta": {
-                        "stop_reason": final["stop_reason"], "stop_sequence": final["stop_sequence"]}})
-                    yield sse({"type": "message_stop"})
-                else:
-                    for announced in blocks.feed(event):
-                        yield sse(announced)
-                event = await turn.next()
-        except MlxchatError as exc:
-            yield sse(request_error(exc).body("/v1/messages"))
-        finally:
-            await turn.finish(remembered(conversation, blocks.blocks))
+    def remembered(self) -> Messages | None:
+        return remembered(self.conversation, self.blocks.blocks)
 
-    return StreamingResponse(events(), media_type="text/event-stream")
+
+def sse(event: dict[str, Any]) -> str:
+    return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"

@@ -1,22 +1,27 @@
-"""The ASGI application and ``serve``: routes, the guard in front of them, and JSON for every error."""
+"""The ASGI application and ``serve``: routes (the chat page's among them), the guard in front of them, and
+JSON for every error."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
 from ..model import GenerativeModel
-from . import anthropic, chat_completions, responses
+from . import anthropic, chat_completions, conversations, responses
 from .errors import ApiError, RateLimitedFilter, log
-from .guard import Guard, ServerSettings, guarded_protocol, is_loopback
+from .guard import Guard, ServerSettings, access_log, guarded_protocol, is_loopback
+from .lifecycle import turn_route
+from .openapi import openapi_document
 from .state import ServerState
 
 
-def create_app(model: GenerativeModel, settings: ServerSettings | None = None, **overrides: Any) -> Any:
-    """The ASGI application serving ``model``; ``overrides`` set :class:`ServerSettings` fields. Its
-    shutdown closes the response store and removes spilled caches."""
+def create_app(model: GenerativeModel, settings: ServerSettings | None = None, *, tools: Sequence[Any] = (),
+               **overrides: Any) -> Any:
+    """The ASGI application serving ``model``; ``overrides`` set :class:`ServerSettings` fields, ``tools``
+    run on the server for the chat page's conversations. Its shutdown closes the page's conversations, the
+    response store and removes spilled caches."""
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
     from starlette.middleware import Middleware
@@ -28,10 +33,12 @@ def create_app(model: GenerativeModel, settings: ServerSettings | None = None, *
     settings = (settings or ServerSettings()).model_copy(update=overrides)
     ServerSettings.model_validate(settings.model_dump())
     state = ServerState(model, settings)
+    page_routes, page = conversations.routes(state, tools)
 
     @asynccontextmanager
     async def lifespan(_: Any) -> AsyncIterator[None]:
         yield
+        page.close()
         state.close()
 
     def json_error(request: Request, error: ApiError) -> Response:
@@ -40,7 +47,14 @@ def create_app(model: GenerativeModel, settings: ServerSettings | None = None, *
         return JSONResponse(error.body(request.url.path), status_code=error.status)
 
     async def health(_: Request) -> Response:
-        return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "ok", **state.held()})
+
+    async def metrics(_: Request) -> Response:
+        page, media = state.metrics.page()
+        return Response(page, headers={"Content-Type": media})
+
+    async def openapi(_: Request) -> Response:
+        return JSONResponse(openapi_document())
 
     async def models(_: Request) -> Response:
         return JSONResponse({"object": "list", "data": [
@@ -68,17 +82,21 @@ def create_app(model: GenerativeModel, settings: ServerSettings | None = None, *
 
     app = Starlette(
         routes=[Route("/health", health, methods=["GET"]),
+                Route("/metrics", metrics, methods=["GET"]),
+                Route("/openapi.json", openapi, methods=["GET"]),
                 Route("/v1/models", models, methods=["GET"]),
-                Route("/v1/chat/completions", route(chat_completions.handle), methods=["POST"]),
-                Route("/v1/responses", route(responses.create), methods=["POST"]),
+                Route("/v1/chat/completions", turn_route(state, "chat.completions", chat_completions.prepare),
+                      methods=["POST"]),
+                Route("/v1/responses", turn_route(state, "responses", responses.prepare), methods=["POST"]),
                 Route("/v1/responses/{response_id}", route(responses.retrieve), methods=["GET"]),
                 Route("/v1/responses/{response_id}", route(responses.delete), methods=["DELETE"]),
                 Route("/v1/responses/{response_id}/input_items", route(responses.input_items), methods=["GET"]),
-                Route("/v1/messages", route(anthropic.handle), methods=["POST"])],
+                Route("/v1/messages", turn_route(state, "messages", anthropic.prepare), methods=["POST"]),
+                *page_routes],
         middleware=[*([Middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_headers=["*"],
                                   allow_methods=["GET", "POST", "DELETE", "OPTIONS"])]
                       if settings.cors_origins else []),
-                    Middleware(Guard, settings=settings, refusals=state.refusals)],
+                    Middleware(Guard, settings=settings, refusals=state.refusals, metrics=state.metrics)],
         exception_handlers={ApiError: api_error, HTTPException: http_error, Exception: server_error},
         lifespan=lifespan,
     )
@@ -87,7 +105,7 @@ def create_app(model: GenerativeModel, settings: ServerSettings | None = None, *
 
 
 def serve(model: GenerativeModel, host: str = "127.0.0.1", port: int = 8000,
-          settings: ServerSettings | None = None, **overrides: Any) -> None:
+          settings: ServerSettings | None = None, *, tools: Sequence[Any] = (), **overrides: Any) -> None:
     """Run the API with uvicorn until interrupted. Bound to a loopback address, only loopback host names
     are accepted (unless ``allowed_hosts`` says otherwise)."""
     import uvicorn
@@ -97,9 +115,16 @@ def serve(model: GenerativeModel, host: str = "127.0.0.1", port: int = 8000,
         settings = settings.model_copy(update={"allowed_hosts": ["localhost", "127.0.0.1", "::1"]})
     for name in ("uvicorn.error", "mlxchat.server"):
         logging.getLogger(name).addFilter(RateLimitedFilter())
+    access = logging.getLogger(access_log.name)
+    if not access.hasHandlers():  # the access log goes to stderr unless the application routes it
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+        access.addHandler(handler)
+        access.setLevel(logging.INFO)
     config = uvicorn.Config(
-        create_app(model, settings), host=host, port=port, log_level="info", access_log=False,
+        create_app(model, settings, tools=tools), host=host, port=port, log_level="info", access_log=False,
         http=guarded_protocol(settings.header_timeout), limit_concurrency=settings.max_connections + 16,
         timeout_keep_alive=5, h11_max_incomplete_event_size=64 * 1024,
+        timeout_graceful_shutdown=5,  # an open chat page's event stream never ends by itself
     )
     uvicorn.Server(config).run()

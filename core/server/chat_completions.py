@@ -11,8 +11,9 @@ Honoured: ``tool_choice`` (``none`` offers no tools; ``required`` and a named fu
 a call, see :func:`~mlxchat.server.turns.tool_setup`), ``parallel_tool_calls: false`` (the reply ends after
 its first call), ``logprobs``/``top_logprobs`` (the model's own distribution, computed in one more pass over
 the reply once it is done; a stream sends them with its last chunk), ``n`` (the choices one after another,
-each prefilling only the last prompt token). Refused: ``response_format`` other than text, since mlxchat
-has no constrained decoding that could guarantee JSON.
+each prefilling only the last prompt token), ``response_format`` (``json_object`` and ``json_schema``,
+strict or not, streamed or not: the reply is constrained to it, see :mod:`mlxchat.constraints`; a schema that
+cannot be compiled is a 400 naming where it fails).
 """
 
 from __future__ import annotations
@@ -20,20 +21,20 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from ..errors import MlxchatError
 from ..generation import GenerationConfig, GenerationReport
 from ..messages import ChatMessage, ToolCall
 from ..reply import TextDelta, ThinkingDelta, ToolCallEvent
 from ..session import ChatResult, Done, StreamEvent
-from .errors import invalid, request_error, validated
+from .errors import ApiError, invalid, validated
 from .guard import read_json
-from .images import inline_images
-from .turns import ToolChoice, Turn, check_model, seeded, tool_setup, watching
+from .images import check_images
+from .lifecycle import Exchange
+from .turns import Messages, ToolChoice, Turn, check_model, seeded, tool_setup
 
 if TYPE_CHECKING:
     from .state import ServerState
@@ -122,10 +123,6 @@ class ChatCompletionRequest(BaseModel):
 
     @model_validator(mode="after")
     def _supported(self) -> ChatCompletionRequest:
-        if self.response_format not in (None, {"type": "text"}):
-            raise ValueError("response_format: only {'type': 'text'} is supported (mlxchat has no constrained "
-                             "decoding to guarantee JSON); ask for JSON in the prompt, or offer a tool whose "
-                             "parameters are the schema and set tool_choice to it")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
         for index, message in enumerate(self.messages):
@@ -146,7 +143,7 @@ class ChatCompletionRequest(BaseModel):
             "top_k": None if self.top_k is None else max(self.top_k, 0),  # vLLM's -1: no top-k
             "repetition_penalty": self.repetition_penalty, "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty, "seed": self.seed, "stop": self.stop,
-            "max_tokens": self.max_completion_tokens or self.max_tokens,
+            "max_tokens": self.max_completion_tokens or self.max_tokens, "response_format": self.response_format,
         }
         if self.logit_bias:
             values["logit_bias"] = {int(k): v for k, v in self.logit_bias.items()}
@@ -176,45 +173,47 @@ def generation_config(values: dict[str, Any], template_kwargs: dict[str, Any] | 
         raise invalid(exc) from None
 
 
-async def handle(state: ServerState, request: Any) -> Any:
-    """``POST /v1/chat/completions``."""
-    from starlette.responses import JSONResponse, StreamingResponse
-
+async def prepare(state: ServerState, request: Any) -> CompletionExchange:
+    """``POST /v1/chat/completions`` as a turn (its life is :class:`~mlxchat.server.lifecycle.Lifecycle`)."""
     parsed = validated(ChatCompletionRequest, await read_json(request, state.settings))
     check_model(parsed.model, state.name)
     messages = [m.model_dump() for m in parsed.messages]
-    await inline_images(messages, allow_remote=state.settings.allow_remote_images,
-                        max_bytes=state.settings.max_body_bytes, reads_images=state.model.supports_images)
+    remote = check_images(messages, allow_remote=state.settings.allow_remote_images,
+                          reads_images=state.model.supports_images)
     tools, config = tool_setup(state.model, messages, parsed.tool_list(), parsed.choice(), parsed.generation_config())
     single = parsed.parallel_tool_calls is False
-    turn = Turn(state, messages, tools=tools, config=config, max_calls=1 if single else None)
-    await turn.start()
-    top = (parsed.top_logprobs or 0) if parsed.logprobs else None
-    completion = Completion(state.name, bool(parsed.stream_options and parsed.stream_options.include_usage))
-    if not parsed.stream:
+    turn = Turn(state, messages, tools=tools, config=config, max_calls=1 if single else None,
+                tool_choice=parsed.choice().library)
+    return CompletionExchange(turn, parsed, messages, config, state.name, remote)
+
+
+class CompletionExchange(Exchange):
+    """A chat completion: ``n`` choices one after another, each with its log-probabilities when asked."""
+
+    def __init__(self, turn: Turn, parsed: ChatCompletionRequest, messages: Messages, config: GenerationConfig,
+                 model_name: str, remote_images: list[dict[str, Any]]):
+        super().__init__(turn, parsed.stream, remote_images)
+        self.n, self.messages, self.config = parsed.n, messages, config
+        self.top = (parsed.top_logprobs or 0) if parsed.logprobs else None
+        self.completion = Completion(model_name, bool(parsed.stream_options and parsed.stream_options.include_usage))
+
+    async def complete(self) -> dict[str, Any]:
         results: list[tuple[ChatResult, list[dict[str, Any]] | None]] = []
-        try:
-            async with watching(request, turn.cancel):
-                for index in range(parsed.n):
-                    if index:
-                        turn.again(seeded(config, index))
-                    result = await turn.collect()
-                    results.append((result, None if top is None else await turn.logprobs(top)))
-        except MlxchatError as exc:
-            raise request_error(exc) from None
-        finally:
-            await turn.finish(messages + [message_of(turn.result)] if turn.result else None)
-        return JSONResponse(completion.response(results))
-    first = await turn.first(request)
+        for index in range(self.n):
+            if index:
+                self.turn.again(seeded(self.config, index))
+            result = await self.turn.collect()
+            results.append((result, None if self.top is None else await self.turn.logprobs(self.top)))
+        return self.completion.response(results)
 
-    async def lines() -> AsyncIterator[str]:
-        try:
-            async for line in completion.lines(turn, first, parsed.n, config, top):
-                yield line
-        finally:
-            await turn.finish(messages + [message_of(turn.result)] if turn.result else None)
+    def lines(self, first: StreamEvent | None) -> AsyncGenerator[str, None]:
+        return self.completion.lines(self.turn, first, self.n, self.config, self.top)
 
-    return StreamingResponse(lines(), media_type="text/event-stream")
+    def error_lines(self, error: ApiError) -> list[str]:
+        return [sse(error.body()), "data: [DONE]\n\n"]
+
+    def remembered(self) -> Messages | None:
+        return self.messages + [message_of(self.turn.result)] if self.turn.result else None
 
 
 def message_of(result: ChatResult) -> dict[str, Any]:
@@ -272,37 +271,35 @@ class Completion:
         return sse(self.envelope("chat.completion.chunk", [choice]))
 
     async def lines(self, turn: Turn, first: StreamEvent | None, n: int, config: GenerationConfig,
-                    top: int | None) -> AsyncIterator[str]:
+                    top: int | None) -> AsyncGenerator[str, None]:
         """The SSE stream: per choice a role chunk, one chunk per event and the finish (with the reply's
-        log-probabilities when asked); then usage if asked, and ``[DONE]``."""
+        log-probabilities when asked); then usage if asked, and ``[DONE]``. A failure ends it with the
+        lifecycle's error lines (:meth:`CompletionExchange.error_lines`)."""
         reports: list[GenerationReport] = []
-        try:
-            for index in range(n):
-                if index:
-                    turn.again(seeded(config, index))
-                    first = await turn.next()
-                yield self.chunk(index, {"role": "assistant", "content": ""})
-                calls = 0
-                event = first
-                while event is not None:
-                    if isinstance(event, TextDelta):
-                        yield self.chunk(index, {"content": event.text})
-                    elif isinstance(event, ThinkingDelta):
-                        yield self.chunk(index, {"reasoning_content": event.text})
-                    elif isinstance(event, ToolCallEvent) and event.call.status == "ok":
-                        yield self.chunk(index, {"tool_calls": [call_delta(calls, event.call)]})
-                        calls += 1
-                    elif isinstance(event, ToolCallEvent):  # malformed: the client sees what the model wrote
-                        yield self.chunk(index, {"content": event.call.raw})
-                    elif isinstance(event, Done):
-                        logprobs = None if top is None else await turn.logprobs(top)
-                        yield self.chunk(index, {}, finish_of(event.result.finish_reason), logprobs)
-                        reports.append(event.result.report)
-                    event = await turn.next()
-            if self.include_usage:
-                yield sse(self.envelope("chat.completion.chunk", [], usage=usage_of(reports)))
-        except MlxchatError as exc:
-            yield sse(request_error(exc).body())
+        for index in range(n):
+            if index:
+                turn.again(seeded(config, index))
+                first = await turn.next()
+            yield self.chunk(index, {"role": "assistant", "content": ""})
+            calls = 0
+            event = first
+            while event is not None:
+                if isinstance(event, TextDelta):
+                    yield self.chunk(index, {"content": event.text})
+                elif isinstance(event, ThinkingDelta):
+                    yield self.chunk(index, {"reasoning_content": event.text})
+                elif isinstance(event, ToolCallEvent) and event.call.status == "ok":
+                    yield self.chunk(index, {"tool_calls": [call_delta(calls, event.call)]})
+                    calls += 1
+                elif isinstance(event, ToolCallEvent):  # malformed: the client sees what the model wrote
+                    yield self.chunk(index, {"content": event.call.raw})
+                elif isinstance(event, Done):
+                    logprobs = None if top is None else await turn.logprobs(top)
+                    yield self.chunk(index, {}, finish_of(event.result.finish_reason), logprobs)
+                    reports.append(event.result.report)
+                event = await turn.next()
+        if self.include_usage:
+            yield sse(self.envelope("chat.completion.chunk", [], usage=usage_of(reports)))
         yield "data: [DONE]\n\n"
 
 

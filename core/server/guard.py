@@ -2,7 +2,11 @@
 check that stops DNS rebinding, JSON-only bodies (no simple cross-site POST), body size, nesting and text
 checks, a cap on requests in flight, and a header-read timeout for idle connections.
 
-Every refusal is an OpenAI-style JSON error, and refusals are logged one line per burst.
+Every refusal is an OpenAI-style JSON error, counted in the metrics by status and reason, and logged as a
+warning one line per burst. Every request, refused or not, on every route, gets one JSON line in the
+access log (logger ``mlxchat.server.access``), written here when its answer has been sent; a route adds
+its own fields to it (:data:`ACCESS`: the generating routes' lifecycle adds the endpoint, tokens and time
+to first token).
 """
 
 from __future__ import annotations
@@ -10,6 +14,8 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import json
+import logging
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -19,8 +25,13 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..errors import InvalidInputError
 from ..limits import check_depth, check_strings
 from .errors import ApiError, RefusalLog
+from .metrics import Metrics
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+ACCESS = "mlxchat.access"
+"""The ASGI scope key of a request's access-log record (a dict a route may add fields to; its ``status``,
+when a route sets one, is what the line says: 499 for a client that left mid-stream)."""
+access_log = logging.getLogger("mlxchat.server.access")
 
 
 class ServerSettings(BaseModel):
@@ -32,18 +43,31 @@ class ServerSettings(BaseModel):
     """The model id clients use (default: the checkpoint's Hub repo id or folder name); a request that names
     another model gets 404 ``model_not_found``."""
     store: str = ":memory:"
-    """The SQLite file that keeps stored responses (``:memory:``: kept only while the server runs)."""
+    """The SQLite file that keeps stored responses (``:memory:``: kept only while the server runs). One
+    server per file: a second one on it stops at start with an error naming the first."""
+    store_max_age_days: float = Field(30.0, ge=0)
+    """Days a stored response is kept (0: for ever); an older one is answered as missing (404), as a
+    deleted one is, and so is every response that continues it."""
+    store_max_rows: int = Field(10_000, ge=0)
+    """Most stored responses kept (0: no bound); the oldest go first."""
     max_spill_gb: float = Field(8.0, ge=0)
     """Disk that prompt caches evicted from memory may take, in a folder next to a file store (0: none)."""
     api_key: str | None = None
     """Clients must send it as ``Authorization: Bearer KEY`` (or ``x-api-key: KEY``); every route but
-    ``GET /health`` checks it."""
+    ``GET /health`` and the chat page's static files checks it (``GET /metrics`` too, unless
+    ``metrics_open``)."""
     caches: int = Field(4, ge=1)
     """Idle prompt caches kept between requests (least recently used evicted first)."""
     max_cache_gb: float = Field(4.0, gt=0)
     """Most memory the idle prompt caches may hold together."""
     max_body_mb: float = Field(16.0, gt=0)
     """Largest request body accepted (413 beyond)."""
+    max_kv_gb: float | None = Field(None, gt=0)
+    """Most memory the caches of the admitted requests may grow to together (prompt and ``max_tokens``
+    each); a request waits while the ones before it hold too much, and one that could never fit gets 503
+    (``None``: half the machine's memory)."""
+    metrics_open: bool = False
+    """Serve ``GET /metrics`` without the API key to clients on a loopback address (a local scraper)."""
     max_queue: int = Field(64, ge=1)
     """Most generation requests running or waiting for the model at once (429 beyond)."""
     max_connections: int = Field(128, ge=1)
@@ -98,27 +122,50 @@ ASGIApp = Callable[[dict[str, Any], Callable[[], Awaitable[dict[str, Any]]],
 class Guard:
     """ASGI middleware checking every HTTP request before it reaches a route."""
 
-    OPEN_PATHS = frozenset({"/health"})
+    OPEN_PATHS = frozenset({"/health", "/"})
+    OPEN_PREFIX = "/page/"
+    """The chat page's static files: no secret in them, and a browser cannot send a key when it loads them
+    (the page sends the key on every API call it makes)."""
 
-    def __init__(self, app: ASGIApp, settings: ServerSettings, refusals: RefusalLog):
-        self.app, self.settings, self.refusals = app, settings, refusals
+    def __init__(self, app: ASGIApp, settings: ServerSettings, refusals: RefusalLog, metrics: Metrics):
+        self.app, self.settings, self.refusals, self.metrics = app, settings, refusals, metrics
         self.in_flight = 0
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        started = time.monotonic()
+        client = scope.get("client")
+        record: dict[str, Any] = {"method": scope["method"], "path": scope["path"],
+                                  "client": f"{client[0]}:{client[1]}" if client else None}
+        scope[ACCESS] = record
+        sent: list[int] = []
+
+        async def noting(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                sent.append(message["status"])
+            await send(message)
+
         try:
-            self._check(scope)
-        except ApiError as exc:
-            self.refusals.refused(exc.code or exc.kind, exc.message)
-            await _send_json(send, exc.status, exc.body(scope["path"]))
-            return
-        self.in_flight += 1
-        try:
-            await self.app(scope, receive, send)
+            try:
+                self._check(scope)
+            except ApiError as exc:
+                reason = exc.code or exc.kind
+                self.refusals.refused(reason, exc.message)
+                self.metrics.refused.labels(str(exc.status), reason).inc()
+                record["error"] = reason
+                await _send_json(noting, exc.status, exc.body(scope["path"]))
+                return
+            self.in_flight += 1
+            try:
+                await self.app(scope, receive, noting)
+            finally:
+                self.in_flight -= 1
         finally:
-            self.in_flight -= 1
+            record.setdefault("status", sent[0] if sent else 500)
+            record["seconds"] = round(time.monotonic() - started, 4)
+            access_log.info(json.dumps(record))
 
     def _check(self, scope: dict[str, Any]) -> None:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
@@ -126,7 +173,10 @@ class Guard:
         if allowed is not None and host_name(headers.get("host", "")) not in allowed:
             raise ApiError(400, "this server answers only to the host names it is bound to "
                                 f"({', '.join(allowed)})", code="invalid_host")
-        if self.settings.api_key is not None and scope["path"] not in self.OPEN_PATHS and scope["method"] != "OPTIONS":
+        open_path = scope["path"] in self.OPEN_PATHS or scope["path"].startswith(self.OPEN_PREFIX) or (
+            scope["path"] == "/metrics" and self.settings.metrics_open
+            and is_loopback((scope.get("client") or ("",))[0]))
+        if self.settings.api_key is not None and not open_path and scope["method"] != "OPTIONS":
             sent = headers.get("authorization", "")
             key = sent[len("bearer "):] if sent.lower().startswith("bearer ") else headers.get("x-api-key", "")
             if not hmac.compare_digest(key.encode(), self.settings.api_key.encode()):

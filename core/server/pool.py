@@ -13,6 +13,7 @@ from typing import Any
 
 from ..model import GenerativeModel
 from ..persistence import load_prompt_cache, save_prompt_cache
+from ..prefix_cache import PromptCachePool
 from ..prompt_cache import PromptCache
 
 log = logging.getLogger("mlxchat.server")
@@ -32,9 +33,13 @@ class _Spilled:
 class CachePool:
     """Idle prompt caches, each remembering the conversation it last served, bounded by count and bytes.
 
-    A request takes the cache whose conversation shares the most leading messages with its own (or a fresh
-    one), so concurrent requests never share a cache; it gives the cache back when done, and the least
-    recently used idle caches are evicted while the pool holds more than ``size`` caches or ``max_bytes``.
+    A request takes the cache whose conversation its own continues (or a fresh one), so concurrent requests
+    never share a cache; it gives the cache back when done, and the least recently used idle caches are
+    evicted while the pool holds more than ``size`` caches or ``max_bytes``. A request that only branches off
+    an idle conversation (the same system prompt, an edited turn) takes that conversation's cache only when
+    the pool is full; otherwise it starts fresh and the longest prefix any cache holds, busy or idle, is
+    copied into it (:attr:`prefixes`, a :class:`~mlxchat.prefix_cache.PromptCachePool` the server's
+    sessions share), so every conversation keeps its own.
 
     With a ``spill_dir``, an evicted cache is saved there (:mod:`mlxchat.persistence`; the write is a job on
     the model's worker, so the event loop never waits for it) and restored when a request continues its
@@ -48,6 +53,8 @@ class CachePool:
         self.max_bytes = max_bytes
         self.spill_dir = spill_dir if max_spill_bytes > 0 else None
         self.max_spill_bytes = max_spill_bytes
+        self.prefixes = PromptCachePool()
+        """The index of every cache the server's sessions hold, by prompt prefix (give it to each session)."""
         self._entries: list[tuple[Messages, PromptCache]] = []  # least recently used first
         self._spilled: list[_Spilled] = []  # oldest first
         if self.spill_dir is not None:
@@ -67,7 +74,8 @@ class CachePool:
         return len(self._spilled)
 
     async def take(self, messages: Messages) -> PromptCache:
-        """The idle cache (in memory or spilled) whose conversation shares the most with ``messages``."""
+        """The idle cache (in memory or spilled) whose conversation shares the most with ``messages``; a fresh
+        one instead of an idle conversation that ``messages`` only branches off while the pool has room."""
         candidates = [seen for seen, _ in self._entries] + [s.messages for s in self._spilled]
         best, best_shared = None, 0
         for index, seen in enumerate(candidates):
@@ -77,6 +85,8 @@ class CachePool:
         if best is None:
             return self.model.make_prompt_cache()
         if best < len(self._entries):
+            if best_shared < len(candidates[best]) and len(self._entries) < self.size:
+                return self.model.make_prompt_cache()  # its prefix is copied (prefixes); the other keeps its cache
             return self._entries.pop(best)[1]
         spilled = self._spilled.pop(best - len(self._entries))
         try:
@@ -96,6 +106,7 @@ class CachePool:
             self._evict(*self._entries.pop(0))
 
     def _evict(self, messages: Messages, cache: PromptCache) -> None:
+        self.prefixes.discard(cache)
         if self.spill_dir is None or not len(cache):
             return
         path = self.spill_dir / f"{uuid.uuid4().hex}.cache"

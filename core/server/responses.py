@@ -18,8 +18,12 @@ output item ``response.output_item.added``, its content (``response.content_part
 ``response.output_item.done``, then ``response.completed`` (``response.incomplete`` when
 ``max_output_tokens`` cut it, ``response.failed`` on an error).
 
-Refused with a 400 (never ignored): tools other than functions, ``text.format`` other than text,
-``background``, ``conversation``, ``prompt``, item references and non-text content, log-probabilities
+User messages may carry ``input_image`` parts (a ``data:`` URL, or an ``http(s)`` one where the server
+allows remote images: :mod:`mlxchat.server.images`), reused by their pixels as on chat.completions.
+
+``text.format`` (``json_object``, ``json_schema``) constrains the reply (see :mod:`mlxchat.constraints`).
+Refused with a 400 (never ignored): tools other than functions, ``background``, ``conversation``,
+``prompt``, item references, file ids and content other than text and images, log-probabilities
 (``/v1/chat/completions`` returns them).
 """
 
@@ -29,19 +33,20 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
-from ..errors import MlxchatError
 from ..reply import TextDelta, ThinkingDelta, ToolCallEvent
 from ..session import ChatResult, Done, StreamEvent
 from .chat_completions import FUNCTION_NAME, generation_config
-from .errors import ApiError, request_error, validated
+from .errors import ApiError, validated
 from .guard import read_json
+from .images import check_images
+from .lifecycle import Exchange
 from .store import ChainError
-from .turns import Messages, ToolChoice, Turn, check_model, tool_setup, watching
+from .turns import Messages, ToolChoice, Turn, check_model, tool_setup
 
 if TYPE_CHECKING:
     from .state import ServerState
@@ -57,11 +62,19 @@ class ContentPart(BaseModel):
     type: str
     text: str | None = None
     refusal: str | None = None
+    image_url: str | None = None
+    file_id: str | None = None
 
     @model_validator(mode="after")
-    def _text_only(self) -> ContentPart:
+    def _text_or_image(self) -> ContentPart:
+        if self.type == "input_image":
+            if self.image_url is None:
+                raise ValueError("an input_image part needs its image_url (a data: URL, or an http(s) URL where "
+                                 "the server allows remote images); file ids are not supported")
+            return self
         if self.type not in TEXT_PARTS:
-            raise ValueError(f"content parts of type {self.type!r} are not supported by this server (send text)")
+            raise ValueError(f"content parts of type {self.type!r} are not supported by this server (send text "
+                             "and input_image parts)")
         if (self.refusal if self.type == "refusal" else self.text) is None:
             raise ValueError(f"a {self.type} part needs its text")
         return self
@@ -82,6 +95,13 @@ class MessageItem(BaseModel):
     @property
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(p.value for p in self.content)
+
+    def chat_content(self) -> str | list[dict[str, Any]]:
+        """The content of the chat message: the text, or text and ``image_url`` parts in order."""
+        if isinstance(self.content, str) or all(p.type != "input_image" for p in self.content):
+            return self.text
+        return [{"type": "image_url", "image_url": {"url": p.image_url}} if p.type == "input_image"
+                else {"type": "text", "text": p.value} for p in self.content]
 
 
 class FunctionCallItem(BaseModel):
@@ -153,17 +173,29 @@ class NamedFunction(BaseModel):
 
 
 class TextFormat(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """``text.format``: ``text``, ``json_object`` or ``json_schema`` (``name``, ``schema``, ``strict`` beside
+    the type, where chat.completions nests them under ``json_schema``)."""
 
-    type: str
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
 
-    @field_validator("type")
-    @classmethod
-    def _text(cls, value: str) -> str:
-        if value != "text":
-            raise ValueError(f"format {value!r}: only text is supported (mlxchat has no constrained decoding to "
-                             "guarantee JSON); ask for JSON in the instructions, or offer a function tool")
-        return value
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+    @model_validator(mode="after")
+    def _schema(self) -> TextFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("a json_schema format needs a schema")
+        return self
+
+    def response_format(self) -> dict[str, Any] | None:
+        """The same format in :attr:`~mlxchat.generation.GenerationConfig.response_format`'s shape."""
+        if self.type != "json_schema":
+            return None if self.type == "text" else {"type": self.type}
+        return {"type": "json_schema", "json_schema": {"name": self.name or "response", "schema": self.json_schema,
+                                                       "strict": bool(self.strict)}}
 
 
 class TextConfig(BaseModel):
@@ -314,10 +346,15 @@ def to_messages(items: list[dict[str, Any]]) -> Messages:
             reasoning.append(item.text)
         elif isinstance(item, MessageItem) and item.role == "assistant":
             after_calls = bool(messages and messages[-1].get("tool_calls"))  # text after calls: another turn
+            if not isinstance(item.chat_content(), str):
+                raise ApiError(400, "images go in user messages", param="input")
             assistant(after_calls)["content"] += item.text
         elif isinstance(item, MessageItem):
             role = "system" if item.role in ("system", "developer") else "user"
-            messages.append({"role": role, "content": item.text})
+            content = item.chat_content()
+            if role != "user" and not isinstance(content, str):
+                raise ApiError(400, "images go in user messages", param="input")
+            messages.append({"role": role, "content": content})
         elif isinstance(item, FunctionCallItem):
             names[item.call_id] = item.name
             assistant(False).setdefault("tool_calls", []).append(
@@ -427,6 +464,12 @@ class Reply:
         self.config = config
         self.offered = tools
 
+    def _format(self) -> dict[str, Any]:
+        text = self.request.text
+        if text is None or text.format is None:
+            return {"type": "text"}
+        return text.format.model_dump(by_alias=True, exclude_none=True)
+
     def body(self, status: str, output: list[dict[str, Any]] | None = None, *, usage: dict[str, Any] | None = None,
              error: dict[str, Any] | None = None, incomplete: dict[str, Any] | None = None) -> dict[str, Any]:
         r = self.request
@@ -437,7 +480,7 @@ class Reply:
             "max_tool_calls": r.max_tool_calls, "model": self.state.name, "output": output or [],
             "parallel_tool_calls": r.parallel_tool_calls is not False, "previous_response_id": r.previous_response_id,
             "reasoning": {"effort": r.reasoning.effort if r.reasoning else None, "summary": None},
-            "store": r.store, "temperature": self.config.temperature, "text": {"format": {"type": "text"}},
+            "store": r.store, "temperature": self.config.temperature, "text": {"format": self._format()},
             "tool_choice": choice, "tools": self.tools, "top_p": self.config.top_p,
             "truncation": r.truncation or "disabled", "usage": usage, "user": None, "metadata": r.metadata or {},
         }
@@ -463,10 +506,9 @@ class Reply:
             await asyncio.shield(write)
 
 
-async def create(state: ServerState, request: Any) -> Any:
-    """``POST /v1/responses``."""
-    from starlette.responses import JSONResponse, StreamingResponse
-
+async def prepare(state: ServerState, request: Any) -> ResponseExchange:
+    """``POST /v1/responses`` as a turn (its life is :class:`~mlxchat.server.lifecycle.Lifecycle`); a stored
+    response is written before its turn is admitted."""
     parsed = validated(ResponsesRequest, await read_json(request, state.settings))
     check_model(parsed.model, state.name)
     items = stored_input(parsed)
@@ -479,98 +521,91 @@ async def create(state: ServerState, request: Any) -> Any:
                            if exc.missing else None, param="previous_response_id") from None
     conversation = ([{"role": "system", "content": parsed.instructions}] if parsed.instructions else []) + \
         to_messages(history + items)
+    text_format = parsed.text.format if parsed.text is not None and parsed.text.format is not None else None
     config = generation_config({"temperature": parsed.temperature, "top_p": parsed.top_p,
-                                "max_tokens": parsed.max_output_tokens}, parsed.thinking())
+                                "max_tokens": parsed.max_output_tokens,
+                                "response_format": text_format.response_format() if text_format else None},
+                               parsed.thinking())
     config = state.model.defaults.merged(config)
     tools, config = tool_setup(state.model, conversation, [t.chat_tool() for t in parsed.tools or []] or None,
                                parsed.choice(), config)
+    remote = check_images(conversation, allow_remote=state.settings.allow_remote_images,
+                          reads_images=state.model.supports_images)
     reply = Reply(state, parsed, tools, config)
     if parsed.store:
         await state.store.create(reply.body("in_progress"), items)
     turn = Turn(state, conversation, tools=tools, config=config, max_calls=parsed.max_calls(),
-                context_policy="truncate_oldest" if parsed.truncation == "auto" else "error")
-    try:
-        await turn.start()
-    except ApiError as exc:
-        await reply.save(reply.failed(exc))
-        raise
-    output = Output()
+                context_policy="truncate_oldest" if parsed.truncation == "auto" else "error",
+                tool_choice=parsed.choice().library)
+    return ResponseExchange(turn, parsed.stream, reply, conversation, remote)
 
-    def remembered() -> Messages:
-        return conversation + to_messages(output.items)
 
-    if not parsed.stream:
-        try:
-            async with watching(request, turn.cancel):
-                while (event := await turn.next()) is not None:
-                    output.feed(event)
-        except MlxchatError as exc:
-            error = request_error(exc)
-            await reply.save(reply.failed(error, output.items))
-            await turn.finish()
-            raise error from None
-        assert turn.result is not None
-        output.close("incomplete" if turn.result.finish_reason == "length" else "completed")
-        body = reply.finished(turn.result, output.items)
-        await reply.save(body)
-        await turn.finish(remembered())
-        return JSONResponse(body)
+class ResponseExchange(Exchange):
+    """A response: its output items from the turn's events, and its record in the store (finished, failed,
+    or cancelled when the client left mid-stream)."""
 
-    try:
-        async with watching(request, turn.cancel):
-            first = await turn.next()
-    except BaseException as exc:
-        error = request_error(exc) if isinstance(exc, MlxchatError) else ApiError(500, "the request was cancelled")
-        try:
-            await reply.save(reply.failed(error))
-        finally:
-            await turn.finish()
-        if isinstance(exc, MlxchatError):
-            raise error from None
-        raise
+    def __init__(self, turn: Turn, stream: bool, reply: Reply, conversation: Messages,
+                 remote_images: list[dict[str, Any]]):
+        super().__init__(turn, stream, remote_images)
+        self.reply, self.conversation = reply, conversation
+        self.output = Output()
+        self._sequence = 0
+        self._saved = False
 
-    async def events() -> AsyncIterator[str]:
-        sequence = 0
+    async def _save(self, body: dict[str, Any]) -> None:
+        await self.reply.save(body)
+        self._saved = True
 
-        def sse(event: dict[str, Any]) -> str:
-            nonlocal sequence
-            sequence += 1
-            data = {**event, "sequence_number": sequence - 1}
-            return f"event: {event['type']}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+    def _finished(self, result: ChatResult) -> dict[str, Any]:
+        return self.reply.finished(result, self.output.items)
 
-        done = False
-        try:
-            yield sse({"type": "response.created", "response": reply.body("in_progress")})
-            yield sse({"type": "response.in_progress", "response": reply.body("in_progress")})
-            event: StreamEvent | None = first
-            while event is not None:
-                if isinstance(event, Done):
-                    status = "incomplete" if event.result.finish_reason == "length" else "completed"
-                    for announced in output.close(status):
-                        yield sse(announced)
-                    body = reply.finished(event.result, output.items)
-                    await reply.save(body)
-                    done = True
-                    kind = "response.incomplete" if body["status"] == "incomplete" else "response.completed"
-                    yield sse({"type": kind, "response": body})
-                else:
-                    for announced in output.feed(event):
-                        yield sse(announced)
-                event = await turn.next()
-        except MlxchatError as exc:
-            done = True
-            body = reply.failed(request_error(exc), output.items)
-            await reply.save(body)
-            yield sse({"type": "response.failed", "response": body})
-        finally:
-            try:
-                if not done:  # the client left: what it saw is kept, as cancelled
-                    output.close("incomplete")
-                    await reply.save(reply.body("cancelled", output.items))
-            finally:
-                await turn.finish(remembered())
+    async def complete(self) -> dict[str, Any]:
+        while (event := await self.turn.next()) is not None:
+            self.output.feed(event)
+        assert self.turn.result is not None
+        self.output.close("incomplete" if self.turn.result.finish_reason == "length" else "completed")
+        body = self._finished(self.turn.result)
+        await self._save(body)
+        return body
 
-    return StreamingResponse(events(), media_type="text/event-stream")
+    def sse(self, event: dict[str, Any]) -> str:
+        data = {**event, "sequence_number": self._sequence}
+        self._sequence += 1
+        return f"event: {event['type']}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+    async def lines(self, first: StreamEvent | None) -> AsyncGenerator[str, None]:
+        yield self.sse({"type": "response.created", "response": self.reply.body("in_progress")})
+        yield self.sse({"type": "response.in_progress", "response": self.reply.body("in_progress")})
+        event = first
+        while event is not None:
+            if isinstance(event, Done):
+                status = "incomplete" if event.result.finish_reason == "length" else "completed"
+                for announced in self.output.close(status):
+                    yield self.sse(announced)
+                body = self._finished(event.result)
+                await self._save(body)
+                kind = "response.incomplete" if body["status"] == "incomplete" else "response.completed"
+                yield self.sse({"type": kind, "response": body})
+            else:
+                for announced in self.output.feed(event):
+                    yield self.sse(announced)
+            event = await self.turn.next()
+
+    def error_lines(self, error: ApiError) -> list[str]:
+        return [self.sse({"type": "response.failed", "response": self.reply.failed(error, self.output.items)})]
+
+    async def failed(self, error: ApiError) -> None:
+        if not self._saved:
+            await self._save(self.reply.failed(error, self.output.items))
+
+    async def left(self) -> None:
+        """What the client saw is kept, as cancelled."""
+        if not self._saved:
+            self.output.close("incomplete")
+            await self._save(self.reply.body("cancelled", self.output.items))
+
+    def remembered(self) -> Messages | None:
+        return self.conversation + to_messages(self.output.items)
 
 
 async def retrieve(state: ServerState, request: Any) -> Any:

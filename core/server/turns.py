@@ -3,26 +3,28 @@ prefix, and :class:`Turn`, one request's turn over a pooled prompt cache.
 
 Each endpoint (chat.completions, Responses, Anthropic Messages) only translates: its request into a
 conversation of OpenAI-style chat messages, tools and a generation config, and the turn's events into its
-own wire format. Admission, the cache, the session, disconnects, ``parallel_tool_calls`` and
-log-probabilities are handled here once.
+own wire format. The cache, the session, ``parallel_tool_calls`` and log-probabilities are handled here
+once; the request's life around its turn (admission, disconnects, errors, release) in
+:mod:`mlxchat.server.lifecycle`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from ..errors import MlxchatError, TemplateError
-from ..generation import GenerationConfig
+from ..generation import GenerationConfig, GenerationReport
 from ..messages import ChatMessage
 from ..model import GenerativeModel
 from ..prompt_cache import PromptCache
 from ..reply import TextDelta, ThinkingDelta, ToolCallEvent
 from ..session import ChatResult, ChatSession, ChatStream, ContextPolicy, Done, StreamEvent
-from .errors import ApiError, request_error
+from .errors import ApiError
 
 if TYPE_CHECKING:
     from .state import ServerState
@@ -45,12 +47,19 @@ class ToolChoice:
     mode: Literal["auto", "none", "required", "function"] = "auto"
     name: str | None = None
 
+    @property
+    def library(self) -> Any:
+        """The ``tool_choice`` a :class:`~mlxchat.session.ChatSession` takes."""
+        return {"type": "function", "function": {"name": self.name}} if self.mode == "function" else self.mode
+
 
 def tool_setup(model: GenerativeModel, messages: Messages, tools: list[dict[str, Any]] | None, choice: ToolChoice,
                config: GenerationConfig) -> tuple[list[dict[str, Any]] | None, GenerationConfig]:
-    """The tools to offer and the config that makes the reply honour ``choice``: for ``required`` and a named
-    function the reply is made to open a call in the family's markup (:meth:`ToolCallParser.forced_prefix`),
-    after the model's reasoning when the reply may reason (``GenerationConfig.reply_prefix_after``)."""
+    """The tools to offer and the config that makes the reply honour ``choice``. A format whose parser gives
+    its call grammar is constrained by the session (the turn passes it :attr:`ToolChoice.library`); for the
+    others, ``required`` and a named function make the reply open a call in the family's markup
+    (:meth:`ToolCallParser.forced_prefix`), after the model's reasoning when the reply may reason
+    (``GenerationConfig.reply_prefix_after``)."""
     if not tools and choice.mode in ("required", "function"):
         raise ApiError(400, f"tool_choice {choice.name or choice.mode!r} needs tools", param="tool_choice")
     if not tools or choice.mode == "none":
@@ -62,6 +71,8 @@ def tool_setup(model: GenerativeModel, messages: Messages, tools: list[dict[str,
     if choice.mode == "auto":
         return tools, config
     parser = model.tool_parser(tools)
+    if parser is not None and parser.call_grammar(tools, model.call_markup) is not None:
+        return tools, config
     prefix = parser.forced_prefix(choice.name) if parser is not None else None
     if prefix is None:
         what = "call a tool" if parser is None else "call a named function"
@@ -108,13 +119,17 @@ class Turn:
     """One request's turn: admitted to the model's queue (429 when full), served with the pooled cache whose
     conversation shares the most with ``messages``, run by a session primed with them, and stopped at the
     next token when cancelled. :meth:`next` gives the events as the client sees them: with ``max_calls``
-    the reply is cut after that many calls (the model stops at the next token). :meth:`finish` gives the
-    cache back, remembering the conversation it now holds.
+    the reply is cut after that many calls (the model stops at the next token). :meth:`finish` (called by
+    the request's :class:`~mlxchat.server.lifecycle.Lifecycle`, whatever happened) gives the slot and the
+    cache back, remembering the conversation the cache now holds.
     """
 
     def __init__(self, state: ServerState, messages: Messages, *, tools: list[dict[str, Any]] | None,
-                 config: GenerationConfig, max_calls: int | None = None, context_policy: ContextPolicy = "error"):
+                 config: GenerationConfig, max_calls: int | None = None, context_policy: ContextPolicy = "error",
+                 tool_choice: Any = None):
         self.state, self.messages, self.tools, self.config = state, messages, tools, config
+        self.tool_choice = tool_choice if tools else None
+        """The library's ``tool_choice`` (constrained calls; ``None`` once ``tool_setup`` took the tools away)."""
         self.max_calls, self.context_policy = max_calls, context_policy
         self.session: ChatSession | None = None
         self.cache: PromptCache | None = None
@@ -123,35 +138,57 @@ class Turn:
         self._stream: ChatStream | None = None
         self._events: AsyncIterator[StreamEvent] | None = None
         self._raw: ChatResult | None = None
-        self._finished = False
+        self._admitted = self._finished = False
+        self._reserved = 0
+        self.reports: list[GenerationReport] = []
+        """The reports of the replies done (one per choice)."""
+        self.first_token_seconds: float | None = None
+        """From admission to the first event of the first reply."""
+        self.token_gaps: list[float] = []
+        """Seconds between the events of a reply after its first."""
+        self._clock = 0.0
+
+    def admit(self) -> None:
+        """Take a place in the model's queue (429 when it is full)."""
+        if not self._admitted:
+            self.state.admit()
+            self._admitted, self._clock = True, time.monotonic()
 
     async def start(self) -> None:
-        """Admit the turn, take its cache and start it; a request the session refuses is a 400 (released)."""
-        self.state.admit()
+        """Take the turn's cache and start it (admitted first, and its cache's growth reserved: see
+        :mod:`mlxchat.server.admission`); a request the session refuses is a 400."""
+        self.admit()
+        kv = self.state.kv
+        tokens, nbytes = await kv.estimate(self.messages, self.tools, self.config)
+        await kv.reserve(tokens, nbytes)
+        self._reserved = nbytes
+        self.cache = await self.state.pool.take(self.messages)
         try:
-            self.cache = await self.state.pool.take(self.messages)
             self.session = self.state.model.chat_session(tools=self.tools, cache=self.cache,
-                                                         context_policy=self.context_policy)
+                                                         context_policy=self.context_policy,
+                                                         prefix_cache=self.state.pool.prefixes)
             self.session.prime_history(self.messages)
-            self._begin(self.session.start_from_history_stream(config=self.config))
+            self._begin(self.session.start_from_history_stream(config=self.config, tool_choice=self.tool_choice))
+            self.state.turns.add(self)
         except (MlxchatError, ValueError) as exc:
-            await self.finish()
             raise ApiError(400, str(exc)) from None
-        except BaseException:
-            await self.finish()
-            raise
 
     def again(self, config: GenerationConfig) -> None:
         """Reply to the same conversation once more (the next choice of ``n``): only its last prompt token is
         prefilled again."""
         assert self.session is not None
-        self._begin(self.session.regenerate_stream(config=config))
+        self._begin(self.session.regenerate_stream(config=config, tool_choice=self.tool_choice))
 
     def _begin(self, stream: ChatStream) -> None:
         self._stream, self._events = stream, aiter(stream)
         self._kept: list[StreamEvent] = []
         self._calls, self._cut, self._over = 0, False, False
         self.result = self._raw = None
+
+    @property
+    def over(self) -> bool:
+        """Whether the reply has ended (its ``Done`` was given)."""
+        return self._over
 
     def cancel(self) -> None:
         if self._stream is not None:
@@ -163,10 +200,17 @@ class Turn:
         assert self._events is not None
         while not self._over:
             event = await anext(self._events)
+            now = time.monotonic()
+            if self.first_token_seconds is None:
+                self.first_token_seconds = now - self._clock
+            elif self._kept or isinstance(event, Done):
+                self.token_gaps.append(now - self._clock)
+            self._clock = now
             if isinstance(event, Done):
                 self._over = True
                 await anext(self._events, None)  # the stream ends: the session is idle again
                 self._raw, self.result = event.result, self._seen(event.result)
+                self.reports.append(event.result.report)
                 return Done(result=self.result)
             if self._cut:
                 continue
@@ -212,18 +256,6 @@ class Turn:
         return [{**entry(token, logprob), "top_logprobs": [entry(t, lp) for t, lp in best]}
                 for token, (logprob, best) in zip(raw.tokens, scored, strict=True)]
 
-    async def first(self, request: Any) -> StreamEvent | None:
-        """The first event of a streamed reply, the client watched while it comes (a client that leaves
-        cancels the turn); a failure ends the turn and is raised, a model's error as the request's."""
-        try:
-            async with watching(request, self.cancel):
-                return await self.next()
-        except BaseException as exc:
-            await self.finish()
-            if isinstance(exc, MlxchatError):
-                raise request_error(exc) from None
-            raise
-
     async def finish(self, messages: Messages | None = None) -> None:
         """End the turn (stopping the model if it still runs) and give the cache back, remembering
         ``messages`` as the conversation it holds (by default the request's)."""
@@ -236,7 +268,10 @@ class Turn:
                 if close is not None:  # even when the response task is being cancelled (the client left)
                     await asyncio.shield(close())
         finally:
-            self.state.queued -= 1
+            self.state.turns.discard(self)
+            if self._admitted:
+                self.state.release()
+            await self.state.kv.release(self._reserved)
             if self.cache is not None:
                 self.state.pool.give_back(messages or self.messages, self.cache)
 

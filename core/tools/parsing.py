@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -69,6 +69,13 @@ class ToolCallParser:
         reply start with it (:attr:`~mlxchat.generation.GenerationConfig.reply_prefix`) and parses the
         whole reply as usual. The base gives the opener for any call and cannot name one (``None``)."""
         return self.start if name is None else None
+
+    def call_grammar(self, tools: Sequence[ToolSpec], markup: Callable[[str], str]) -> str | None:
+        """Lark rules (llguidance's dialect, see :mod:`mlxchat.constraints`) defining ``call``: one call
+        block of this format calling one of ``tools`` with arguments valid against its schema; rule names
+        start with ``tc_``. ``markup(text)`` writes a piece of the format's markup (its control token when
+        it is one). ``None``: this format gives no grammar (tool calls are then not constrained)."""
+        return None
 
     def feed(self, text: str) -> list[str | CallBlock]:
         """Plain text pieces and completed call blocks, in order."""
@@ -206,6 +213,16 @@ class JsonTagsParser(TaggedCallParser):
     def forced_prefix(self, name: str | None = None) -> str | None:
         # Through the name but not its closing quote: tokenizers merge that quote with what follows.
         return f'{self.start}\n{{"name": "' + ("" if name is None else json.dumps(name)[1:-1])
+
+    def call_grammar(self, tools: Sequence[ToolSpec], markup: Callable[[str], str]) -> str | None:
+        from ..constraints import json_rule, tool_schema
+
+        options = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
+                                                     "arguments": tool_schema(t)},
+                    "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
+        body = options[0] if len(options) == 1 else {"anyOf": options}
+        return (f'call: {markup(self.start)} "\\n" tc_body "\\n" {markup(self.end)}\n'
+                f"tc_body: {json_rule(body)}\n")
 
     def parse(self, body: str) -> list[ParsedCall]:
         try:

@@ -20,10 +20,12 @@ class Tool:
     ``needs_approval``: a session running tools automatically stops before calling it until the user
     approves the call (see :meth:`mlxchat.ChatSession.respond_to_approval`). A parameter annotated
     :class:`~mlxchat.tools.running.ToolContext` is not part of the schema: the session passes the context.
+    ``strict``: whenever the model opens a call, its arguments are constrained to the schema (OpenAI's
+    ``"strict": true``; see :mod:`mlxchat.constraints`).
     """
 
     def __init__(self, fn: Callable[..., Any], name: str | None = None, description: str | None = None, *,
-                 needs_approval: bool = False):
+                 needs_approval: bool = False, strict: bool = False):
         self.fn = fn
         self.name = name or fn.__name__
         self.needs_approval = needs_approval
@@ -36,6 +38,8 @@ class Tool:
             "function": {"name": self.name, "description": self.description,
                          "parameters": _parameters_schema(fn, params, skip=self.context_parameter)},
         }
+        if strict:
+            self.schema["function"]["strict"] = True
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.fn(*args, **kwargs)
@@ -45,16 +49,16 @@ class Tool:
 
 
 def tool(fn: Callable[..., Any] | None = None, *, name: str | None = None, description: str | None = None,
-         needs_approval: bool = False) -> Any:
-    """Decorator: ``@tool`` or ``@tool(name=..., needs_approval=True)`` turns a typed, documented function
-    (sync or ``async def``) into a :class:`Tool`.
+         needs_approval: bool = False, strict: bool = False) -> Any:
+    """Decorator: ``@tool`` or ``@tool(name=..., needs_approval=True, strict=True)`` turns a typed, documented
+    function (sync or ``async def``) into a :class:`Tool`.
 
     Parameter types come from the type hints (through pydantic), descriptions from a Google-style
     ``Args:`` section of the docstring, and the tool's description from the docstring's first part.
     """
     if fn is None:
-        return lambda f: Tool(f, name, description, needs_approval=needs_approval)
-    return Tool(fn, name, description, needs_approval=needs_approval)
+        return lambda f: Tool(f, name, description, needs_approval=needs_approval, strict=strict)
+    return Tool(fn, name, description, needs_approval=needs_approval, strict=strict)
 
 
 def tool_functions(tools: Sequence[Any]) -> dict[str, Tool]:

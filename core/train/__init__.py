@@ -13,9 +13,13 @@ A run, end to end::
 assistant's tokens of each conversation (:func:`encode_chat`); :meth:`Example.pretraining` trains on all.
 """
 
+from . import rewards
+from .adapters import load_adapter, save_adapter
 from .data import Batch, Example, bucketed_batches, encode_chat, make_batch
 from .export import save_checkpoint
+from .grpo import GRPOConfig, GRPORecord, grpo
 from .loop import LogRecord, TrainConfig, evaluate, masked_loss, train
+from .lora import LoRALinear, LoRASwitchLinear, lora
 from .scratch import from_scratch, init_weights
 from .tokenizer import NAME_SPLIT, QWEN_SPECIAL_TOKENS, QWEN_SPLIT, train_tokenizer, untrained_tokenizer
 
@@ -25,15 +29,24 @@ __all__ = [
     "QWEN_SPLIT",
     "Batch",
     "Example",
+    "GRPOConfig",
+    "GRPORecord",
+    "LoRALinear",
+    "LoRASwitchLinear",
     "LogRecord",
     "TrainConfig",
     "bucketed_batches",
     "encode_chat",
     "evaluate",
     "from_scratch",
+    "grpo",
     "init_weights",
+    "load_adapter",
+    "lora",
     "make_batch",
+    "rewards",
     "masked_loss",
+    "save_adapter",
     "save_checkpoint",
     "train",
     "train_tokenizer",

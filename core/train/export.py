@@ -32,13 +32,15 @@ def save_checkpoint(
 
     Tensors are saved under the module's parameter names, which are the checkpoint names for plugins whose
     ``sanitize`` only drops or ties tensors (dense decoders such as Qwen3); a tied output projection is
-    left out, as transformers saves it.
+    left out, as transformers saves it. Quantized layers keep their packed weights (``dtype`` applies to
+    floating-point tensors only): with the source's ``quantization`` config they load back as they were.
     """
     if dtype not in _DTYPE_NAMES:
         raise ValueError(f"dtype must be one of {', '.join(_DTYPE_NAMES.values())}, got {dtype}")
     out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)
-    weights = {name: value.astype(dtype) for name, value in dict(tree_flatten(module.parameters())).items()}
+    weights = {name: value.astype(dtype) if mx.issubdtype(value.dtype, mx.floating) else value
+               for name, value in dict(tree_flatten(module.parameters())).items()}
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "pt"})
     _write_json(out / "config.json", {**config, "dtype": _DTYPE_NAMES[dtype]})
 

@@ -9,11 +9,14 @@ do not generate from the same model while it trains. Runs are reproducible: the 
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import os
+import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -22,7 +25,9 @@ import numpy as np
 from mlx.utils import tree_map
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..errors import InvalidInputError
 from ..model import GenerativeModel
+from .checkpoints import load_state, save_state
 from .data import Batch, Example, bucketed_batches, make_batch
 
 
@@ -50,6 +55,11 @@ class TrainConfig(BaseModel):
     """Evaluate the held-out loss every this many steps (0: only at the end, when there is eval data)."""
     log_every: int = Field(10, ge=1)
     seed: int = 0
+    save_every: int = Field(0, ge=0)
+    """With a ``checkpoint_dir``: save the resumable state every this many steps (0: only at the end)."""
+    grad_checkpoint: bool = False
+    """Recompute each decoder layer's activations in the backward pass instead of keeping them: less memory for
+    long examples, more compute (demo model, 4 x 1024 tokens: 0.55 GB peak instead of 0.91, 1.6x the time)."""
 
 
 @dataclass
@@ -64,6 +74,11 @@ class LogRecord:
     tokens: int
     """Target tokens trained on so far."""
     elapsed_s: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Target tokens trained on per second of the run so far."""
+        return self.tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
 
 
 def masked_loss(module: nn.Module, batch: Batch) -> mx.array:
@@ -108,13 +123,21 @@ def train(
     *,
     eval_examples: Sequence[Example] = (),
     on_log: Callable[[LogRecord], None] | None = None,
+    checkpoint_dir: str | os.PathLike[str] | None = None,
+    verbose: bool = False,
 ) -> list[LogRecord]:
     """Train ``model`` (a plugin's module, or a loaded model's) on ``examples`` for ``config.steps`` updates,
-    cycling through the data in reshuffled epochs. Returns the log (also passed to ``on_log`` as it goes).
+    cycling through the data in reshuffled epochs. Returns the log (also passed to ``on_log`` as it goes;
+    printed when ``verbose``, otherwise nothing is printed).
+
+    ``checkpoint_dir``: save the trainable weights, optimizer state and log there every ``config.save_every``
+    steps and at the end, and resume from the newest checkpoint found there: a run killed midway and started
+    again with the same arguments ends where the uninterrupted run would (the data order is replayed).
     """
     module = cast(nn.Module, model.module) if isinstance(model, GenerativeModel) else model
     if not examples or not any(any(e.mask[1:]) for e in examples):
         raise ValueError("no training targets: every example's loss mask is empty")
+    _check_ids(module, examples)
     rng = np.random.default_rng(config.seed)
     optimizer = make_optimizer(config)
     grad_fn = nn.value_and_grad(module, masked_loss)
@@ -130,6 +153,9 @@ def train(
         log.append(entry)
         if on_log is not None:
             on_log(entry)
+        if verbose:
+            print(f"step {step}/{config.steps}  {kind} loss {loss:.4f}  lr {lr:.2e}  {entry.tokens_per_s:,.0f} tok/s",
+                  flush=True)
 
     def next_batch() -> Batch:
         nonlocal epoch
@@ -142,27 +168,89 @@ def train(
             if batch.tokens:
                 return batch
 
+    done = 0
+    if checkpoint_dir is not None:
+        state = load_state(checkpoint_dir, module, optimizer)
+        if state is not None:
+            done, trained = state["step"], state["trained"]
+            log.extend(LogRecord(**entry) for entry in state["log"])
+            start -= log[-1].elapsed_s if log else 0.0
+            for _ in range(done * config.accumulation):  # the batches already trained on, drawn again
+                next_batch()
+    restore = checkpoint_layers(module) if config.grad_checkpoint else None
     module.train()
-    for step in range(1, config.steps + 1):
-        grads, loss_sum, count = None, mx.array(0.0), 0
-        for _ in range(config.accumulation):
-            batch = next_batch()
-            loss, g = grad_fn(module, batch)
-            grads = g if grads is None else tree_map(mx.add, grads, g)
-            loss_sum, count = loss_sum + loss, count + batch.tokens
-        grads = tree_map(lambda g, n=count: g / n, grads)
-        if config.grad_clip is not None:
-            grads, _ = optim.clip_grad_norm(grads, config.grad_clip)
-        optimizer.update(module, grads)
-        mx.eval(module.parameters(), optimizer.state, loss_sum)
-        trained += count
-        window_loss, window_tokens = window_loss + cast(float, loss_sum.item()), window_tokens + count
-        if step % config.log_every == 0 or step == config.steps:
-            record(step, "train", window_loss / window_tokens)
-            window_loss, window_tokens = 0.0, 0
-        if eval_examples and (step == config.steps or (config.eval_every and step % config.eval_every == 0)):
-            module.eval()
-            record(step, "eval", evaluate(module, eval_examples, config.batch_tokens))
-            module.train()
-    module.eval()
+    try:
+        for step in range(done + 1, config.steps + 1):
+            grads, loss_sum, count = None, mx.array(0.0), 0
+            for _ in range(config.accumulation):
+                batch = next_batch()
+                loss, g = grad_fn(module, batch)
+                grads = g if grads is None else tree_map(mx.add, grads, g)
+                loss_sum, count = loss_sum + loss, count + batch.tokens
+            grads = tree_map(lambda g, n=count: g / n, grads)
+            if config.grad_clip is not None:
+                grads, _ = optim.clip_grad_norm(grads, config.grad_clip)
+            optimizer.update(module, grads)
+            mx.eval(module.parameters(), optimizer.state, loss_sum)
+            trained += count
+            window_loss, window_tokens = window_loss + cast(float, loss_sum.item()), window_tokens + count
+            if step % config.log_every == 0 or step == config.steps:
+                record(step, "train", window_loss / window_tokens)
+                window_loss, window_tokens = 0.0, 0
+            if eval_examples and (step == config.steps or (config.eval_every and step % config.eval_every == 0)):
+                module.eval()
+                record(step, "eval", evaluate(module, eval_examples, config.batch_tokens))
+                module.train()
+            if checkpoint_dir is not None and (step == config.steps or (config.save_every and
+                                                                        step % config.save_every == 0)):
+                save_state(checkpoint_dir, module, optimizer, step,
+                           {"trained": trained, "log": [dataclasses.asdict(e) for e in log]})
+    finally:
+        if restore is not None:
+            restore()
+        module.eval()
+        if isinstance(model, GenerativeModel):
+            model.weights_version += 1  # its prompt caches hold the old weights' keys and values
     return log
+
+
+def _check_ids(module: nn.Module, examples: Sequence[Example]) -> None:
+    """Every token id inside the module's vocabulary (MLX reads an embedding row past the end unchecked)."""
+    vocab = getattr(getattr(module, "config", None), "vocab_size", None)
+    if not isinstance(vocab, int):
+        return
+    for index, example in enumerate(examples):
+        ids = np.asarray(example.ids)
+        if ids.size and (ids.min() < 0 or ids.max() >= vocab):
+            bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
+            raise InvalidInputError(f"example {index}: token id {bad} is outside the model's vocabulary "
+                                    f"(0 to {vocab - 1})")
+
+
+def checkpoint_layers(module: nn.Module) -> Callable[[], None]:
+    """Make every decoder layer (``...layers.N``) recompute its activations in the backward pass; returns what
+    undoes it. Each layer gets a subclass of its own class whose call goes through ``mx.checkpoint``, so
+    parameter names and every other instance stay as they are."""
+    layers = [layer for name, layer in module.named_modules() if re.search(r"(^|\.)layers\.\d+$", name)]
+    originals = [type(layer) for layer in layers]
+    for layer, cls in zip(layers, originals, strict=True):
+        layer.__class__ = _checkpointed(cls)
+
+    def restore() -> None:
+        for layer, cls in zip(layers, originals, strict=True):
+            layer.__class__ = cls
+
+    return restore
+
+
+def _checkpointed(cls: type) -> type:
+    call = cls.__call__
+
+    def __call__(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        def inner(params: Any, *args: Any, **kwargs: Any) -> Any:
+            self.update(params)
+            return call(self, *args, **kwargs)
+
+        return mx.checkpoint(inner)(self.trainable_parameters(), *args, **kwargs)
+
+    return type(f"Checkpointed{cls.__name__}", (cls,), {"__call__": __call__})

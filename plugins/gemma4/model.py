@@ -24,6 +24,7 @@ import mlx.nn as nn
 from pydantic import model_validator
 
 from mlxchat.plugin import (
+    Attended,
     CausalLM,
     CheckpointError,
     Decoder,
@@ -35,6 +36,7 @@ from mlxchat.plugin import (
     ModelConfig,
     MultimodalPrompt,
     ProcessedImage,
+    Projections,
     ProportionalRoPE,
     RMSNorm,
     RoPE,
@@ -46,7 +48,9 @@ from mlxchat.plugin import (
     SwitchGLU,
     VocabParallelEmbedding,
     all_reduce,
+    attend_over,
     embed_with_images,
+    fetch_attended,
     gelu_tanh_gate,
     head_split,
     shard_experts,
@@ -226,33 +230,35 @@ class Gemma4Attention(nn.Module):
             if not self.values_from_keys:
                 self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
             self.k_norm = RMSNorm(self.head_dim, eps)
+        owned = ("k_proj",) + (() if self.values_from_keys else ("v_proj",)) if self.owns_kv else ()
+        self._qkv = Projections("q_proj", *owned)
         rope = config.rope_parameters[self.kind]
         self.rope = make_rope(self.head_dim, rope, config.max_position_embeddings)
 
     def __call__(self, x: mx.array, offset: int | mx.array, cache: LayerCache | None,
-                 shared: dict[str, list[tuple[mx.array, mx.array]]], blocks: mx.array | None = None) -> mx.array:
+                 shared: dict[str, list[Attended]], blocks: mx.array | None = None) -> mx.array:
         """``blocks``: image block id per token (-1 for text) where image tokens attend bidirectionally. With
         the caches of several sequences (``RowCaches``, batched decoding) each row attends over its own."""
         batch, length, _ = x.shape
-        q = self.q_norm(self.q_proj(x).reshape(batch, length, self.num_heads, self.head_dim))
+        q, *kv = self._qkv(self, x)
+        q = self.q_norm(q.reshape(batch, length, self.num_heads, self.head_dim))
         q = self.rope(q.transpose(0, 2, 1, 3), offset)
         rows: list[LayerCache | None] = list(cache.caches) if isinstance(cache, RowCaches) else [cache]
         if self.owns_kv:
-            k = self.k_proj(x).reshape(batch, length, self.num_kv_heads, self.head_dim)
-            v = k if self.values_from_keys else self.v_proj(x).reshape(batch, length, self.num_kv_heads, -1)
+            k = kv[0].reshape(batch, length, self.num_kv_heads, self.head_dim)
+            v = k if self.values_from_keys else kv[1].reshape(batch, length, self.num_kv_heads, -1)
             k = self.rope(self.k_norm(k).transpose(0, 2, 1, 3), offset)
             v = rms_norm(v, self.eps).transpose(0, 2, 1, 3)
             pairs = [(k, v)] if len(rows) == 1 else [(k[i : i + 1], v[i : i + 1]) for i in range(len(rows))]
-            shared[self.kind] = [row.update_and_fetch(*pair) if row is not None else pair  # type: ignore[attr-defined]
+            shared[self.kind] = [fetch_attended(row, *pair)  # type: ignore[arg-type]
                                  for row, pair in zip(rows, pairs, strict=True)]
         outs, kept = [], shared[self.kind]  # a KV-shared layer reads the rows its owner left
-        for i, (keys, values) in enumerate(kept):
-            if self.window is not None:
-                mask: mx.array | str | None = window_mask(length, keys.shape[2], self.window, blocks)
-            else:
-                mask = "causal" if length > 1 else None
+        for i, held in enumerate(kept):
+            mask = None
+            if self.window is not None and blocks is not None:  # sliding caches hold floats
+                mask = window_mask(length, held[0].shape[2], self.window, blocks)  # type: ignore[index]
             rows_q = q if len(kept) == 1 else q[i : i + 1]
-            outs.append(mx.fast.scaled_dot_product_attention(rows_q, keys, values, scale=1.0, mask=mask))
+            outs.append(attend_over(rows_q, held, 1.0, mask, self.window))
         out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(batch, length, -1))
 
@@ -320,7 +326,7 @@ class Gemma4Block(nn.Module):
         self.layer_scalar = mx.ones((1,))
 
     def __call__(self, x: mx.array, per_layer_input: mx.array | None, offset: int | mx.array, cache: LayerCache | None,
-                 shared: dict[str, list[tuple[mx.array, mx.array]]], blocks: mx.array | None = None) -> mx.array:
+                 shared: dict[str, list[Attended]], blocks: mx.array | None = None) -> mx.array:
         attended = self.self_attn(self.input_layernorm(x), offset, cache, shared, blocks)
         h = x + self.post_attention_layernorm(attended)
         f = self.mlp(self.pre_feedforward_layernorm(h))
@@ -399,7 +405,7 @@ class Gemma4TextModel(Decoder):
                 blocks = image_blocks(images[0])
         per_layer = self.per_layer_inputs(ple_tokens, h) if self.ple_dim else None
         offset = cache[0].offset if cache else 0
-        shared: dict[str, list[tuple[mx.array, mx.array]]] = {}
+        shared: dict[str, list[Attended]] = {}
         for i, (layer, slot) in enumerate(zip(self.layers, self.cache_slots, strict=True)):
             layer_cache = cache[slot] if cache is not None and slot is not None else None
             layer_input = per_layer[..., i, :] if per_layer is not None else None

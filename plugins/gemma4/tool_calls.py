@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from mlxchat.constraints import json_rule, keyword_arguments, raw_string_rule
 from mlxchat.plugin import CallBlock, ParsedCall, TaggedCallParser
 
 STRING = '<|"|>'
@@ -37,6 +39,22 @@ class Gemma4ToolParser(TaggedCallParser):
 
     def forced_prefix(self, name: str | None = None) -> str | None:
         return f"{self.start}call:" + ("" if name is None else f"{name}{{")
+
+    def call_grammar(self, tools: Sequence[dict[str, Any]], markup: Callable[[str], str]) -> str | None:
+        """One call per block: ``call:NAME{key:value,...}``, string values between ``<|"|>`` (raw), the
+        others as JSON (which the reader takes too)."""
+        quote = markup(STRING)
+
+        def value(schema: Any) -> str:
+            raw = raw_string_rule(schema)
+            return f"{quote} ({raw}) {quote}" if raw is not None else json_rule(schema)
+
+        lines = [f'call: {markup(self.start)} "call:" tc_fn {markup(self.end)}',
+                 "tc_fn: " + " | ".join(f"tc_f{i}" for i in range(len(tools)))]
+        for i, tool in enumerate(tools):
+            rules, body = keyword_arguments(tool, i, value, lambda key: f"{key}:", ",")
+            lines += [*rules, f'tc_f{i}: {json.dumps(tool["function"]["name"] + "{")} {body} "}}"']
+        return "\n".join(lines) + "\n"
 
     def parse(self, body: str) -> list[ParsedCall]:
         reader = Reader(body)

@@ -116,7 +116,7 @@ class Lfm2MoE(SparseMoE):
     def route(self, x: mx.array) -> tuple[mx.array, mx.array]:
         scores = mx.sigmoid(self.gate(x).astype(mx.float32))
         choice = scores + self.expert_bias if "expert_bias" in self else scores
-        indices = mx.argpartition(-choice, kth=self.top_k - 1, axis=-1)[..., : self.top_k]
+        indices = mx.stop_gradient(mx.argpartition(-choice, kth=self.top_k - 1, axis=-1)[..., : self.top_k])
         weights = mx.take_along_axis(scores, indices, axis=-1)
         if self.norm_topk_prob:
             weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-6)

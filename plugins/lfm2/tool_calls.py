@@ -11,10 +11,13 @@ is parsed on its own, so one broken call does not take the others with it.
 from __future__ import annotations
 
 import ast
+import json
 import keyword
 import re
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from mlxchat.constraints import json_rule, keyword_arguments
 from mlxchat.plugin import ParsedCall, TaggedCallParser, guess_name
 
 _PARSE_ERRORS = (SyntaxError, ValueError, RecursionError, MemoryError)
@@ -121,6 +124,16 @@ class PythonicCallsParser(TaggedCallParser):
 
     def forced_prefix(self, name: str | None = None) -> str | None:
         return f"{self.start}[" + ("" if name is None else f"{name}(")
+
+    def call_grammar(self, tools: Sequence[dict[str, Any]], markup: Callable[[str], str]) -> str | None:
+        """A list of calls ``[name(key=value, ...), ...]`` with JSON values (Python literals too, and
+        ``true``/``false``/``null`` are read as JSON's)."""
+        lines = [f'call: {markup(self.start)} "[" tc_fn (", " tc_fn)* "]" {markup(self.end)}',
+                 "tc_fn: " + " | ".join(f"tc_f{i}" for i in range(len(tools)))]
+        for i, tool in enumerate(tools):
+            rules, body = keyword_arguments(tool, i, json_rule, lambda key: f"{key}=", ", ")
+            lines += [*rules, f'tc_f{i}: {json.dumps(tool["function"]["name"] + "(")} {body} ")"']
+        return "\n".join(lines) + "\n"
 
     def parse(self, body: str) -> list[ParsedCall]:
         source = repair(body.strip())

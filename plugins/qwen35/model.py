@@ -37,6 +37,7 @@ from mlxchat.plugin import (
     MRoPE,
     MultimodalPrompt,
     ProcessedImage,
+    Projections,
     Qwen2VLImageProcessor,
     RMSNorm,
     RoPE,
@@ -138,6 +139,7 @@ class GatedAttention(nn.Module):
         self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
         self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=bias)
+        self._qkv = Projections("q_proj", "k_proj", "v_proj")
         self.q_norm = RMSNorm(d, config.rms_norm_eps)
         self.k_norm = RMSNorm(d, config.rms_norm_eps)
         self.rope = rope
@@ -145,10 +147,10 @@ class GatedAttention(nn.Module):
     def __call__(self, x: mx.array, cache: KVCache | None, positions: int | mx.array) -> mx.array:
         """``positions``: the first token's rotary position (text), or every token's 3-D position ``[3, L]``."""
         batch, length, _ = x.shape
-        queries = self.q_proj(x).reshape(batch, length, self.num_heads, 2 * self.head_dim)
-        q, gate = mx.split(queries, 2, axis=-1)
-        k = self.k_proj(x).reshape(batch, length, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(batch, length, self.num_kv_heads, self.head_dim)
+        queries, k, v = self._qkv(self, x)
+        q, gate = mx.split(queries.reshape(batch, length, self.num_heads, 2 * self.head_dim), 2, axis=-1)
+        k = k.reshape(batch, length, self.num_kv_heads, self.head_dim)
+        v = v.reshape(batch, length, self.num_kv_heads, self.head_dim)
         q, k, v = self.q_norm(q).swapaxes(1, 2), self.k_norm(k).swapaxes(1, 2), v.swapaxes(1, 2)
         q, k = self.rope(q, positions), self.rope(k, positions)
         out = attend(q, k, v, cache, self.head_dim**-0.5).swapaxes(1, 2)

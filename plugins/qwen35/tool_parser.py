@@ -23,8 +23,10 @@ import ast
 import json
 import math
 import re
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from mlxchat.constraints import json_rule, keyword_arguments, raw_string_rule
 from mlxchat.plugin import ParsedCall, TaggedCallParser, guess_name
 
 _FUNCTION = re.compile(r"<function=([^>\n]*)>")
@@ -46,6 +48,18 @@ class XmlToolCallParser(TaggedCallParser):
 
     def forced_prefix(self, name: str | None = None) -> str | None:
         return f"{self.start}\n<function=" + ("" if name is None else f"{name}>\n")
+
+    def call_grammar(self, tools: Sequence[dict[str, Any]], markup: Callable[[str], str]) -> str | None:
+        """One function per block; string values raw (:func:`~mlxchat.constraints.raw_string_rule`), the
+        others as JSON, each parameter on its own lines."""
+        lines = [f'call: {markup(self.start)} "\\n" tc_fn "\\n" {markup(self.end)}',
+                 "tc_fn: " + " | ".join(f"tc_f{i}" for i in range(len(tools)))]
+        for i, tool in enumerate(tools):
+            rules, body = keyword_arguments(tool, i, lambda s: raw_string_rule(s) or json_rule(s),
+                                            lambda key: f"<parameter={key}>\n", after="\n</parameter>\n")
+            name = json.dumps(f"<function={tool['function']['name']}>\n")
+            lines += [*rules, f'tc_f{i}: {name} {body} "</function>"']
+        return "\n".join(lines) + "\n"
 
     def parse(self, body: str) -> list[ParsedCall]:
         calls: list[ParsedCall] = []

@@ -1,0 +1,428 @@
+/*
+ * Fused causal attention on the CPU (see attention.h): flash attention's online softmax over blocks of keys.
+ *
+ * The rows of a task are a block of queries of one KV head: the query heads that read it (grouped-query
+ * attention without repeating keys or values) at consecutive positions. For each block of kKeys keys the
+ * task computes the rows' scores, masks them (causal, sliding window) by position as it goes, folds them
+ * into each row's running maximum and sum (rescaling what it has summed when the maximum grows) and adds
+ * the block's values weighted by them. So keys and values are read once per block of rows, straight from
+ * the cache's buffers (strided views: float32 in place, packed rows dequantized a block at a time into the
+ * task's scratch), and the scratch is a block's, whatever the context. A decode step has one block of rows
+ * per KV head; when that makes too few tasks for the cores, each block's keys are split among several
+ * tasks whose partial sums are merged afterwards (flash decoding).
+ */
+#include "attention.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "pool.h"
+#include "simd.h"
+
+namespace mlxchat_attention {
+namespace {
+
+using mlxchat_simd::exp_scalar;
+using mlxchat_simd::Isa;
+
+constexpr int kLanes = 16;  // staged rows are padded to whole multiples of this many features
+constexpr int kKeys = 64;   // keys per block (the values of a block of 64 stay in L1 while 64 rows sum them)
+constexpr int kRows = 64;   // query rows per task (at most)
+constexpr int kSplitKeys = 512;  // the fewest keys a task of a split block gets
+constexpr double kInline = 1 << 18;  // multiply-adds under which a problem runs on the calling thread
+
+int padded(int n) {
+  return (n + kLanes - 1) / kLanes * kLanes;
+}
+
+struct Ops {
+  void (*scores)(const float* q, int rows, int qs, const float* k, int64_t ks, int n, int dims, float* s, int ss);
+  void (*accumulate)(const float* p, int rows, int ps, const float* v, int64_t vs, int n, int dims, float* acc,
+                     int as);
+  void (*dequantize)(const Rows& rows, int b, int h, int64_t at, int n, float* out);
+  float (*row_max)(const float* x, int n);
+  float (*exp_sum)(float* x, int n, float shift);
+  void (*scale)(float* x, int dims, float by);
+};
+
+#if defined(__x86_64__)
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512dq,avx2,fma")
+namespace avx512 {
+using Vec = __m512;
+struct V {
+  static constexpr int W = 16, kAcc = 16, kMaxC = 8;
+  static Vec zero() { return _mm512_setzero_ps(); }
+  static Vec set1(float x) { return _mm512_set1_ps(x); }
+  static Vec load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+  static Vec fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+  static Vec add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+  static Vec sub(Vec a, Vec b) { return _mm512_sub_ps(a, b); }
+  static Vec mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+  static Vec max(Vec a, Vec b) { return _mm512_max_ps(a, b); }
+  static float sum(Vec v) { return _mm512_reduce_add_ps(v); }
+  static float top(Vec v) { return _mm512_reduce_max_ps(v); }
+  static Vec exp(Vec v) { return mlxchat_simd::exp512(v); }
+  static constexpr int input(int p) { return p / 4 + 4 * (p % 4); }
+  /* A tree of shuffles and adds: 128-bit lanes, then 64-bit pairs, then single floats. */
+  static Vec sums(const Vec* a) {
+    Vec x[8], y[4], z[2];
+    for (int i = 0; i < 8; ++i)
+      x[i] = add(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44), _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; ++i)
+      y[i] = add(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0x88), _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; ++i)
+      z[i] = add(_mm512_shuffle_ps(y[2 * i], y[2 * i + 1], 0x44), _mm512_shuffle_ps(y[2 * i], y[2 * i + 1], 0xEE));
+    return add(_mm512_shuffle_ps(z[0], z[1], 0x88), _mm512_shuffle_ps(z[0], z[1], 0xDD));
+  }
+  template <int R>
+  static void store_rows(Vec v, float* s, int ss) {
+    constexpr int K = W / R;
+    for (int i = 0; i < R; ++i) _mm512_mask_storeu_ps(s + i * (ss - K), __mmask16(((1u << K) - 1) << (i * K)), v);
+  }
+  static Vec bytes8(const uint8_t* w, int c) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + c))));
+  }
+  static Vec bytes4(const uint8_t* w, int c) {  // value 2i in the low nibble of byte i, 2i + 1 in the high one
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + c / 2)), m = _mm_set1_epi8(15);
+    const __m128i x = _mm_unpacklo_epi8(_mm_and_si128(b, m), _mm_and_si128(_mm_srli_epi16(b, 4), m));
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(x));
+  }
+};
+#include "attention_ops.h"
+}  // namespace avx512
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+namespace avx2 {
+using Vec = __m256;
+struct V {
+  static constexpr int W = 8, kAcc = 8, kMaxC = 4;
+  static Vec zero() { return _mm256_setzero_ps(); }
+  static Vec set1(float x) { return _mm256_set1_ps(x); }
+  static Vec load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+  static Vec fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+  static Vec add(Vec a, Vec b) { return _mm256_add_ps(a, b); }
+  static Vec sub(Vec a, Vec b) { return _mm256_sub_ps(a, b); }
+  static Vec mul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+  static Vec max(Vec a, Vec b) { return _mm256_max_ps(a, b); }
+  static float sum(Vec v) { return mlxchat_simd::hsum256(v); }
+  static float top(Vec v) { return mlxchat_simd::hmax256(v); }
+  static Vec exp(Vec v) { return mlxchat_simd::exp256(v); }
+  static constexpr int input(int p) { return p / 4 + 2 * (p % 4); }
+  static Vec sums(const Vec* a) {
+    Vec x[4], y[2];
+    for (int i = 0; i < 4; ++i)
+      x[i] = add(_mm256_permute2f128_ps(a[2 * i], a[2 * i + 1], 0x20), _mm256_permute2f128_ps(a[2 * i], a[2 * i + 1], 0x31));
+    for (int i = 0; i < 2; ++i)
+      y[i] = add(_mm256_shuffle_ps(x[2 * i], x[2 * i + 1], 0x44), _mm256_shuffle_ps(x[2 * i], x[2 * i + 1], 0xEE));
+    return add(_mm256_shuffle_ps(y[0], y[1], 0x88), _mm256_shuffle_ps(y[0], y[1], 0xDD));
+  }
+  template <int R>
+  static void store_rows(Vec v, float* s, int ss) {
+    const __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+    if constexpr (R == 1) {
+      store(s, v);
+    } else if constexpr (R == 2) {
+      _mm_storeu_ps(s, lo);
+      _mm_storeu_ps(s + ss, hi);
+    } else {
+      _mm_storel_pi(reinterpret_cast<__m64*>(s), lo);
+      _mm_storeh_pi(reinterpret_cast<__m64*>(s + ss), lo);
+      _mm_storel_pi(reinterpret_cast<__m64*>(s + 2 * ss), hi);
+      _mm_storeh_pi(reinterpret_cast<__m64*>(s + 3 * ss), hi);
+    }
+  }
+  static Vec bytes8(const uint8_t* w, int c) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + c))));
+  }
+  static Vec bytes4(const uint8_t* w, int c) {
+    int32_t word;
+    std::memcpy(&word, w + c / 2, sizeof(word));
+    const __m128i b = _mm_cvtsi32_si128(word), m = _mm_set1_epi8(15);
+    const __m128i x = _mm_unpacklo_epi8(_mm_and_si128(b, m), _mm_and_si128(_mm_srli_epi16(b, 4), m));
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(x));
+  }
+};
+#include "attention_ops.h"
+}  // namespace avx2
+#pragma GCC pop_options
+#endif
+
+namespace scalar {
+using Vec = float;
+struct V {
+  static constexpr int W = 1, kAcc = 8, kMaxC = 8;
+  static Vec zero() { return 0.0f; }
+  static Vec set1(float x) { return x; }
+  static Vec load(const float* p) { return *p; }
+  static void store(float* p, Vec v) { *p = v; }
+  static Vec fma(Vec a, Vec b, Vec c) { return a * b + c; }
+  static Vec add(Vec a, Vec b) { return a + b; }
+  static Vec sub(Vec a, Vec b) { return a - b; }
+  static Vec mul(Vec a, Vec b) { return a * b; }
+  static Vec max(Vec a, Vec b) { return std::fmax(a, b); }
+  static float sum(Vec v) { return v; }
+  static float top(Vec v) { return v; }
+  static Vec exp(Vec v) { return exp_scalar(v); }
+  static constexpr int input(int) { return 0; }
+  static Vec sums(const Vec* a) { return a[0]; }
+  template <int R>
+  static void store_rows(Vec v, float* s, int) { *s = v; }
+  static Vec bytes8(const uint8_t* w, int c) { return float(w[c]); }
+  static Vec bytes4(const uint8_t* w, int c) { return float((w[c / 2] >> (4 * (c & 1))) & 15); }
+};
+#include "attention_ops.h"
+}  // namespace scalar
+
+std::atomic<Isa> active_isa{mlxchat_simd::isa};
+
+const Ops& ops() {
+#if defined(__x86_64__)
+  if (active_isa.load() == Isa::avx512) return avx512::ops;
+  if (active_isa.load() == Isa::avx2) return avx2::ops;
+#endif
+  return scalar::ops;
+}
+
+/* Workers sleep as soon as a job is done: the next one is a layer away, and the products in between need the
+ * cores (the BLAS's threads or mlxchat._quantized's). */
+mlxchat_pool::Pool& pool() {
+  static mlxchat_pool::Pool instance(mlxchat_pool::cores(), std::chrono::microseconds(0));
+  return instance;
+}
+
+// -- the plan: tasks over (batch, KV head, block of rows, part of its keys) -----------------------------
+
+struct Task {
+  int b, h, r0, r1;  // rows [r0, r1): row r is query head h * group + r % group at position r / group
+  int64_t k0, k1;    // the keys it reads
+  int slot, part, parts;  // a block whose keys `parts` tasks share leaves partial sums in slot + part
+};
+
+struct Plan {
+  const Problem* p;
+  const Ops* ops;
+  int group;          // query heads per KV head
+  int64_t total;      // keys
+  int q_dims, v_dims; // features of the staged queries and of the sums (padded to cover every segment's)
+  int row_block;
+  std::vector<Task> tasks;
+  std::vector<float> partial;  // per slot: row_block maxima, row_block sums, row_block x v_dims weighted sums
+
+  int64_t position(int row) const {
+    return total - p->length + row / group;
+  }
+  int64_t first_key(int row) const {  // the first key row `row` sees
+    return p->window > 0 ? std::max<int64_t>(0, position(row) - p->window + 1) : 0;
+  }
+  float* partial_at(int slot) {
+    return partial.data() + size_t(slot) * row_block * (v_dims + 2);
+  }
+};
+
+/* Floats on 64-byte boundaries (a vector a cache line: stores never straddle two). */
+class Buffer {
+ public:
+  float* take(size_t n) {
+    data_.resize(n + 16);
+    const auto at = reinterpret_cast<uintptr_t>(data_.data());
+    return data_.data() + (-at / sizeof(float)) % 16;
+  }
+
+ private:
+  std::vector<float> data_;
+};
+
+struct Scratch {
+  Buffer q, s, acc, k, v;
+  std::vector<float> top, sum;
+};
+
+Scratch& scratch() {
+  thread_local Scratch s;
+  return s;
+}
+
+/* `n` rows of `rows` from position `at` as float32 rows of `dims` (padded) features: in place when they are
+ * float32 rows of whole multiples of kLanes features, else staged (dequantized, padded) into `into`. */
+const float* rows_at(const Rows& rows, const Ops& ops, int b, int h, int64_t at, int n, int dims,
+                     Buffer& into, int64_t& stride) {
+  if (rows.bits == 0 && rows.dims % kLanes == 0) {
+    stride = rows.data.row;
+    return rows.data.at<float>(b, h, at);
+  }
+  float* staged = into.take(size_t(n) * dims);
+  stride = dims;
+  if (rows.bits != 0) {  // packed rows hold whole groups: `dims` features
+    ops.dequantize(rows, b, h, at, n, staged);
+    return staged;
+  }
+  for (int j = 0; j < n; ++j) {
+    float* out = staged + size_t(j) * dims;
+    std::memcpy(out, rows.data.at<float>(b, h, at + j), sizeof(float) * rows.dims);
+    std::fill(out + rows.dims, out + dims, 0.0f);
+  }
+  return staged;
+}
+
+int features(const Rows& rows) {
+  return rows.bits == 0 ? padded(rows.dims) : rows.dims;
+}
+
+void run_task(const void* ctx, int index) {
+  auto& plan = *static_cast<Plan*>(const_cast<void*>(ctx));
+  const Task& t = plan.tasks[index];
+  const Problem& p = *plan.p;
+  const Ops& ops = *plan.ops;
+  const int rows = t.r1 - t.r0, qd = plan.q_dims, vd = plan.v_dims;
+  Scratch& s = scratch();
+  float* q = s.q.take(size_t(rows) * qd);
+  float* scores = s.s.take(size_t(rows) * kKeys);
+  float* acc = s.acc.take(size_t(rows) * vd);
+  std::fill(q, q + size_t(rows) * qd, 0.0f);
+  std::fill(acc, acc + size_t(rows) * vd, 0.0f);
+  s.top.assign(rows, -INFINITY);
+  s.sum.assign(rows, 0.0f);
+  for (int i = 0; i < rows; ++i) {
+    const int r = t.r0 + i;
+    const float* src = p.queries.at<float>(t.b, t.h * plan.group + r % plan.group, r / plan.group);
+    for (int d = 0; d < p.dims; ++d) q[size_t(i) * qd + d] = src[d] * p.scale;
+  }
+  int64_t start = 0;  // position of the segment's first key
+  for (int si = 0; si < p.count; start += p.segments[si].count, ++si) {
+    const Segment& seg = p.segments[si];
+    const int kd = features(seg.keys), vdims = features(seg.values);
+    for (int64_t j0 = std::max(t.k0, start); j0 < std::min(t.k1, start + seg.count); j0 += kKeys) {
+      const int n = int(std::min<int64_t>(kKeys, std::min(t.k1, start + seg.count) - j0));
+      int64_t ks, vs;
+      const float* k = rows_at(seg.keys, ops, t.b, t.h, j0 - start, n, kd, s.k, ks);
+      ops.scores(q, rows, qd, k, ks, n, kd, scores, kKeys);
+      for (int i = 0; i < rows; ++i) {
+        float* row = scores + size_t(i) * kKeys;
+        const int a = int(std::clamp<int64_t>(plan.first_key(t.r0 + i) - j0, 0, n));
+        const int e = int(std::clamp<int64_t>(plan.position(t.r0 + i) + 1 - j0, 0, n));
+        if (a >= e) {
+          std::fill(row, row + n, 0.0f);
+          continue;
+        }
+        const float top = std::max(s.top[i], ops.row_max(row + a, e - a));
+        const float rescale = s.top[i] == -INFINITY ? 0.0f : exp_scalar(s.top[i] - top);
+        const float sum = ops.exp_sum(row + a, e - a, top);
+        std::fill(row, row + a, 0.0f);
+        std::fill(row + e, row + n, 0.0f);
+        if (rescale != 1.0f) ops.scale(acc + size_t(i) * vd, vd, rescale);
+        s.sum[i] = s.sum[i] * rescale + sum;
+        s.top[i] = top;
+      }
+      const float* v = rows_at(seg.values, ops, t.b, t.h, j0 - start, n, vdims, s.v, vs);
+      ops.accumulate(scores, rows, kKeys, v, vs, n, vdims, acc, vd);
+    }
+  }
+  if (t.parts > 1) {
+    float* out = plan.partial_at(t.slot + t.part);
+    std::copy(s.top.begin(), s.top.end(), out);
+    std::copy(s.sum.begin(), s.sum.end(), out + plan.row_block);
+    std::copy(acc, acc + size_t(rows) * vd, out + 2 * plan.row_block);
+    return;
+  }
+  for (int i = 0; i < rows; ++i) {
+    const int r = t.r0 + i;
+    float* out = p.out + ((int64_t(t.b) * p.heads + t.h * plan.group + r % plan.group) * p.length + r / plan.group) *
+                             p.value_dims;
+    const float inv = 1.0f / s.sum[i];
+    for (int d = 0; d < p.value_dims; ++d) out[d] = acc[size_t(i) * vd + d] * inv;
+  }
+}
+
+/* The output of a block of rows whose keys several tasks shared, from their partial sums. */
+void merge(Plan& plan, const Task& t) {
+  const int splits = t.parts;
+  const Problem& p = *plan.p;
+  const int vd = plan.v_dims;
+  for (int i = 0; i < t.r1 - t.r0; ++i) {
+    float top = -INFINITY;
+    for (int k = 0; k < splits; ++k) top = std::max(top, plan.partial_at(t.slot + k)[i]);
+    const int r = t.r0 + i;
+    float* out = p.out + ((int64_t(t.b) * p.heads + t.h * plan.group + r % plan.group) * p.length + r / plan.group) *
+                             p.value_dims;
+    std::fill(out, out + p.value_dims, 0.0f);
+    float sum = 0.0f;
+    for (int k = 0; k < splits; ++k) {
+      const float* part = plan.partial_at(t.slot + k);
+      if (part[i] == -INFINITY) continue;  // this part saw none of the row's keys
+      const float w = exp_scalar(part[i] - top);
+      sum += w * part[plan.row_block + i];
+      const float* acc = part + 2 * plan.row_block + size_t(i) * vd;
+      for (int d = 0; d < p.value_dims; ++d) out[d] += w * acc[d];
+    }
+    for (int d = 0; d < p.value_dims; ++d) out[d] /= sum;
+  }
+}
+
+}  // namespace
+
+void attend(const Problem& p) {
+  if (p.batch == 0 || p.heads == 0 || p.length == 0) return;
+  Plan plan;
+  plan.p = &p;
+  plan.ops = &ops();
+  plan.group = p.heads / p.kv_heads;
+  plan.total = 0;
+  plan.q_dims = padded(p.dims);
+  plan.v_dims = padded(p.value_dims);
+  for (int i = 0; i < p.count; ++i) {
+    plan.total += p.segments[i].count;
+    plan.q_dims = std::max(plan.q_dims, features(p.segments[i].keys));
+    plan.v_dims = std::max(plan.v_dims, features(p.segments[i].values));
+  }
+  const int rows = plan.group * p.length;
+  const int blocks = (rows + kRows - 1) / kRows;
+  plan.row_block = (rows + blocks - 1) / blocks;
+  const int threads = pool().threads();
+  const int groups = p.batch * p.kv_heads * blocks;
+  const int64_t widest = plan.total - plan.first_key((blocks - 1) * plan.row_block);  // the last block's keys
+  int splits = 1;
+  if (groups < 8 * threads) {  // enough tasks that a thread starting late still finds some
+    splits = int(std::min<int64_t>((8 * threads + groups - 1) / groups, std::max<int64_t>(1, widest / kSplitKeys)));
+  }
+  double work = 0;
+  int slots = 0;
+  for (int blk = blocks - 1; blk >= 0; --blk) {  // the blocks that read the most keys first
+    const int r0 = blk * plan.row_block, r1 = std::min(rows, r0 + plan.row_block);
+    const int64_t k0 = plan.first_key(r0), k1 = plan.position(r1 - 1) + 1;
+    const int64_t step = ((k1 - k0 + splits - 1) / splits + kKeys - 1) / kKeys * kKeys;
+    const int parts = int((k1 - k0 + step - 1) / step);
+    for (int b = 0; b < p.batch; ++b)
+      for (int h = 0; h < p.kv_heads; ++h) {
+        for (int k = 0; k < parts; ++k)
+          plan.tasks.push_back({b, h, r0, r1, k0 + k * step, std::min(k1, k0 + (k + 1) * step), slots, k, parts});
+        if (parts > 1) slots += parts;
+      }
+    work += double(p.batch) * p.kv_heads * (r1 - r0) * (k1 - k0) * (plan.q_dims + plan.v_dims);
+  }
+  plan.partial.resize(size_t(slots) * plan.row_block * (plan.v_dims + 2));
+  if (work < kInline) {
+    for (int i = 0; i < int(plan.tasks.size()); ++i) run_task(&plan, i);
+  } else {
+    pool().run(int(plan.tasks.size()), run_task, &plan);
+  }
+  for (const Task& t : plan.tasks)
+    if (t.parts > 1 && t.part == 0) merge(plan, t);
+}
+
+int threads() {
+  return pool().threads();
+}
+
+void use_isa(Isa isa) {
+  active_isa.store(std::min(isa, mlxchat_simd::isa));
+}
+
+}  // namespace mlxchat_attention

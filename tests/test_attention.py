@@ -1,0 +1,223 @@
+"""Attention through the fused native kernel (mlxchat.kernels.attention, core/native/attention.cpp) equals a
+plain MLX attention: float and 4/8-bit quantized caches, grouped-query heads, causal chunks of uneven
+lengths and single tokens, sliding windows, cache lengths around the quantization groups and the kernel's
+key blocks, batch rows of different lengths, on every instruction set the CPU has; it reads the cache in
+place (no copy of the used part, no scores), Gemma 4's quantized layers included; gradients, ``mx.compile``
+and ``vmap`` work; and MLX's own attention runs where the kernel does not apply."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlxchat import kernels
+from mlxchat.cache import KVCache, QuantizedKVCache, RowCaches, SlidingWindowCache, padded
+from mlxchat.layers import attend
+
+pytestmark = pytest.mark.skipif(kernels._native()[0] is None, reason=f"fused kernels: {kernels._native()[1]}")
+
+ISAS = ["scalar", "avx2", "avx512"]
+
+
+@pytest.fixture(params=ISAS[: ISAS.index(kernels._native()[0].isa()) + 1] if kernels._native()[0] else ISAS[:1])
+def isa(request: pytest.FixtureRequest) -> Iterator[str]:
+    module = kernels._native()[0]
+    assert module is not None
+    module.set_attention_isa(request.param)
+    yield request.param
+    module.set_attention_isa(module.isa())
+
+
+def plain_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
+                    window: int | None = None) -> mx.array:
+    """Attention of the last positions over every key, K/V heads repeated, mask built whole, in MLX's ops."""
+    length, total = queries.shape[2], keys.shape[2]
+    repeat = queries.shape[1] // keys.shape[1]
+    keys, values = mx.repeat(keys, repeat, 1), mx.repeat(values, repeat, 1)
+    scores = (queries * scale) @ keys.swapaxes(-1, -2)
+    position, key = mx.arange(total - length, total)[:, None], mx.arange(total)[None]
+    visible = key <= position
+    if window is not None:
+        visible = visible & (position - key < window)
+    probs = mx.softmax(mx.where(visible, scores, -mx.inf), axis=-1, precise=True)
+    return probs @ values
+
+
+def held(cache: KVCache) -> tuple[mx.array, mx.array]:
+    """The float keys and values a cache holds (a quantized one's dequantized, features padded to groups)."""
+    if not isinstance(cache, QuantizedKVCache):
+        assert cache.keys is not None and cache.values is not None
+        return cache.keys[..., : cache.offset, :], cache.values[..., : cache.offset, :]
+    parts = []
+    for i, tail in enumerate(cache.tail or (None, None)):
+        whole = []
+        if cache.quantized is not None and cache.held_quantized:
+            packed = [a[..., : cache.held_quantized, :] for a in cache.quantized[i]]
+            whole.append(mx.dequantize(*packed, group_size=cache.group_size, bits=cache.bits))
+        if tail is not None:
+            whole.append(padded(tail, cache.group_size))
+        parts.append(mx.concatenate(whole, axis=2))
+    return parts[0], parts[1]
+
+
+def run_chunks(cache: KVCache, lengths: tuple[int, ...], heads: int, kv_heads: int, dims: int,
+               window: int | None = None, seed: int = 0) -> list[float]:
+    """Attend chunk after chunk through the cache; each output's max abs difference from plain attention
+    over what the cache then holds plus the chunk."""
+    rng = np.random.default_rng(seed)
+    errors = []
+    for length in lengths:
+        q = mx.array(rng.standard_normal((1, heads, length, dims)).astype(np.float32))
+        k, v = (mx.array(rng.standard_normal((1, kv_heads, length, dims)).astype(np.float32)) for _ in range(2))
+        if cache.offset:
+            before_k, before_v = held(cache)
+            before_k, before_v = before_k[..., :dims], before_v[..., :dims]
+            all_k, all_v = mx.concatenate([before_k, k], 2), mx.concatenate([before_v, v], 2)
+        else:
+            all_k, all_v = k, v
+        expected = plain_attention(q, all_k, all_v, dims**-0.5, window)
+        got = attend(q, k, v, cache, dims**-0.5, window=window)
+        errors.append(float(mx.abs(got - expected).max()))
+    return errors
+
+
+CHUNKS = (1, 70, 1, 1, 63, 1, 129, 2, 1, 300, 1)
+"""Chunk lengths that end the cache before, on and after groups of 32 and 64 and blocks of 128 keys."""
+
+
+@pytest.mark.parametrize("kind", ["float", "8-bit", "4-bit"])
+@pytest.mark.parametrize(("heads", "kv_heads", "dims"), [(4, 4, 64), (6, 2, 48), (8, 1, 80)])
+def test_attention_over_a_cache_equals_plain_attention(isa: str, kind: str, heads: int, kv_heads: int,
+                                                       dims: int) -> None:
+    cache = KVCache() if kind == "float" else QuantizedKVCache(8 if kind == "8-bit" else 4, 32 if dims == 80 else 64)
+    errors = run_chunks(cache, CHUNKS, heads, kv_heads, dims)
+    assert max(errors) < 2e-5, errors
+
+
+@pytest.mark.parametrize("window", [1, 7, 128, 200])
+def test_sliding_windows_equal_plain_attention(isa: str, window: int) -> None:
+    assert max(run_chunks(KVCache(), CHUNKS, 4, 2, 32, window)) < 2e-5
+
+
+def test_a_sliding_window_cache_attends_like_the_window_mask() -> None:
+    """A SlidingWindowCache hands single queries its slots in slot order and chunks the window before them;
+    the kernel's window sees exactly what plain attention over the whole history does."""
+    window, rng = 9, np.random.default_rng(5)
+    cache, everything = SlidingWindowCache(window), []
+    for length in (5, 1, 1, 12, 1, 1, 1, 3, 1):
+        q, k, v = (mx.array(rng.standard_normal((1, h, length, 16)).astype(np.float32)) for h in (4, 2, 2))
+        everything.append((k, v))
+        all_k, all_v = (mx.concatenate([kv[i] for kv in everything], 2) for i in (0, 1))
+        got = attend(q, k, v, cache, 0.25, window=window)
+        assert float(mx.abs(got - plain_attention(q, all_k, all_v, 0.25, window)).max()) < 2e-5
+
+
+def test_long_contexts_and_a_single_key() -> None:
+    assert max(run_chunks(KVCache(), (1,), 2, 1, 16)) < 1e-6  # one query, one key
+    assert max(run_chunks(QuantizedKVCache(8, 64), (5000, 1, 1, 257, 1), 16, 8, 128)) < 2e-5
+
+
+def test_rows_of_different_lengths_each_attend_over_their_own(isa: str) -> None:
+    rng = np.random.default_rng(2)
+    for kind in ("float", "8-bit"):
+        rows = [KVCache() if kind == "float" else QuantizedKVCache(8, 32) for _ in range(3)]
+        for row, length in zip(rows, (40, 3, 97), strict=True):
+            k, v = (mx.array(rng.standard_normal((1, 2, length, 32)).astype(np.float32)) for _ in range(2))
+            row.update_and_fetch(k, v)
+        q = mx.array(rng.standard_normal((3, 4, 1, 32)).astype(np.float32))
+        k, v = (mx.array(rng.standard_normal((3, 2, 1, 32)).astype(np.float32)) for _ in range(2))
+        expected = []
+        for i, row in enumerate(rows):
+            before_k, before_v = (x[..., :32] for x in held(row))
+            expected.append(plain_attention(q[i : i + 1], mx.concatenate([before_k, k[i : i + 1]], 2),
+                                            mx.concatenate([before_v, v[i : i + 1]], 2), 0.2))
+        got = attend(q, k, v, RowCaches(rows), 0.2)  # type: ignore[arg-type]
+        assert float(mx.abs(got - mx.concatenate(expected, 0)).max()) < 2e-5
+
+
+@pytest.mark.parametrize("kind", ["float", "8-bit"])
+def test_decoding_reads_the_cache_in_place(kind: str) -> None:
+    """A decode step over 16k cached keys (16 MB or more) allocates its output and the new token: neither a copy
+    of the cache's used part nor scores (1 MB in MLX's attention)."""
+    cache = KVCache() if kind == "float" else QuantizedKVCache(8, 64)
+    cache.update_and_fetch(mx.random.normal((1, 8, 16384, 64)), mx.random.normal((1, 8, 16384, 64)))
+    mx.eval(cache.state)
+    step = [mx.random.normal((1, 16, 1, 64)), mx.random.normal((1, 8, 1, 64)), mx.random.normal((1, 8, 1, 64))]
+    mx.eval(step)
+    for _ in range(2):  # the second step measures: the first may grow the buffers
+        cache.trim_to(16384)
+        mx.clear_cache()
+        mx.reset_peak_memory()
+        before = mx.get_active_memory()
+        out = attend(*step, cache, 0.125)
+        mx.eval(out, cache.state)
+        grown = mx.get_peak_memory() - before
+    assert grown < 1 << 16, grown
+
+
+def test_gradients_compile_and_vmap_equal_plain_attention() -> None:
+    q, k, v = mx.random.normal((2, 4, 40, 16)), mx.random.normal((2, 2, 40, 16)), mx.random.normal((2, 2, 40, 16))
+
+    def loss(fn, q, k, v):  # noqa: ANN001, ANN202
+        return (fn(q, k, v) * mx.arange(16)).sum()
+
+    def ours(q: mx.array, k: mx.array, v: mx.array) -> mx.array:
+        return attend(q, k, v, None, 0.25, window=9)
+
+    def theirs(q: mx.array, k: mx.array, v: mx.array) -> mx.array:
+        return plain_attention(q, k, v, 0.25, 9)
+
+    got = mx.grad(lambda *a: loss(ours, *a), argnums=(0, 1, 2))(q, k, v)
+    expected = mx.grad(lambda *a: loss(theirs, *a), argnums=(0, 1, 2))(q, k, v)
+    assert all(float(mx.abs(a - b).max()) < 1e-4 for a, b in zip(got, expected, strict=True))
+    assert float(mx.abs(mx.compile(ours)(q, k, v) - theirs(q, k, v)).max()) < 1e-5
+    batched = mx.vmap(ours, in_axes=(0, None, None))(mx.stack([q, q * 2]), k, v)
+    assert float(mx.abs(batched[1] - theirs(q * 2, k, v)).max()) < 1e-5
+    tangent = mx.jvp(ours, (q, k, v), (mx.ones_like(q), mx.zeros_like(k), mx.zeros_like(v)))[1][0]
+    expected_tangent = mx.jvp(theirs, (q, k, v), (mx.ones_like(q), mx.zeros_like(k), mx.zeros_like(v)))[1][0]
+    assert float(mx.abs(tangent - expected_tangent).max()) < 1e-4
+
+
+def test_mlx_attention_runs_where_the_kernel_does_not_apply(monkeypatch: pytest.MonkeyPatch) -> None:
+    half = mx.random.normal((1, 4, 3, 8)).astype(mx.float16)
+    assert kernels.attention(half, half[:, :2], half[:, :2], 0.5) is None
+    q, k, v = mx.random.normal((1, 4, 6, 32)), mx.random.normal((1, 2, 6, 32)), mx.random.normal((1, 2, 6, 32))
+    fused = attend(q, k, v, None, 0.3, window=4)
+    monkeypatch.setattr(kernels, "attention", lambda *args: None)
+    assert float(mx.abs(attend(q, k, v, None, 0.3, window=4) - fused).max()) < 1e-5
+
+
+def test_gemma4_reads_a_quantized_cache_without_dequantizing_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its global layers (and the KV-shared ones reading them) attend over the packed keys and values, with
+    the logits of MLX's quantized products (the path off the CPU)."""
+    from mlxchat.cache import QuantizedKeysValues
+    from mlxchat.testing import load_fixture
+
+    from conftest import FIXTURES
+
+    model = load_fixture(FIXTURES / "gemma4")
+    ids = np.random.default_rng(4).integers(0, model.config.vocab_size, 90).tolist()
+
+    def run() -> np.ndarray:
+        cache, out, at = model.layer_caches(8, 32)[0](), [], 0
+        for size in (40, 7, 1, 1, 41):
+            logits = model.module(mx.array(ids[at : at + size])[None], cache)[0]
+            mx.eval(logits)
+            out.append(np.array(logits))
+            at += size
+        assert any(isinstance(layer, QuantizedKVCache) and layer.held_quantized for layer in cache)
+        return np.concatenate(out)
+
+    dequantizing = model.worker.run(lambda: _with(monkeypatch, kernels, "quantized_attention", run))
+    monkeypatch.setattr(QuantizedKeysValues, "dequantized", lambda self: pytest.fail("dequantized the cache"))
+    assert float(np.abs(model.worker.run(run) - dequantizing).max()) < 1e-4
+
+
+def _with(monkeypatch: pytest.MonkeyPatch, module: object, name: str, run):  # noqa: ANN001, ANN202
+    """``run()`` with ``module.name`` giving None (the caller's fallback path)."""
+    with monkeypatch.context() as patch:
+        patch.setattr(module, name, lambda *args: None)
+        return run()

@@ -1,0 +1,186 @@
+"""``GET /metrics`` and memory-aware admission (issue 25): the counters add up to what the clients saw,
+the page is behind the API key unless left open to loopback scrapers, and a request whose cache could
+never fit the server's ``max_kv_gb`` is refused with a 503 that says so, while one that fits waits for
+the memory the running ones give back."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from conftest import loaded  # noqa: E402
+from server_support import DEMO, Served, held_mid_stream, serving  # noqa: E402
+
+HEADERS = {"Authorization": "Bearer k"}
+
+
+def scrape(served: Served) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    page = httpx.get(served.url + "/metrics", headers=HEADERS, timeout=10)
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/plain")
+    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(page.text) for sample in family.samples}
+
+
+def value(samples: dict[Any, float], name: str, **labels: str) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def test_the_counters_add_up_to_what_the_clients_saw() -> None:
+    with serving("demo", api_key="k") as served:
+        assert httpx.get(served.url + "/metrics", timeout=10).status_code == 401
+        url = served.url
+        chat = {"model": DEMO, "messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 5, "temperature": 0}
+        seen: dict[str, list[int]] = {"chat.completions": [0, 0, 0], "responses": [0, 0, 0], "messages": [0, 0, 0]}
+        for stream in (False, True):
+            answer = httpx.post(url + "/v1/chat/completions", headers=HEADERS, timeout=60, json={
+                **chat, "stream": stream, **({"stream_options": {"include_usage": True}} if stream else {})})
+            usage = (answer.json() if not stream else
+                     httpx.Response(200, text=answer.text.split("data: ")[-2]).json())["usage"]
+            seen["chat.completions"] = [a + b for a, b in zip(seen["chat.completions"], (
+                usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"], usage["completion_tokens"]),
+                strict=True)]
+        response = httpx.post(url + "/v1/responses", headers=HEADERS, timeout=60, json={
+            "model": DEMO, "input": "Hi!", "max_output_tokens": 5, "temperature": 0}).json()["usage"]
+        seen["responses"] = [response["input_tokens"], response["input_tokens_details"]["cached_tokens"],
+                             response["output_tokens"]]
+        message = httpx.post(url + "/v1/messages", headers=HEADERS, timeout=60, json={**chat}).json()["usage"]
+        seen["messages"] = [message["input_tokens"] + message["cache_read_input_tokens"],
+                            message["cache_read_input_tokens"], message["output_tokens"]]
+        refused = httpx.post(url + "/v1/messages", headers=HEADERS, timeout=60, json={**chat, "model": "other"})
+        assert refused.status_code == 404
+        for _ in range(2):  # refused by the guard, before any route
+            assert httpx.post(url + "/v1/messages", timeout=60, json=chat).status_code == 401
+        assert httpx.post(url + "/v1/messages", headers={**HEADERS, "content-type": "text/plain"}, timeout=60,
+                          content=b"{}").status_code == 415
+        samples = scrape(served)
+        refused_key = value(samples, "mlxchat_refused_requests_total", status="401", reason="invalid_api_key")
+        assert refused_key == 3  # the first scrape without the key too
+        assert value(samples, "mlxchat_refused_requests_total", status="415", reason="unsupported_media_type") == 1
+        # every token after a reply's first came from a decode step of one row (the requests ran one at a time)
+        decoded = sum(generated for _, _, generated in seen.values())
+        steps = value(samples, "mlxchat_decode_step_rows_count")
+        assert 0 < steps < decoded and value(samples, "mlxchat_decode_step_rows_sum") == steps
+        prefilled = value(samples, "mlxchat_prefill_step_tokens_sum")
+        assert 0 < prefilled <= sum(prompt - cached for prompt, cached, _ in seen.values())
+        assert value(samples, "mlxchat_requests_total", endpoint="chat.completions", status="200") == 2
+        assert value(samples, "mlxchat_requests_total", endpoint="responses", status="200") == 1
+        assert value(samples, "mlxchat_requests_total", endpoint="messages", status="200") == 1
+        assert value(samples, "mlxchat_requests_total", endpoint="messages", status="404") == 1
+        for endpoint, (prompt, cached, generated) in seen.items():
+            assert value(samples, "mlxchat_prompt_tokens_total", endpoint=endpoint) == prompt
+            assert value(samples, "mlxchat_cached_prompt_tokens_total", endpoint=endpoint) == cached
+            assert value(samples, "mlxchat_generated_tokens_total", endpoint=endpoint) == generated
+            answered = 2 if endpoint == "chat.completions" else 1
+            assert value(samples, "mlxchat_time_to_first_token_seconds_count", endpoint=endpoint) == answered
+            assert value(samples, "mlxchat_inter_token_latency_seconds_count", endpoint=endpoint) > 0
+        assert value(samples, "mlxchat_queue_depth") == 0 and value(samples, "mlxchat_running_generations") == 0
+        assert value(samples, "mlxchat_pool_bytes") == served.state.pool.nbytes > 0
+        assert value(samples, "mlxchat_kv_reserved_bytes") == 0 and value(samples, "mlxchat_kv_live_bytes") == 0
+        assert value(samples, "mlxchat_kv_limit_bytes") == served.state.kv.limit
+        health = httpx.get(url + "/health", timeout=10).json()
+        assert health["status"] == "ok" and health["queued"] == 0 and health["kv_limit_bytes"] == served.state.kv.limit
+
+
+def test_the_running_generations_and_the_bytes_their_caches_hold_are_read_when_scraped() -> None:
+    model = loaded("qwen3_chat")
+    with serving("qwen3_chat", api_key="k") as served, held_mid_stream(served, model, headers=HEADERS):
+        samples = scrape(served)
+        (turn,) = served.state.turns
+        assert value(samples, "mlxchat_running_generations") == 1 and value(samples, "mlxchat_queue_depth") == 1
+        assert value(samples, "mlxchat_kv_live_bytes") == turn.cache.nbytes > 0
+        assert value(samples, "mlxchat_kv_reserved_bytes") >= turn.cache.nbytes
+
+
+def test_metrics_can_be_left_open_to_a_loopback_scraper() -> None:
+    with serving("demo", api_key="k", metrics_open=True) as served:
+        assert httpx.get(served.url + "/metrics", timeout=10).status_code == 200
+        assert httpx.post(served.url + "/v1/chat/completions", timeout=10, json={
+            "model": DEMO, "messages": [{"role": "user", "content": "Hi"}]}).status_code == 401
+
+
+def test_a_request_whose_cache_could_never_fit_is_a_503_and_one_that_fits_waits() -> None:
+    chat = {"model": DEMO, "messages": [{"role": "user", "content": "Hi!"}], "temperature": 0}
+    with serving("demo") as served:
+        kv = served.state.kv
+        small = {**chat, "max_tokens": 4}
+        first = httpx.post(served.url + "/v1/chat/completions", json=small, timeout=60)
+        prompt = first.json()["usage"]["prompt_tokens"]
+        kv.limit = held = kv.footprint.nbytes(prompt + 4)  # room for this request alone
+        refused = httpx.post(served.url + "/v1/chat/completions", json={**chat, "max_tokens": 600}, timeout=60)
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "kv_memory_exceeded"
+        assert "--max-kv-gb" in refused.json()["error"]["message"]
+        # a request that fits waits while the memory is held, and runs once it is given back
+        kv.reserved = held
+        answers: list[httpx.Response] = []
+        waiting = threading.Thread(target=lambda: answers.append(
+            httpx.post(served.url + "/v1/chat/completions", json=small, timeout=60)))
+        waiting.start()
+        try:
+            while kv.waiting == 0 and not answers:
+                waiting.join(0.01)
+            assert not answers and served.state.queued == 1
+        finally:
+            (_, ticket), = kv._queue
+            loop = ticket.get_loop()  # the server's loop, on which the waiting request sleeps
+            asyncio.run_coroutine_threadsafe(kv.release(held), loop).result(10)
+            waiting.join(60)
+        assert answers and answers[0].status_code == 200
+        assert kv.reserved == 0 and served.state.queued == 0
+
+
+def test_requests_waiting_for_memory_are_served_in_arrival_order() -> None:
+    """A small request that would fit at once waits behind a large one that came first (no overtaking, so a
+    large request is never starved), and each is granted as soon as what is given back lets it fit."""
+    from mlxchat.server.admission import KvBudget
+
+    kv = KvBudget(loaded("qwen3"), limit=100)
+
+    async def run() -> list[str]:
+        granted: list[str] = []
+
+        async def reserve(name: str, nbytes: int) -> None:
+            await kv.reserve(0, nbytes)
+            granted.append(name)
+
+        await reserve("held", 60)
+        large = asyncio.ensure_future(reserve("large", 80))
+        while kv.waiting < 1:
+            await asyncio.sleep(0)
+        small = asyncio.ensure_future(reserve("small", 30))  # 60 + 30 fits, but "large" came first
+        leaving = asyncio.ensure_future(reserve("leaving", 10))
+        while kv.waiting < 3:
+            await asyncio.sleep(0)
+        leaving.cancel()  # a request whose client left while it waited gives its place up
+        await asyncio.gather(leaving, return_exceptions=True)
+        assert granted == ["held"] and kv.waiting == 2 and kv.reserved == 60
+        await kv.release(60)
+        await large
+        assert granted == ["held", "large"] and not small.done() and kv.reserved == 80
+        await kv.release(80)
+        await small
+        await kv.release(30)
+        return granted
+
+    assert asyncio.run(run()) == ["held", "large", "small"]
+    assert kv.reserved == 0 and kv.waiting == 0
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_5", "gemma4", "lfm2"])
+def test_the_measured_footprint_bounds_what_a_conversation_holds(name: str) -> None:
+    from mlxchat.server.admission import Footprint
+
+    model = loaded(name)
+    footprint = Footprint(model)
+    session = model.chat_session()
+    result = session.send("Hello there, how are you today?", config={"max_tokens": 20, "temperature": 0.0})
+    tokens = result.report.prompt_tokens + result.report.generated_tokens
+    held = session.cache.nbytes
+    assert held <= footprint.nbytes(tokens)
+    if name == "qwen3":  # full attention only: the estimate is what it holds
+        assert footprint.nbytes(tokens) == held
