@@ -26,8 +26,9 @@ _KEEP = 2
 
 
 def save_state(folder: str | os.PathLike[str], module: nn.Module, optimizer: optim.Optimizer, step: int,
-               extra: dict[str, Any]) -> Path:
-    """Write the state after ``step`` updates (``extra``: anything JSON the run needs to go on, e.g. its log)."""
+               extra: dict[str, Any], files: dict[str, dict[str, mx.array]] | None = None) -> Path:
+    """Write the state after ``step`` updates (``extra``: anything JSON the run needs to go on, e.g. its log;
+    ``files``: more safetensors files for the folder, by name, complete before ``latest`` names it)."""
     root = Path(folder)
     out = root / f"step-{step:07d}"
     shutil.rmtree(out, ignore_errors=True)
@@ -36,7 +37,9 @@ def save_state(folder: str | os.PathLike[str], module: nn.Module, optimizer: opt
     tensors |= {f"optimizer.{k}": v for k, v in _flat(optimizer.state)}
     mx.save_safetensors(str(out / "state.safetensors"), tensors)
     (out / "state.json").write_text(json.dumps({"step": step, **extra}) + "\n", encoding="utf-8")
-    _to_disk(out / "state.safetensors", out / "state.json", out)
+    for name, arrays in (files or {}).items():
+        mx.save_safetensors(str(out / name), arrays)
+    _to_disk(out / "state.safetensors", out / "state.json", *(out / name for name in files or {}), out)
     pointer = root / "latest.tmp"
     pointer.write_text(out.name, encoding="utf-8")
     durable_replace(pointer, root / "latest")  # its folder's entries (the new step's too) reach the disk with it

@@ -30,7 +30,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..errors import InvalidInputError, RewardError
+from ..errors import CheckpointError, InvalidInputError, RewardError
 from ..model import GenerativeModel
 from .checkpoints import load_state, save_state
 from .loop import TrainConfig, checkpoint_layers, make_optimizer
@@ -320,11 +320,13 @@ def _token_logprobs(module: nn.Module, inputs: mx.array, targets: mx.array) -> m
 
 def _save(folder: str | os.PathLike[str], module: nn.Module, optimizer: optim.Optimizer, step: int,
           extra: dict[str, Any], reference: Any) -> None:
-    out = save_state(folder, module, optimizer, step, extra)
-    if reference is not None:
-        mx.save_safetensors(str(out / "reference.safetensors"), dict(tree_flatten(reference)))
+    files = None if reference is None else {"reference.safetensors": dict(tree_flatten(reference))}
+    save_state(folder, module, optimizer, step, extra, files)
 
 
 def _load_reference(folder: str | os.PathLike[str], state: dict[str, Any]) -> Any:
     path = Path(folder) / f"step-{state['step']:07d}" / "reference.safetensors"
-    return tree_unflatten(list(cast(dict[str, mx.array], mx.load(str(path))).items()))
+    try:
+        return tree_unflatten(list(cast(dict[str, mx.array], mx.load(str(path))).items()))
+    except (OSError, RuntimeError) as exc:
+        raise CheckpointError(f"{path}: cannot read the run's reference weights: {exc}") from exc
