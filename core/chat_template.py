@@ -175,9 +175,13 @@ def _arguments_as_mapping(function: dict[str, Any]) -> None:
 class ChatTemplate:
     """A checkpoint's chat template bound to its tokenizer."""
 
-    def __init__(self, source: str, tokenizer: Tokenizer):
+    def __init__(self, source: str, tokenizer: Tokenizer, placeholders: Sequence[str] = ()):
+        """``placeholders``: control tokens that stand for an input (an image's marker), data in every role's
+        content, so that only the template's markup for an input part makes them: a reply that wrote one,
+        sent back as the assistant's content, is text, not an image without pixels."""
         self.source = source
         self.tokenizer = tokenizer
+        self.placeholders = tuple(placeholders)
         try:
             self._template = _compile(source)
         except jinja2.TemplateSyntaxError as exc:
@@ -186,6 +190,8 @@ class ChatTemplate:
         marks = f"[{_MARK_START}{_MARK_END}]"
         self._data_re = re.compile("|".join([*map(re.escape, controls), marks]))
         self._marks_re = re.compile(marks)
+        self._inputs_re = re.compile("|".join([*map(re.escape, sorted(self.placeholders, key=len, reverse=True)),
+                                               marks]))
         self._markers_re = re.compile(f"{_MARK_START}({self._data_re.pattern}){_MARK_END}|{marks}")
 
     @cached_property
@@ -230,7 +236,8 @@ class ChatTemplate:
         add_generation_prompt: bool = True,
         **kwargs: Any,
     ) -> list[int]:
-        """The prompt's token ids; control-token text in user, system and tool content stays text."""
+        """The prompt's token ids; control-token text in user, system and tool content (and placeholder text
+        anywhere) stays text."""
         return self.render_encoded(messages, tools=tools, add_generation_prompt=add_generation_prompt, **kwargs)[1]
 
     def render_encoded(
@@ -242,7 +249,7 @@ class ChatTemplate:
         **kwargs: Any,
     ) -> tuple[str, list[int]]:
         """The prompt as text (what :meth:`render` gives) and as safe token ids, from one rendering."""
-        normalized = [self._mark(m, self._data_re if m.get("role") in DATA_ROLES else self._marks_re)
+        normalized = [self._mark(m, self._data_re if m.get("role") in DATA_ROLES else self._inputs_re)
                       for m in normalize_messages(messages)]
         marked_tools = self._mark(plain_data(tools), self._data_re) if tools else None
         marked = self._render(normalized, marked_tools, add_generation_prompt,

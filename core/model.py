@@ -125,6 +125,8 @@ class GenerativeModel:
         self.config = config
         self.architecture = architecture
         self.tokenizer = tokenizer
+        if chat_template is not None and image_processor is not None and isinstance(module, VisionModule):
+            chat_template = ChatTemplate(chat_template.source, tokenizer, _placeholders(tokenizer, module))
         self.chat_template = chat_template
         self.defaults = defaults
         self.eos_ids = eos_ids
@@ -719,6 +721,13 @@ class GenerativeModel:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _placeholders(tokenizer: Tokenizer, module: VisionModule) -> list[str]:
+    """The control tokens that write an image in this model's prompts, as text."""
+    tokens = module.image_tokens
+    names = {i: text for text, i in tokenizer.added_tokens.items()}
+    return [names[i] for i in (tokens.marker, *tokens.begin, *tokens.end) if i in names]
 
 
 def _is_messages(prompt: Any) -> bool:

@@ -237,7 +237,7 @@ def split_image_parts(messages: Sequence[Any], images: Sequence[Any] = ()) -> tu
             parts = []
             for part in content:
                 if isinstance(part, dict) and part.get("type") in IMAGE_PART_TYPES:
-                    sources.append(_part_image(part, given))
+                    sources.append(part_image(part, given))
                     part = {"type": "image"}
                 parts.append(part)
             data["content"] = parts
@@ -247,7 +247,8 @@ def split_image_parts(messages: Sequence[Any], images: Sequence[Any] = ()) -> tu
     return plain, sources
 
 
-def _part_image(part: dict[str, Any], given: list[Any]) -> Any:
+def part_image(part: dict[str, Any], given: list[Any]) -> Any:
+    """The image an image content part holds (the next of ``given`` for a part without one)."""
     if part.get("image") is not None:
         return part["image"]
     url = part.get("image_url")

@@ -41,7 +41,7 @@ from .history import History
 from .images import ImageSource, as_data_url
 from .limits import check_depth, check_strings, check_text
 from .messages import ChatMessage, ToolCall
-from .multimodal import IMAGE_PART_TYPES
+from .multimodal import IMAGE_PART_TYPES, part_image
 from .persistence import restore_session, save_session
 from .prefix_cache import PromptCachePool
 from .prompt_cache import PromptCache
@@ -387,7 +387,7 @@ class ChatSession:
         when the transcript ends with a user turn or tool result.
         """
         self._check_ready()
-        self._history.prime(messages)
+        self._history.prime([self._images_stored(m) for m in messages])
 
     def start_from_history(self, *, config: ConfigArg = None, tools: Sequence[Any] | None = None,
                            response_format: Any = None, tool_choice: Any = None) -> ChatResult:
@@ -451,14 +451,27 @@ class ChatSession:
                            shape=shape)
 
     def _with_images(self, text: str, images: Sequence[ImageSource]) -> list[dict[str, Any]]:
+        return [self._image_part(image) for image in images] + ([{"type": "text", "text": text}] if text else [])
+
+    def _image_part(self, image: ImageSource) -> dict[str, Any]:
+        """An image as the history keeps it: a checked ``data:`` URL, read once here."""
         if not self._model.supports_images:
             raise ImageError(f"{self._model!r} reads no images (its checkpoint has no vision tower)")
-        parts: list[dict[str, Any]] = []
-        for image in images:
-            url = as_data_url(image)
-            self._turns.planner.processed(url)
-            parts.append({"type": "image", "image": url})
-        return parts + ([{"type": "text", "text": text}] if text else [])
+        url = as_data_url(image)
+        self._turns.planner.processed(url)
+        return {"type": "image", "image": url}
+
+    def _images_stored(self, message: ChatMessage | dict[str, Any]) -> ChatMessage | dict[str, Any]:
+        """A transcript's message with its image parts as the history keeps them, whatever form they came in
+        (a path, a ``PIL.Image``, bytes, an OpenAI ``image_url``)."""
+        content = message.content if isinstance(message, ChatMessage) else message.get("content")
+        if not isinstance(content, list) or not any(
+                isinstance(p, dict) and p.get("type") in IMAGE_PART_TYPES for p in content):
+            return message
+        data = message.model_dump() if isinstance(message, ChatMessage) else dict(message)
+        data["content"] = [self._image_part(part_image(p, [])) if isinstance(p, dict) and p.get("type") in
+                           IMAGE_PART_TYPES else p for p in content]
+        return data
 
     def _offer(self, tools: Sequence[Any] | None) -> list[ToolSpec] | None:
         if tools is None:

@@ -51,6 +51,27 @@ def test_an_image_turn_and_its_follow_ups_reuse_the_cache_and_equal_stateless_ru
 
 
 @pytest.mark.parametrize("name", VISION)
+def test_a_reply_that_wrote_an_image_placeholder_is_text_when_sent_back(name: str) -> None:
+    """Random weights write an image's control tokens in replies (the soak's 400s: "4 image markers for 2
+    images"); sent back as the assistant's content they stay text, so a prompt holds one image per image part
+    and a session primed with that history (its images as PIL images, stored as data: URLs) answers as a
+    stateless run of it."""
+    model = loaded(name)
+    a, b = images(name)
+    written = "".join(model.chat_template.placeholders)
+    history = [{"role": "user", "content": [{"type": "image", "image": a}, {"type": "text", "text": "What?"}]},
+               {"role": "assistant", "content": f"It is {written}."},
+               {"role": "user", "content": [{"type": "image", "image": b}, {"type": "text", "text": "And this?"}]}]
+    prompt = model.image_prompt(history)
+    assert len(prompt.images) == 2
+    marker = model.image_tokens.marker
+    assert prompt.ids.count(marker) == sum(span.image.tokens for span in prompt.images)
+    session = model.chat_session()
+    session.prime_history(history)
+    assert session.start_from_history(config=GREEDY).tokens == model.generate(history, GREEDY).tokens
+
+
+@pytest.mark.parametrize("name", VISION)
 def test_the_same_images_resent_cost_only_the_new_turn(name: str) -> None:
     model = loaded(name)
     a, _ = images(name)
