@@ -40,6 +40,10 @@ LEAD = 2
 """Items a paced job may run ahead of its reader: one the reader takes while the step making the next one
 runs. With one, a reader whose thread had not yet taken its item (the worker holds the GIL between steps)
 kept its job out of the next step, so generations read from several threads seldom shared a step."""
+_FAILED_JOIN = 10.0
+"""Seconds :meth:`Worker.close` waits for the thread of a failed worker (:meth:`Worker.fail`), whose call into a
+lost group returns once the group's connections are shut: a thread that used MLX and ends while the interpreter
+shuts down aborts the process (MLX releases its per-thread state at thread exit, which needs the GIL)."""
 _live: weakref.WeakSet[Worker] = weakref.WeakSet()
 _IDLE_WAIT = 0.05
 """Seconds the worker sleeps at most when every job waits for its reader (a reader taking an item, a new
@@ -345,19 +349,22 @@ class Worker:
             await job.astop()
 
     def close(self) -> None:
-        """Finish the queued jobs (stream jobs lose their readers), then stop the thread."""
+        """Finish the queued jobs (stream jobs lose their readers), then stop the thread. A failed worker's
+        thread is waited for :data:`_FAILED_JOIN` seconds at most (it ends once the call it was in returns)."""
         if not self._closed:
             self._closed = True
             self._jobs.put(None)
             self._wake.set()
             if not self.on_worker:
                 self._thread.join()
+        elif self._failure is not None and not self.on_worker:
+            self._thread.join(_FAILED_JOIN)
 
     def fail(self, error: BaseException) -> None:
         """Give up on this worker, from any thread, when its thread may never move again (a model split over
         processes whose collective waits for a rank that is gone; see :mod:`mlxchat.distributed`): the job it
-        runs and every job it holds end with ``error``, later ones are refused with it, and :meth:`close` no
-        longer waits for the thread. The thread is left where it is (a daemon, which the interpreter does not
+        runs and every job it holds end with ``error``, later ones are refused with it, and :meth:`close` waits for
+        the thread :data:`_FAILED_JOIN` seconds at most. The thread is left where it is (a daemon, which the interpreter does not
         wait for); should it move again, it ends nothing twice and stops."""
         with self._settling:
             if self._failure is not None:
