@@ -363,9 +363,9 @@ class Worker:
     def fail(self, error: BaseException) -> None:
         """Give up on this worker, from any thread, when its thread may never move again (a model split over
         processes whose collective waits for a rank that is gone; see :mod:`mlxchat.distributed`): the job it
-        runs and every job it holds end with ``error``, later ones are refused with it, and :meth:`close` waits for
-        the thread :data:`_FAILED_JOIN` seconds at most. The thread is left where it is (a daemon, which the interpreter does not
-        wait for); should it move again, it ends nothing twice and stops."""
+        runs and every job it holds end with ``error``, later ones are refused with it, and :meth:`close` waits
+        for the thread :data:`_FAILED_JOIN` seconds at most. The thread is left where it is (a daemon, which the
+        interpreter does not wait for); should it move again, it ends nothing twice and stops."""
         with self._settling:
             if self._failure is not None:
                 return
