@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import logging
 import uuid
 from collections.abc import Callable
@@ -18,13 +20,21 @@ from ..prompt_cache import PromptCache
 
 log = logging.getLogger("mlxchat.server")
 Messages = list[dict[str, Any]]
+Conversation = tuple[bytes, ...]
+"""A conversation as the pool remembers it: a digest of each message (not the messages, whose images as
+``data:`` URLs would stay in memory for as long as their spilled caches stay on disk)."""
+
+
+def _conversation(messages: Messages) -> Conversation:
+    return tuple(hashlib.blake2b(json.dumps(m, sort_keys=True, default=str).encode(), digest_size=16).digest()
+                 for m in messages)
 
 
 @dataclass
 class _Spilled:
     """An evicted cache on disk: the conversation it holds, its file, and the write (a job on the worker)."""
 
-    messages: Messages
+    messages: Conversation
     path: Path
     written: Future[None]
     nbytes: int
@@ -55,7 +65,7 @@ class CachePool:
         self.max_spill_bytes = max_spill_bytes
         self.prefixes = PromptCachePool()
         """The index of every cache the server's sessions hold, by prompt prefix (give it to each session)."""
-        self._entries: list[tuple[Messages, PromptCache]] = []  # least recently used first
+        self._entries: list[tuple[Conversation, PromptCache]] = []  # least recently used first
         self._spilled: list[_Spilled] = []  # oldest first
         if self.spill_dir is not None:
             self.spill_dir.mkdir(parents=True, exist_ok=True)
@@ -77,9 +87,10 @@ class CachePool:
         """The idle cache (in memory or spilled) whose conversation shares the most with ``messages``; a fresh
         one instead of an idle conversation that ``messages`` only branches off while the pool has room."""
         candidates = [seen for seen, _ in self._entries] + [s.messages for s in self._spilled]
+        asked = _conversation(messages)
         best, best_shared = None, 0
         for index, seen in enumerate(candidates):
-            shared = _shared(seen, messages)
+            shared = _shared(seen, asked)
             if shared > best_shared:
                 best, best_shared = index, shared
         if best is None:
@@ -100,12 +111,12 @@ class CachePool:
             spilled.path.unlink(missing_ok=True)
 
     def give_back(self, messages: Messages, cache: PromptCache) -> None:
-        self._entries.append((messages, cache))
+        self._entries.append((_conversation(messages), cache))
         while self._entries and (len(self._entries) > self.size
                                  or (self.max_bytes is not None and self.nbytes > self.max_bytes)):
             self._evict(*self._entries.pop(0))
 
-    def _evict(self, messages: Messages, cache: PromptCache) -> None:
+    def _evict(self, messages: Conversation, cache: PromptCache) -> None:
         self.prefixes.discard(cache)
         if self.spill_dir is None or not len(cache):
             return
@@ -138,7 +149,7 @@ def _remover(path: Path) -> Callable[[Future[None]], None]:
     return lambda _: path.unlink(missing_ok=True)
 
 
-def _shared(seen: Messages, messages: Messages) -> int:
+def _shared(seen: Conversation, messages: Conversation) -> int:
     """How many leading messages two conversations share."""
     return next((i for i, (a, b) in enumerate(zip(seen, messages, strict=False)) if a != b),
                 min(len(seen), len(messages)))
