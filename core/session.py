@@ -451,26 +451,25 @@ class ChatSession:
                            shape=shape)
 
     def _with_images(self, text: str, images: Sequence[ImageSource]) -> list[dict[str, Any]]:
-        return [self._image_part(image) for image in images] + ([{"type": "text", "text": text}] if text else [])
+        parts = [self._image_part(image) for image in images]
+        for part in parts:
+            self._turns.planner.processed(part["image"])  # read here: a bad image fails the call, not the turn
+        return parts + ([{"type": "text", "text": text}] if text else [])
 
     def _image_part(self, image: ImageSource) -> dict[str, Any]:
-        """An image as the history keeps it: a checked ``data:`` URL, read once here."""
+        """An image as the history keeps it: a checked ``data:`` URL."""
         if not self._model.supports_images:
             raise ImageError(f"{self._model!r} reads no images (its checkpoint has no vision tower)")
-        url = as_data_url(image)
-        self._turns.planner.processed(url)
-        return {"type": "image", "image": url}
+        return {"type": "image", "image": as_data_url(image)}
 
     def _images_stored(self, message: ChatMessage | dict[str, Any]) -> ChatMessage | dict[str, Any]:
         """A transcript's message with its image parts as the history keeps them, whatever form they came in
-        (a path, a ``PIL.Image``, bytes, an OpenAI ``image_url``)."""
+        (a path, a ``PIL.Image``, bytes, an OpenAI ``image_url``); read when a turn renders them."""
         content = message.content if isinstance(message, ChatMessage) else message.get("content")
-        if not isinstance(content, list) or not any(
-                isinstance(p, dict) and p.get("type") in IMAGE_PART_TYPES for p in content):
+        if not isinstance(content, list) or all(_stored_or_text(p) for p in content):
             return message
         data = message.model_dump() if isinstance(message, ChatMessage) else dict(message)
-        data["content"] = [self._image_part(part_image(p, [])) if isinstance(p, dict) and p.get("type") in
-                           IMAGE_PART_TYPES else p for p in content]
+        data["content"] = [p if _stored_or_text(p) else self._image_part(part_image(p, [])) for p in content]
         return data
 
     def _offer(self, tools: Sequence[Any] | None) -> list[ToolSpec] | None:
@@ -489,3 +488,11 @@ class ChatSession:
         """Refuse a change to a closed session, or to one in a turn."""
         self._turns.check_open()
         self._turns.check_idle()
+
+
+def _stored_or_text(part: Any) -> bool:
+    """Whether a content part needs nothing to be kept: not an image, or one already as a ``data:`` URL."""
+    if not isinstance(part, dict) or part.get("type") not in IMAGE_PART_TYPES:
+        return True
+    image = part.get("image")
+    return part.get("type") == "image" and isinstance(image, str) and image.startswith("data:")
