@@ -84,7 +84,7 @@ def threaded_sessions(model: Any, prompt: int, decode: int) -> list[dict[str, An
 
     turn(questions[0])  # warm-up
     alone = [turn(question) for question in questions]
-    one = statistics.median(result.report.decode_tps for *_, result in alone)
+    one = statistics.median(a[3].report.decode_tps for a in alone)
     start = threading.Barrier(SESSIONS)
     together: list[Any] = [None] * SESSIONS
 
