@@ -7,11 +7,6 @@ from __future__ import annotations
 import importlib
 import json
 import math
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -19,6 +14,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten, tree_unflatten
+from test_lora_cli import killed_after_its_first_checkpoint
 
 import mlxchat
 from mlxchat import RewardError
@@ -300,17 +296,8 @@ def test_a_cli_run_killed_midway_resumes(tmp_path: Path) -> None:
     steps = 12
     assert main(["train", "grpo", str(write_grpo_run(tmp_path / "whole", steps, save_every=2)), "--no-progress"]) == 0
     config = write_grpo_run(tmp_path / "killed", steps, save_every=2)
-    command = [sys.executable, "-c", "import sys; from mlxchat.cli import main; sys.exit(main(sys.argv[1:]))",
-               "train", "grpo", str(config), "--no-progress"]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    latest = tmp_path / "killed" / "out" / "checkpoints" / "latest"
-    try:
-        while not latest.exists() and process.poll() is None:
-            time.sleep(0.05)
-        os.kill(process.pid, signal.SIGKILL)
-    finally:
-        process.wait()
-    assert latest.read_text() != f"step-{steps:07d}", "the run ended before it could be killed"
+    saved = killed_after_its_first_checkpoint("grpo", config)
+    assert saved != f"step-{steps:07d}", "the run ended before it could be killed"
     assert not (tmp_path / "killed" / "out" / "adapter_model.safetensors").exists()
     assert main(["train", "grpo", str(config), "--no-progress"]) == 0
 

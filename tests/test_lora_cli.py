@@ -27,6 +27,22 @@ CHATS = [
 ]
 
 
+def killed_after_its_first_checkpoint(kind: str, config: Path) -> str:
+    """Run ``mlxchat train KIND CONFIG`` in a process SIGKILLed once ``latest`` names a checkpoint; returns
+    the checkpoint it named then."""
+    command = [sys.executable, "-c", "import sys; from mlxchat.cli import main; sys.exit(main(sys.argv[1:]))",
+               "train", kind, str(config), "--no-progress"]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    latest = config.parent / "out" / "checkpoints" / "latest"
+    try:
+        while not latest.exists() and process.poll() is None:
+            time.sleep(0.05)
+        os.kill(process.pid, signal.SIGKILL)
+    finally:
+        process.wait()
+    return latest.read_text()
+
+
 def write_run(folder: Path, steps: int, save_every: int = 2, **extra) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "chats.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n" for c in CHATS))
@@ -60,17 +76,7 @@ def test_a_run_killed_midway_resumes(tmp_path: Path) -> None:
     steps = 30
     assert main(["train", "sft", str(write_run(tmp_path / "whole", steps)), "--no-progress"]) == 0
     config = write_run(tmp_path / "killed", steps)
-    command = [sys.executable, "-c", "import sys; from mlxchat.cli import main; sys.exit(main(sys.argv[1:]))",
-               "train", "sft", str(config), "--no-progress"]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    latest = tmp_path / "killed" / "out" / "checkpoints" / "latest"
-    try:
-        while not latest.exists() and process.poll() is None:
-            time.sleep(0.05)
-        os.kill(process.pid, signal.SIGKILL)
-    finally:
-        process.wait()
-    saved = latest.read_text()
+    saved = killed_after_its_first_checkpoint("sft", config)
     assert saved != f"step-{steps:07d}", "the run ended before it could be killed"
     assert not (tmp_path / "killed" / "out" / "adapter_model.safetensors").exists()
     assert main(["train", "sft", str(config), "--no-progress"]) == 0
