@@ -26,6 +26,9 @@ class ModelModule(Protocol):
 
     # Optional: ``last_logits(tokens, cache) -> [batch, vocab]``, the last position's logits without the
     # output projection of the others (mlxchat.layers.CausalLM has it); generation uses it when present.
+    # Optional: ``runs_ragged = True`` when ``last_logits`` takes mlxchat.cache.RaggedRows caches (several
+    # sequences' tokens end to end, the last logits of each): the worker then runs its decode rows and prompt
+    # chunks as one pass (mlxchat.batching); otherwise each prompt chunk is a pass of its own.
     # A vision-language module also implements mlxchat.multimodal.VisionModule.
     # Optional, to run split over a process group (load_model(..., distributed=...)): ``shard(group)`` (tensor
     # parallel) and ``pipeline(group)``, which replace parameters by this rank's lazy slices before the weights

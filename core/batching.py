@@ -11,9 +11,13 @@ its own; :func:`mlxchat.testing.batched_decoding_problems` checks every architec
 tokens.
 
 A prompt goes in through the same steps (chunked prefill, as in vLLM and Sarathi-Serve): a generation
-yields a :class:`PrefillChunk` while its prompt is going in, and each step runs, after the decode rows, at
+yields a :class:`PrefillChunk` while its prompt is going in, and each step runs, beside the decode rows, at
 most the model's ``prefill_step_budget`` prompt tokens of the waiting prompts, oldest first. So a step
-costs the running streams one decode token plus a bounded chunk, however long the prompt that arrives.
+costs the running streams one decode token plus a bounded chunk, however long the prompt that arrives. On
+a model whose layers take :class:`~mlxchat.cache.RaggedRows` (``runs_ragged``), the step is one forward pass:
+the decode rows' tokens and the prompt chunks lie end to end, each attending over its own cache, so the
+weights are read once a step however many sequences it carries (:meth:`StepItem.run_together`); on the
+others each prompt's chunks are a pass of their own after the decode rows' pass.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 
 from .architecture import ModelModule
-from .cache import RowCaches
+from .cache import RaggedRows, RowCaches
 from .constraints import fill_masks
 from .prompt_cache import Prefill, PromptCache, last_logits_of
 from .worker import Gathered, Together
@@ -56,6 +60,15 @@ def batched_last_logits(module: ModelModule, tokens: Sequence[int] | mx.array,
     return last_logits_of(module)(column, layers)
 
 
+def ragged_last_logits(module: ModelModule, tokens: Sequence[mx.array], caches: Sequence[PromptCache]) -> mx.array:
+    """Logits ``[B, vocab]`` of the last position of each of ``B`` sequences run in one pass: ``tokens[i]``
+    (one decode token, or a prompt chunk) through ``caches[i]``, laid end to end
+    (:class:`~mlxchat.cache.RaggedRows`; the module ``runs_ragged``)."""
+    lengths = [int(t.size) for t in tokens]
+    layers = [RaggedRows([cache.layers[i] for cache in caches], lengths) for i in range(len(caches[0].layers))]
+    return module.last_logits(mx.concatenate(list(tokens))[None], layers)  # type: ignore[attr-defined]
+
+
 class DecodeStats:
     """Timings of one generation, filled in while it runs (its report is made from them)."""
 
@@ -77,7 +90,43 @@ def masked(logits: mx.array, constraint: RowMatcher | None) -> mx.array:
     return logits if mask is None else mx.where(mx.array(mask), logits, -mx.inf)
 
 
-class DecodeRow(Together):
+class StepItem(Together):
+    """What a generation waits on in its model's worker step: a :class:`DecodeRow` or a :class:`PrefillChunk`.
+    All that wait at a step run in it together."""
+
+    @classmethod
+    def kind(cls) -> type[Together]:
+        return StepItem
+
+    @classmethod
+    def run_together(cls, items: list[Any]) -> None:
+        """One step: every decode row, and at most the budget of prompt tokens of the waiting prefills (see
+        :class:`PrefillChunk`). On a module that ``runs_ragged`` the step is one pass, the prompt spans
+        beside the decode rows (a failing pass fails every generation in it); otherwise the rows' pass runs
+        first and each prefill's chunks are passes of their own."""
+        rows = [item for item in items if isinstance(item, DecodeRow)]
+        prompts = [item for item in items if isinstance(item, PrefillChunk)]
+        module = rows[0].module if rows else prompts[0].prefill.module
+        if not getattr(module, "runs_ragged", False):
+            if rows:
+                _failing(rows, DecodeRow.run_together, rows)
+            PrefillChunk.run_budget(prompts, merge=False, decoding=bool(rows))
+            return
+        spans = PrefillChunk.run_budget(prompts, merge=True, decoding=bool(rows))
+        if rows or spans:
+            _failing([*rows, *(span.item for span in spans)], DecodeRow.run_pass, rows, spans)
+
+
+def _failing(items: list[Any], run: Any, *args: Any) -> None:
+    """``run(*args)``; its failure is each of ``items``', raised where its generation waits."""
+    try:
+        run(*args)
+    except Exception as exc:  # noqa: BLE001 - each generation raises it where it waited (Together.check)
+        for item in items:
+            item.error = exc
+
+
+class DecodeRow(StepItem):
     """One sequence between decode steps: its cache, how it picks tokens, its constraint (a
     :class:`~mlxchat.constraints.RowMatcher`, or ``None``), and its last token (``current``, not yet read)
     whose forward pass the next step runs."""
@@ -101,17 +150,43 @@ class DecodeRow(Together):
 
     @classmethod
     def run_together(cls, rows: list[Any]) -> None:
-        """One step of every row: the forward pass of each row's ``current`` token, the next token picked
-        (evaluated asynchronously), then ``current`` read into ``value`` and recorded in the row's cache
-        (its forward pass is queued already, so the device never waits on Python). A constrained row reads
-        ``current`` first, while the forward runs, so that its matcher takes it and gives the next mask
-        (several rows' masks computed at once: :func:`~mlxchat.constraints.fill_masks`)."""
+        """One step of these rows alone: the forward pass of each row's ``current`` token (one row: exactly
+        the single-sequence step), then :meth:`advance`."""
         module = rows[0].module
         if len(rows) == 1:
             logits = last_logits_of(module)(rows[0].current[None], rows[0].cache.layers)
         else:
             tokens = mx.concatenate([row.current for row in rows])
             logits = batched_last_logits(module, tokens, [row.cache for row in rows])
+        cls.advance(rows, logits)
+
+    @classmethod
+    def run_pass(cls, rows: list[Any], spans: list[PromptSpan]) -> None:
+        """One forward pass of the rows' ``current`` tokens and the prompt ``spans`` laid end to end
+        (:class:`~mlxchat.cache.RaggedRows`), then :meth:`advance` for the rows and each span recorded in
+        its prefill (:meth:`~mlxchat.prompt_cache.Prefill.took`)."""
+        if not spans:
+            cls.run_together(rows)
+            return
+        module = rows[0].module if rows else spans[0].item.prefill.module
+        logits = ragged_last_logits(module, [row.current for row in rows] + [mx.array(span.tokens) for span in spans],
+                                    [row.cache for row in rows] + [span.item.prefill.cache for span in spans])
+        filled = [array for span in spans for array in span.item.prefill.cache.arrays()]
+        if rows:
+            cls.advance(rows, logits[: len(rows)], filled)
+        else:
+            mx.eval(filled)  # a pass of prompt chunks alone: waited for, as a prefill chunk is
+        for j, span in enumerate(spans, start=len(rows)):
+            span.item.prefill.took(span.start, span.end, logits[j : j + 1])
+            span.item.ran = span.end - span.start
+
+    @staticmethod
+    def advance(rows: list[Any], logits: mx.array, also: Sequence[mx.array] = ()) -> None:
+        """The rows' next tokens picked from their ``logits [rows, vocab]`` and evaluated asynchronously
+        (with ``also``), then each row's ``current`` read into ``value`` and recorded in its cache (its
+        forward pass is queued already, so the device never waits on Python). A constrained row reads
+        ``current`` first, while the forward runs, so that its matcher takes it and gives the next mask
+        (several rows' masks computed at once: :func:`~mlxchat.constraints.fill_masks`)."""
         constrained = [row for row in rows if row.constraint is not None]
         if constrained:
             mx.async_eval(logits)  # the forward runs while the masks are computed
@@ -120,7 +195,7 @@ class DecodeRow(Together):
                 row.constraint.advance(row.value)
             fill_masks([row.constraint for row in constrained])
         following = [row.pick(logits[i : i + 1]) for i, row in enumerate(rows)]
-        mx.async_eval(following)
+        mx.async_eval(following, *also)
         for row, token in zip(rows, following, strict=True):
             if row.constraint is None:
                 row.value = int(row.current.item())  # type: ignore[arg-type]  # a token id array holds ints
@@ -158,43 +233,65 @@ def decode_steps(module: ModelModule, cache: PromptCache, pending: Sequence[int]
         yield value
 
 
-class PrefillChunk(Together):
+class PrefillChunk(StepItem):
     """A generation whose prompt is still going into its cache (:class:`~mlxchat.prompt_cache.Prefill`),
     waiting for the step to run some of its chunks.
 
-    A worker step runs the decode rows first (:class:`DecodeRow`, ``order`` 0), then at most ``budget``
-    prompt tokens of the waiting prefills, oldest job first (FIFO: a prefill runs its next whole chunks while
-    they fit what the ones before it left; the first always runs at least one, so a chunk larger than the
-    budget, a whole image, still goes). A long prompt thus enters a chunk a step while the running streams
-    decode a token a step, and no prompt is overtaken. A failing chunk fails its own generation only.
+    A worker step runs, beside the decode rows (:class:`DecodeRow`), at most ``budget`` prompt tokens of the
+    waiting prefills, oldest job first (FIFO: a prefill runs its next whole chunks while they fit what the
+    ones before it left; the first always runs at least one, so a chunk larger than the budget, a whole
+    image, still goes). A long prompt thus enters a chunk a step while the running streams decode a token a
+    step, and no prompt is overtaken. A chunk that runs in a pass of its own fails its own generation only.
     """
 
-    order = 1
-
-    def __init__(self, prefill: Prefill, budget: int):
-        self.prefill, self.budget = prefill, budget
+    def __init__(self, prefill: Prefill, budget: int, idle: int):
+        self.prefill, self.budget, self.idle = prefill, budget, idle
         self.ran = 0
         """Prompt tokens the last step ran for this generation."""
 
     @classmethod
-    def run_together(cls, items: list[Any]) -> None:
-        left = items[0].budget
+    def run_budget(cls, items: list[Any], merge: bool, decoding: bool) -> list[PromptSpan]:
+        """Share the budget among ``items`` (FIFO, above): with ``merge``, the text chunks that fit are taken
+        as spans for the step's one pass (returned), and a step in which nothing is ``decoding`` takes up to
+        the ``idle`` budget (the prompt's own prefill step: a prompt alone goes in as fast as one prefill);
+        the others run here, each in passes of its own."""
+        spans: list[PromptSpan] = []
+        if not items:
+            return spans
+        left = items[0].budget if decoding or not merge else max(items[0].budget, items[0].idle)
         for position, item in enumerate(items):
+            allowance = left if position else max(left, item.prefill.next_chunk)
             try:
-                item.ran = item.prefill.run(left if position else max(left, item.prefill.next_chunk))
+                if merge and item.prefill.mergeable:
+                    span = PromptSpan(item, *item.prefill.take(allowance))
+                    item.ran = span.end - span.start
+                    if item.ran:
+                        spans.append(span)
+                else:
+                    item.ran = item.prefill.run(allowance)
             except Exception as exc:  # noqa: BLE001 - this generation's failure, raised where it waits
                 item.error = exc
                 continue
             left -= item.ran
             if not item.prefill.done:
                 break  # the next prefills wait for this one (FIFO)
+        return spans
 
 
-def prefill_steps(prefill: Prefill, budget: int, cancel: Cancelled | None = None) -> Iterator[PrefillChunk]:
-    """Run ``prefill`` through the worker's steps, a budget of tokens at a time (stops early when ``cancel``
-    is set)."""
+class PromptSpan:
+    """Prompt tokens ``[start, end)`` of a waiting prefill that a step's one pass runs beside the decode rows
+    (:meth:`~mlxchat.prompt_cache.Prefill.take`)."""
+
+    def __init__(self, item: PrefillChunk, start: int, end: int):
+        self.item, self.start, self.end = item, start, end
+        self.tokens = list(item.prefill.ids[start:end])
+
+
+def prefill_steps(prefill: Prefill, budget: int, idle: int, cancel: Cancelled | None = None) -> Iterator[PrefillChunk]:
+    """Run ``prefill`` through the worker's steps, a budget of tokens at a time (``idle`` in a step that
+    decodes nothing; see :class:`PrefillChunk`); stops early when ``cancel`` is set."""
     while not prefill.done and not (cancel is not None and cancel.check()):
-        chunk = PrefillChunk(prefill, budget)
+        chunk = PrefillChunk(prefill, budget, idle)
         yield chunk
         chunk.check()
 

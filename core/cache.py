@@ -17,6 +17,7 @@ snapshots; :class:`mlxchat.prompt_cache.PromptCache` takes those at turn boundar
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -564,3 +565,38 @@ class RowCaches(LayerCache):
     def update(self, *arrays: mx.array, tokens: int) -> None:
         for row, cache in enumerate(self.caches):
             cache.update(*(a[row : row + 1] for a in arrays), tokens=tokens)  # type: ignore[attr-defined]
+
+
+class RaggedRows(LayerCache):
+    """One layer's caches of several sequences whose tokens of one step lie end to end along the sequence
+    axis of a single batch row: ``lengths[i]`` tokens of sequence ``i`` (one for a decoding sequence, a prompt
+    chunk for one being prefilled) go through ``caches[i]``. The worker's step runs decode tokens and prompt
+    chunks this way (:mod:`mlxchat.batching`), so every product reads the weights once for all of them.
+
+    A layer that holds a cache takes it apart with :meth:`split` (each sequence's slice of its inputs, with that
+    sequence's cache) and puts its outputs back with :meth:`join`; a module whose layers all do says so with
+    ``runs_ragged`` (see :class:`~mlxchat.architecture.ModelModule`).
+    """
+
+    def __init__(self, caches: list[LayerCache], lengths: list[int]):
+        self.caches = list(caches)
+        if len(lengths) != len(self.caches) or min(lengths, default=1) < 1:
+            raise ValueError(f"{len(self.caches)} rows need a positive length each, got {lengths}")
+        self.lengths = list(lengths)
+
+    @property
+    def ends(self) -> list[int]:
+        """Where each sequence's tokens end along the sequence axis (its last token is at ``end - 1``)."""
+        return list(itertools.accumulate(self.lengths))
+
+    def split(self, *arrays: mx.array, axis: int) -> list[tuple[LayerCache, list[mx.array]]]:
+        """Each sequence's cache with its slices of ``arrays`` along ``axis`` (the sequence axis)."""
+        starts = [0, *self.ends[:-1]]
+        lead = (slice(None),) * axis
+        return [(cache, [a[(*lead, slice(start, start + length))] for a in arrays])
+                for cache, start, length in zip(self.caches, starts, self.lengths, strict=True)]
+
+    @staticmethod
+    def join(outputs: list[mx.array], axis: int) -> mx.array:
+        """The sequences' outputs back end to end along ``axis``."""
+        return outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=axis)

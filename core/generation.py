@@ -300,9 +300,10 @@ def stream_generation(
     :class:`~mlxchat.batching.DecodeRow` and :class:`~mlxchat.batching.PrefillChunk` items are decode steps
     and prefill chunks for whoever runs it to run (the worker runs them with other generations').
 
-    ``prefill_budget``: the prompt goes in through the worker's steps, at most this many tokens a step (see
-    :class:`~mlxchat.batching.PrefillChunk`), in chunks of at most the smaller of it and
-    ``config.prefill_step``; ``None`` prefills it here at once. A generation that decodes alone (below)
+    ``prefill_budget``: the prompt goes in through the worker's steps, at most this many tokens a step
+    that also decodes (``config.prefill_step`` in one that does not; see
+    :class:`~mlxchat.batching.PrefillChunk`), in chunks of at most the smaller of the two; ``None``
+    prefills it here at once. A generation that decodes alone (below)
     always prefills at once.
 
     With a ``drafter`` and ``config.draft_tokens`` set, tokens are decoded speculatively
@@ -355,7 +356,7 @@ def _generation(module: ModelModule, tokenizer: Tokenizer, prompt: Sequence[int]
     else:
         plan = cache.start_prefill(module, full, snapshot_at=snapshot_at,
                                    step=min(config.prefill_step, prefill_budget), logits=True)
-        yield from prefill_steps(plan, prefill_budget, cancel)
+        yield from prefill_steps(plan, prefill_budget, config.prefill_step, cancel)
         reused, pending, first = plan.reused, [], plan.logits
     stats.cached = min(reused, len(prompt))
     adjust = LogitsAdjuster(vocab_size, config.repetition_penalty, config.presence_penalty,

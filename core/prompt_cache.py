@@ -26,7 +26,7 @@ import mlx.core as mx
 from . import profiling
 from .cache import Arrays, LayerCache, cache_arrays
 from .errors import ImageError, SavedStateError
-from .multimodal import ImageKey, MultimodalPrompt, chunk_bounds, encode_images
+from .multimodal import ImageKey, ImageSpan, MultimodalPrompt, chunk_bounds, encode_images
 
 if TYPE_CHECKING:
     from .worker import Cancelled
@@ -402,8 +402,7 @@ class Prefill:
     @property
     def pending(self) -> list[int]:
         """The prompt's tokens the cache does not hold yet."""
-        ids = self.prompt.ids if isinstance(self.prompt, MultimodalPrompt) else self.prompt
-        return list(ids[len(self.cache):])
+        return list(self.ids[len(self.cache):])
 
     def run(self, budget: int) -> int:
         """Run the next chunks while they fit in ``budget`` tokens (whole chunks only, so the chunks, and so the
@@ -417,6 +416,42 @@ class Prefill:
             ran += b - a
         return ran
 
+    def take(self, budget: int) -> tuple[int, int]:
+        """Take the next whole chunks that fit in ``budget`` and run beside other sequences' tokens (text only,
+        no follower: :attr:`mergeable`) as one span ``[a, b)`` of the prompt (empty when none fits): the
+        worker's step runs it in its pass (:class:`~mlxchat.cache.RaggedRows`), then :meth:`took` records it."""
+        if self._again is not None and self.chunks and self.next_chunk <= budget:
+            self._share()
+        start = end = self.chunks[0][0] if self.chunks else len(self.cache)
+        while self.mergeable and end - start + self.next_chunk <= budget:
+            end = self.chunks.popleft()[1]
+        return start, end
+
+    def took(self, a: int, b: int, logits: mx.array) -> None:
+        """Record the span ``[a, b)`` that :meth:`take` gave, run into the cache; ``logits`` (``[1, vocab]``) are
+        its last position's, kept when that ends the prompt of a prefill planned with logits."""
+        if self.done and self._wants_logits:
+            self.logits = logits
+        self.cache.feed(self.ids[a:b])
+
+    @property
+    def mergeable(self) -> bool:
+        """Whether the next chunk can run as part of another pass: text only, and nothing follows its hidden
+        states."""
+        if not self.chunks or self._follow is not None:
+            return False
+        a, b = self.chunks[0]
+        return not any(s.start < b and s.end > a for s in self._images)
+
+    @property
+    def ids(self) -> Sequence[int]:
+        """The prompt's token ids."""
+        return self.prompt.ids if isinstance(self.prompt, MultimodalPrompt) else self.prompt
+
+    @property
+    def _images(self) -> Sequence[ImageSpan]:
+        return self.prompt.images if isinstance(self.prompt, MultimodalPrompt) else ()
+
     def _share(self) -> None:
         """Before the first chunk runs: a cache of the pool may have taken in more of the prompt while this one
         waited (the prefill before it, of the same system prompt): copy that and plan again from there."""
@@ -429,8 +464,7 @@ class Prefill:
 
     def _chunk(self, a: int, b: int, final: bool) -> None:
         cache, module, prompt = self.cache, self.module, self.prompt
-        ids = prompt.ids if isinstance(prompt, MultimodalPrompt) else prompt
-        images = prompt.images if isinstance(prompt, MultimodalPrompt) else ()
+        ids, images = self.ids, self._images
         reply = profiling.current()
         started = time.perf_counter() if reply else 0.0
         tokens = mx.array(list(ids[a:b]))[None]

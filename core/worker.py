@@ -5,11 +5,11 @@ Plain jobs (:meth:`Worker.run`, :meth:`Worker.submit`) run one at a time in subm
 to the job's reader at most :data:`LEAD` items ahead of it, so a slow reader holds up only its own job. A job may
 yield a :class:`Together` item instead (a decode step, a prefill chunk), or a :class:`Gathered` group of
 them (a job running several generations): the worker waits until every runnable job has done so or cannot
-go on, then runs one *step*: the waiting items of each kind together (one forward pass over the sequences
-of several jobs), kinds in their ``order``, and resumes their jobs. A worker made with ``side_by_side=False`` (a model
-split over processes, whose every step is a collective) and any worker while :mod:`mlxchat.profiling` is
-on run one job at a time instead. Blocking callers wait on a future; streaming readers
-read a queue the job fills; asyncio readers await without blocking the event loop. A reader that stops
+go on, then runs one *step*: the waiting items of each kind together (a model's decode rows and prompt
+chunks: one forward pass over the sequences of several jobs), and resumes their jobs. A worker made with
+``side_by_side=False`` (a model split over processes, whose every step is a collective) and any worker while
+:mod:`mlxchat.profiling` is on run one job at a time instead. Blocking callers wait on a future; streaming
+readers read a queue the job fills; asyncio readers await without blocking the event loop. A reader that stops
 reading sets the job's cancel flag; the job (which checks it between items) winds up at its next item.
 A worker whose thread can never move again (a collective waiting for a process that is gone) is given up
 from another thread (:meth:`Worker.fail`): its jobs end with the error instead of waiting for ever.
@@ -85,8 +85,12 @@ class Together:
     (:meth:`check`), so that the job's own error handling applies."""
 
     error: BaseException | None = None
-    order = 0
-    """Where this kind runs in a step (lower first)."""
+
+    @classmethod
+    def kind(cls) -> type[Together]:
+        """The class whose :meth:`run_together` runs this item with the others of its kind: its own, unless
+        it shares a step with other classes (a model's decode rows and prompt chunks)."""
+        return cls
 
     @classmethod
     def run_together(cls, items: list[Any]) -> None:
@@ -110,12 +114,13 @@ class Gathered:
 
 
 def run_step(items: list[Together]) -> None:
-    """Run one step: the items of each kind together, kinds in their ``order``. A kind that fails hands its
-    failure to each of its items (:meth:`Together.check`); the other kinds still run."""
+    """Run one step: the items of each kind together (:meth:`Together.kind`), in the order the kinds first
+    wait. A kind that fails hands its failure to each of its items (:meth:`Together.check`); the other
+    kinds still run."""
     kinds: dict[type[Together], list[Together]] = {}
     for item in items:
-        kinds.setdefault(type(item), []).append(item)
-    for kind in sorted(kinds, key=lambda k: k.order):
+        kinds.setdefault(item.kind(), []).append(item)
+    for kind in kinds:
         try:
             kind.run_together(kinds[kind])
         except Exception as exc:  # each job raises it where it waited (Together.check)

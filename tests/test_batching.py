@@ -233,6 +233,58 @@ def test_a_long_prompt_goes_in_a_budget_a_step_while_a_running_stream_decodes_a_
     model.close()
 
 
+@pytest.mark.parametrize(("name", "ragged"), [("qwen3", True), ("lfm2", False)])
+def test_a_step_is_one_pass_over_the_weights_on_a_model_that_runs_ragged(name: str, ragged: bool,
+                                                                         logged_steps, monkeypatch) -> None:
+    """Decode rows and the prompt chunks of two waiting prompts: one forward pass a step on a model whose
+    layers take RaggedRows; on the others, the rows' pass and one for each prompt chunk."""
+    model = mlxchat.load_model(fixture_path(name), dtype="float32", prefill_step_budget=16)
+    assert model.module.runs_ragged is ragged
+    prompts = {"short": model.encode("Hello there"), "long": [(7 * i) % 300 + 10 for i in range(60)],
+               "next": [(3 * i) % 200 + 12 for i in range(9)]}
+    config = {**GREEDY, "max_tokens": 24}
+    alone = {n: model.generate(prompt, config).tokens for n, prompt in prompts.items()}
+    passes: list[int] = []
+    decoder = type(model.module.model)
+    forward = decoder.__call__
+    monkeypatch.setattr(decoder, "__call__", lambda self, *a, **k: (passes.append(1), forward(self, *a, **k))[1])
+    per_step: list[int] = []
+    run_step = worker.run_step
+
+    def counted(items):
+        passes.clear()
+        run_step(items)
+        per_step.append(len(passes))
+
+    monkeypatch.setattr(worker, "run_step", counted)
+    logged_steps.clear()
+    run = Inline(model)
+    later = lambda: (run.start("long", prompts["long"], config), run.start("next", prompts["next"], config))  # noqa: E731
+    run.start("short", prompts["short"], config, then={2: later})
+    run.wait()
+    assert run.tokens == alone  # each stream as alone
+    mixed = [(count, [kind for kind, _, n in step if n]) for count, step in zip(per_step, logged_steps, strict=True)
+             if any(kind == "prefill" and n for kind, _, n in step) and any(kind == "decode" for kind, *_ in step)]
+    assert mixed  # the long prompt went in beside the short one's decoding
+    for count, kinds in mixed:  # (a hybrid's prompt may also be split where it snapshots its state)
+        assert count == 1 if ragged else count >= kinds.count("prefill") + 1
+    model.close()
+
+
+def test_a_step_that_decodes_nothing_takes_a_whole_prefill_step_on_a_model_that_runs_ragged(logged_steps) -> None:
+    """The budget bounds what a step adds beside decoding streams; a prompt alone goes in as fast as one
+    prefill (its chunks of the budget run as one pass of ``prefill_step`` tokens)."""
+    model = mlxchat.load_model(fixture_path("qwen3"), dtype="float32", prefill_step_budget=8)
+    prompt = [(7 * i) % 300 + 10 for i in range(60)]
+    config = {**GREEDY, "max_tokens": 4, "prefill_step": 32}
+    with mlxchat.load_model(fixture_path("qwen3"), dtype="float32") as other:
+        alone = other.generate(prompt, config).tokens
+    logged_steps.clear()
+    assert model.generate(prompt, config).tokens == alone
+    assert [n for step in logged_steps for kind, _, n in step if kind == "prefill"] == [32, 28]
+    model.close()
+
+
 def test_waiting_prompts_go_in_first_come_first_served_within_the_budget(logged_steps) -> None:
     model = mlxchat.load_model(fixture_path("lfm2"), dtype="float32", prefill_step_budget=16)
     first, second = [(5 * i) % 200 + 10 for i in range(40)], [(3 * i) % 200 + 12 for i in range(30)]

@@ -6,7 +6,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .. import kernels
-from ..cache import KeysValues, QuantizedKeysValues, QuantizedKVCache, RowCaches, padded
+from ..cache import KeysValues, QuantizedKeysValues, QuantizedKVCache, RaggedRows, RowCaches, padded
 from .fused import Projections
 from .norms import RMSNorm
 from .parallel import RowParallelLinear, head_split, slice_outputs
@@ -143,7 +143,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(head_dim, qk_norm_eps)
         self.rope = rope
 
-    def __call__(self, x: mx.array, cache: KeysValues | None = None) -> mx.array:
+    def __call__(self, x: mx.array, cache: KeysValues | RowCaches | RaggedRows | None = None) -> mx.array:
         batch, length, _ = x.shape
         q, k, v = self._qkv(self, x)
         q = q.reshape(batch, length, self.num_heads, self.head_dim)
@@ -152,10 +152,17 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))
+        if isinstance(cache, RaggedRows):  # several sequences end to end: each attends over its own cache
+            out = cache.join([self._attend(qs, ks, vs, row)  # type: ignore[arg-type]  # a row holds keys and values
+                              for row, (qs, ks, vs) in cache.split(q, k, v, axis=2)], axis=2)
+        else:
+            out = self._attend(q, k, v, cache)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(batch, length, -1))
+
+    def _attend(self, q: mx.array, k: mx.array, v: mx.array, cache: KeysValues | RowCaches | None) -> mx.array:
         offset = cache.offset if cache is not None else 0
         q, k = self.rope(q, offset), self.rope(k, offset)
-        out = attend(q, k, v, cache, self.scale, window=self.window)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(batch, length, -1))
+        return attend(q, k, v, cache, self.scale, window=self.window)
 
     def shard(self, group: mx.distributed.Group) -> None:
         """Tensor parallel: each rank keeps some query heads and the KV heads they read (see

@@ -8,7 +8,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from ..cache import KVCache, LayerCache
+from ..cache import KVCache, LayerCache, RaggedRows
 from ..config import ModelConfig
 from .parallel import VocabParallelEmbedding, VocabParallelHead, shard_layers
 from .pipeline import SkippedLayer, Stage, Unembedded, pipeline_split
@@ -46,6 +46,9 @@ class CausalLM(nn.Module):
     """Attributes holding a vision tower, dropped when the model is split (split models read text only)."""
     embeds_on_every_rank = False
     """Whether every pipeline rank needs the token embeddings (not only rank 0, which runs the first layer)."""
+    runs_ragged = False
+    """Whether every layer that holds a cache takes :class:`~mlxchat.cache.RaggedRows` (a subclass whose
+    blocks attend through :class:`~mlxchat.layers.Attention` only, and hold no state, sets it)."""
 
     def __init__(self, config: ModelConfig, model: Decoder):
         super().__init__()
@@ -68,8 +71,13 @@ class CausalLM(nn.Module):
     def last_logits(self, tokens: mx.array, cache: Sequence[LayerCache | None] | None = None,
                     **inputs: mx.array) -> mx.array:
         """Logits ``[batch, vocab]`` of the last position only: the vocabulary-wide projection runs for one
-        row, so a prompt chunk and the first sampled token can share one pass over the weights."""
-        return self._logits(self.model(tokens, cache, **inputs)[:, -1:, :], cache)[:, -1, :]
+        row, so a prompt chunk and the first sampled token can share one pass over the weights. Over
+        :class:`~mlxchat.cache.RaggedRows`, the last position of each sequence: ``[sequences, vocab]``."""
+        h = self.model(tokens, cache, **inputs)
+        ragged = next((c for c in cache or () if isinstance(c, RaggedRows)), None)
+        if ragged is not None:
+            return self._logits(h[:, mx.array(ragged.ends) - 1, :], cache)[0]
+        return self._logits(h[:, -1:, :], cache)[:, -1, :]
 
     def _logits(self, h: mx.array, cache: Sequence[LayerCache | None] | None) -> mx.array:
         """The projection of the decoder's output; pipelined, of the last rank's, on rank 0 (the other ranks

@@ -173,32 +173,44 @@ def batched_decoding_problems(model: GenerativeModel, prompts: Sequence[Sequence
                               tolerance: float = TOLERANCE) -> list[str]:
     """Decode ``prompts`` together (one forward over all rows a step, each row with its own cache) and
     alone: the logits of every step agree within ``tolerance`` (the products of several rows are summed in
-    another order than one row's: about 1e-5 apart in float32) and the greedy tokens are the same. Returns
-    what differs (empty when nothing does)."""
-    from ..batching import batched_last_logits
+    another order than one row's: about 1e-5 apart in float32) and the greedy tokens are the same. On a
+    module that ``runs_ragged`` the first step also carries the first prompt's last tokens (up to 5) as a
+    prompt chunk beside the others' decode tokens, as the worker's step does. Returns what differs (empty
+    when nothing does)."""
+    from ..batching import batched_last_logits, ragged_last_logits
+
+    ragged = getattr(model.module, "runs_ragged", False)
+    tails = [min(len(p) - 1, 5) if ragged and i == 0 else 1 for i, p in enumerate(prompts)]
 
     def run() -> list[str]:
         alone: list[PromptCache] = []
         together: list[PromptCache] = []
-        for prompt in prompts:
+        for prompt, tail in zip(prompts, tails, strict=True):
             for caches in (alone, together):
                 cache = model.make_prompt_cache()
-                cache.prefill(model.module, list(prompt))  # leaves the last prompt token
+                cache.prefill(model.module, list(prompt[: len(prompt) - tail + 1]))  # leaves the tail
                 caches.append(cache)
-        tokens = [int(p[-1]) for p in prompts]
+        fed = [list(p[len(p) - tail:]) for p, tail in zip(prompts, tails, strict=True)]
         problems: list[str] = []
         for step in range(steps):
-            rows = [np.array(batched_last_logits(model.module, [token], [cache])[0].astype(mx.float32))
-                    for token, cache in zip(tokens, alone, strict=True)]
-            batch = np.array(batched_last_logits(model.module, tokens, together).astype(mx.float32))
-            for cache, token in zip([*alone, *together], tokens * 2, strict=True):
-                cache.feed([token])
+            rows = [np.array(ragged_last_logits(model.module, [mx.array(ids)], [cache])[0].astype(mx.float32))
+                    if len(ids) > 1 else
+                    np.array(batched_last_logits(model.module, ids, [cache])[0].astype(mx.float32))
+                    for ids, cache in zip(fed, alone, strict=True)]
+            if step == 0 and ragged:
+                batch = np.array(ragged_last_logits(model.module, [mx.array(ids) for ids in fed],
+                                                    together).astype(mx.float32))
+            else:
+                batch = np.array(batched_last_logits(model.module, [ids[-1] for ids in fed],
+                                                     together).astype(mx.float32))
+            for cache, ids in zip([*alone, *together], fed * 2, strict=True):
+                cache.feed(ids)
             for row, expected in enumerate(rows):
                 err = float(np.abs(batch[row] - expected).max())
                 if err > tolerance:
                     problems.append(f"step {step}, row {row}: batched logits differ by {err:.2e}")
-            tokens = [int(np.argmax(r)) for r in rows]
-            if [int(np.argmax(b)) for b in batch] != tokens:
+            fed = [[int(np.argmax(r))] for r in rows]
+            if [int(np.argmax(b)) for b in batch] != [ids[0] for ids in fed]:
                 problems.append(f"step {step}: batched greedy tokens differ from the rows' own")
         return problems
 

@@ -68,6 +68,8 @@ class Qwen3Block(nn.Module):
 
 
 class Qwen3ForCausalLM(CausalLM):
+    runs_ragged = True
+
     def __init__(self, config: Qwen3Config):
         rope = RoPE(config.head_dim, config.rope, config.max_position_embeddings)
         blocks = [Qwen3Block(config, i, rope) for i in range(config.num_hidden_layers)]

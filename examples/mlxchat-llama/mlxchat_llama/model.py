@@ -54,6 +54,7 @@ class LlamaBlock(nn.Module):
 
 class LlamaForCausalLM(CausalLM):
     config: LlamaConfig
+    runs_ragged = True  # its only layers with a cache are core's Attention
 
     def __init__(self, config: LlamaConfig):
         rope = RoPE(config.head_dim, config.rope, config.max_position_embeddings)

@@ -15,7 +15,15 @@ import numpy as np
 import pytest
 
 import mlxchat
-from mlxchat.testing import SessionContract, assert_parity, fixture_folders, full_logits, load_fixture, reference
+from mlxchat.testing import (
+    SessionContract,
+    assert_parity,
+    batched_decoding_problems,
+    fixture_folders,
+    full_logits,
+    load_fixture,
+    reference,
+)
 from mlxchat_llama import LLAMA, MISTRAL, Llama31JsonParser
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -32,6 +40,13 @@ def test_the_entry_point_registers_both_architectures() -> None:
 @pytest.mark.parametrize("folder", fixture_folders(FIXTURES), ids=lambda folder: folder.name)
 def test_matches_transformers(folder: Path) -> None:
     assert_parity(folder)
+
+
+@pytest.mark.parametrize("folder", fixture_folders(FIXTURES), ids=lambda folder: folder.name)
+def test_a_step_of_several_sequences_equals_each_alone(folder: Path) -> None:
+    """Decode rows and a prompt chunk in one pass (the plugin ``runs_ragged``), the window included."""
+    model = load_fixture(folder)
+    assert batched_decoding_problems(model, [list(range(3, 23)), [5, 9, 2], list(range(40, 75))]) == []
 
 
 class TestLlamaSessions(SessionContract):
