@@ -418,13 +418,16 @@ class Prefill:
 
     def take(self, budget: int) -> tuple[int, int]:
         """Take the next whole chunks that fit in ``budget`` and run beside other sequences' tokens (text only,
-        no follower: :attr:`mergeable`) as one span ``[a, b)`` of the prompt (empty when none fits): the
-        worker's step runs it in its pass (:class:`~mlxchat.cache.RaggedRows`), then :meth:`took` records it."""
+        no follower: :attr:`mergeable`; one at a time on a cache that snapshots, whose chunks end where it
+        does) as one span ``[a, b)`` of the prompt (empty when none fits): the worker's step runs it in its
+        pass (:class:`~mlxchat.cache.RaggedRows`), then :meth:`took` records it."""
         if self._again is not None and self.chunks and self.next_chunk <= budget:
             self._share()
         start = end = self.chunks[0][0] if self.chunks else len(self.cache)
         while self.mergeable and end - start + self.next_chunk <= budget:
             end = self.chunks.popleft()[1]
+            if self.cache.needs_snapshots:
+                break  # its chunks end where it snapshots (a sliding window's state)
         return start, end
 
     def took(self, a: int, b: int, logits: mx.array) -> None:
