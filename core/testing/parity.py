@@ -26,7 +26,7 @@ import numpy as np
 
 from ..generation import decode_tokens
 from ..model import GenerativeModel
-from ..prompt_cache import PromptCache
+from ..prompt_cache import PromptCache, last_logits_of
 from ..sampling import make_sampler
 from .fixtures import fixture_info, load_fixture
 
@@ -193,8 +193,8 @@ def batched_decoding_problems(model: GenerativeModel, prompts: Sequence[Sequence
         fed = [list(p[len(p) - tail:]) for p, tail in zip(prompts, tails, strict=True)]
         problems: list[str] = []
         for step in range(steps):
-            rows = [np.array(ragged_last_logits(model.module, [mx.array(ids)], [cache])[0].astype(mx.float32))
-                    if len(ids) > 1 else
+            rows = [np.array(last_logits_of(model.module)(mx.array(ids)[None], cache.layers)[0].astype(mx.float32))
+                    if len(ids) > 1 else  # a prompt chunk through the single-sequence pass
                     np.array(batched_last_logits(model.module, ids, [cache])[0].astype(mx.float32))
                     for ids, cache in zip(fed, alone, strict=True)]
             if step == 0 and ragged:
