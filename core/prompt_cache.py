@@ -407,8 +407,7 @@ class Prefill:
     def run(self, budget: int) -> int:
         """Run the next chunks while they fit in ``budget`` tokens (whole chunks only, so the chunks, and so the
         numbers, are the same however the budget is shared); return the tokens run."""
-        if self._again is not None and self.chunks and self.next_chunk <= budget:
-            self._share()
+        self._share(budget)
         ran = 0
         while self.chunks and ran + self.next_chunk <= budget:
             a, b = self.chunks.popleft()
@@ -421,8 +420,7 @@ class Prefill:
         no follower: :attr:`mergeable`; one at a time on a cache that snapshots, whose chunks end where it
         does) as one span ``[a, b)`` of the prompt (empty when none fits): the worker's step runs it in its
         pass (:class:`~mlxchat.cache.RaggedRows`), then :meth:`took` records it."""
-        if self._again is not None and self.chunks and self.next_chunk <= budget:
-            self._share()
+        self._share(budget)
         start = end = self.chunks[0][0] if self.chunks else len(self.cache)
         while self.mergeable and end - start + self.next_chunk <= budget:
             end = self.chunks.popleft()[1]
@@ -455,11 +453,14 @@ class Prefill:
     def _images(self) -> Sequence[ImageSpan]:
         return self.prompt.images if isinstance(self.prompt, MultimodalPrompt) else ()
 
-    def _share(self) -> None:
-        """Before the first chunk runs: a cache of the pool may have taken in more of the prompt while this one
-        waited (the prefill before it, of the same system prompt): copy that and plan again from there."""
+    def _share(self, budget: int) -> None:
+        """Before the first chunk runs (when it fits ``budget``): a cache of the pool may have taken in more of
+        the prompt while this one waited (the prefill before it, of the same system prompt): copy that and plan
+        again from there."""
+        if self._again is None or not self.chunks or self.next_chunk > budget:
+            return
         again, self._again = self._again, None
-        assert again is not None and self.cache.prefixes is not None
+        assert self.cache.prefixes is not None
         _, length = self.cache.prefixes.longest(self.prompt, excluding=self.cache)
         if length > self.reused:
             fresh = again()
