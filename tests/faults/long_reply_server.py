@@ -26,14 +26,14 @@ def hold(where: str) -> None:
 
 
 def pause_prefill() -> None:
-    run_together = batching.PrefillChunk.run_together.__func__  # type: ignore[attr-defined]
+    run_together = batching.StepItem.run_together.__func__  # type: ignore[attr-defined]
 
     def paused(cls, items):  # type: ignore[no-untyped-def]
         run_together(cls, items)
-        if any(not item.prefill.done for item in items):
+        if any(isinstance(item, batching.PrefillChunk) and not item.prefill.done for item in items):
             hold("prefill")
 
-    batching.PrefillChunk.run_together = classmethod(paused)  # type: ignore[method-assign, assignment]
+    batching.StepItem.run_together = classmethod(paused)  # type: ignore[method-assign, assignment]
 
 
 def pause_store_write() -> None:

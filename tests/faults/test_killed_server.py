@@ -70,12 +70,24 @@ def integrity(store: Path) -> str:
         return str(db.execute("PRAGMA integrity_check").fetchone()[0])
 
 
-def paused(process: subprocess.Popen[str], where: str) -> None:
-    """Wait until the server says it holds itself at ``where`` (it never goes on from there)."""
+def paused(process: subprocess.Popen[str], where: str, within: float = 300) -> None:
+    """Wait until the server says it holds itself at ``where`` (it never goes on from there); a server that
+    has not said so ``within`` seconds (its hook no longer reached: the code it patches changed) is killed
+    and the test fails, rather than waiting for good."""
     assert process.stdout is not None
-    while (line := process.stdout.readline()) and line != f"paused mid-{where}\n":
-        pass
-    assert line, f"the server ended before it reached the {where}"
+    lines: list[str] = []
+
+    def read() -> None:
+        while (line := process.stdout.readline()) and line != f"paused mid-{where}\n":  # type: ignore[union-attr]
+            pass
+        lines.append(line)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(within)
+    if reader.is_alive():
+        kill(process)
+    assert lines and lines[0], f"the server did not reach the {where} within {within:.0f} s, or ended before it"
 
 
 def kill(process: subprocess.Popen[str]) -> None:
