@@ -273,8 +273,8 @@ class PrefillChunk(StepItem):
                 item.error = exc
                 continue
             left -= item.ran
-            if not item.prefill.done:
-                break  # the next prefills wait for this one (FIFO)
+            if not item.prefill.done and item.prefill.next_chunk > left:
+                break  # the next prefills wait for this one (FIFO; it stopped short of the budget only to snapshot)
         return spans
 
 

@@ -573,9 +573,8 @@ class RaggedRows(LayerCache):
     chunk for one being prefilled) go through ``caches[i]``. The worker's step runs decode tokens and prompt
     chunks this way (:mod:`mlxchat.batching`), so every product reads the weights once for all of them.
 
-    A layer that holds a cache takes it apart with :meth:`split` (each sequence's slice of its inputs, with that
-    sequence's cache) and puts its outputs back with :meth:`join`; a module whose layers all do says so with
-    ``runs_ragged`` (see :class:`~mlxchat.architecture.ModelModule`).
+    A layer that holds a cache takes it apart with :meth:`split` and puts its outputs back with :meth:`join`; a
+    module whose layers all do says so with ``runs_ragged`` (see :class:`~mlxchat.architecture.ModelModule`).
     """
 
     def __init__(self, caches: list[LayerCache], lengths: list[int]):
@@ -583,6 +582,10 @@ class RaggedRows(LayerCache):
         if len(lengths) != len(self.caches) or min(lengths, default=1) < 1:
             raise ValueError(f"{len(self.caches)} rows need a positive length each, got {lengths}")
         self.lengths = list(lengths)
+        self.rows = next((i for i, n in enumerate(self.lengths) if n != 1), len(self.lengths))
+        """The leading sequences of one token each (the decode rows), which :meth:`split` gives as one batch."""
+        if self.rows < 2:
+            self.rows = 0
 
     @property
     def ends(self) -> list[int]:
@@ -590,13 +593,21 @@ class RaggedRows(LayerCache):
         return list(itertools.accumulate(self.lengths))
 
     def split(self, *arrays: mx.array, axis: int) -> list[tuple[LayerCache, list[mx.array]]]:
-        """Each sequence's cache with its slices of ``arrays`` along ``axis`` (the sequence axis)."""
-        starts = [0, *self.ends[:-1]]
+        """The parts of this step, each a cache with its slices of ``arrays`` along ``axis`` (the sequence
+        axis): the decode rows (:attr:`rows`) as one batch, their tokens moved to the batch axis, with their
+        :class:`RowCaches` (a layer's batched decoding serves them), then each other sequence with its cache."""
         lead = (slice(None),) * axis
-        return [(cache, [a[(*lead, slice(start, start + length))] for a in arrays])
-                for cache, start, length in zip(self.caches, starts, self.lengths, strict=True)]
+        parts: list[tuple[LayerCache, list[mx.array]]] = []
+        if self.rows:
+            parts.append((RowCaches(self.caches[: self.rows]),
+                          [mx.swapaxes(a[(*lead, slice(0, self.rows))], 0, axis) for a in arrays]))
+        for cache, start, length in zip(self.caches[self.rows :], self.ends[self.rows :], self.lengths[self.rows :],
+                                        strict=True):
+            parts.append((cache, [a[(*lead, slice(start - length, start))] for a in arrays]))
+        return parts
 
-    @staticmethod
-    def join(outputs: list[mx.array], axis: int) -> mx.array:
-        """The sequences' outputs back end to end along ``axis``."""
+    def join(self, outputs: list[mx.array], axis: int) -> mx.array:
+        """The parts' outputs (in :meth:`split`'s order) back end to end along ``axis``."""
+        if self.rows:
+            outputs = [mx.swapaxes(outputs[0], 0, axis), *outputs[1:]]
         return outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=axis)

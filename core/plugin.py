@@ -16,7 +16,7 @@ entry-point group (see :mod:`mlxchat.hookspecs` for the hooks)::
 """
 
 from .architecture import Architecture, ChatQuirks, ModelModule
-from .cache import KVCache, LayerCache, RowCaches, SlidingWindowCache, StateCache
+from .cache import KVCache, LayerCache, RaggedRows, RowCaches, SlidingWindowCache, StateCache
 from .config import ModelConfig, RopeConfig
 from .errors import CheckpointError, ImageError
 from .hookspecs import hookimpl
@@ -107,6 +107,7 @@ __all__ = [
     "ProportionalRoPE",
     "RMSNorm",
     "RMSNormGated",
+    "RaggedRows",
     "RoPE",
     "RowCaches",
     "RopeConfig",

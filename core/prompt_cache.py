@@ -118,6 +118,10 @@ class PromptCache:
             self._wanted.discard(len(self.tokens))
             self.snapshot()
 
+    def snapshots_at(self, position: int) -> bool:
+        """Whether the prefill under way snapshots at ``position`` (when :meth:`feed` reaches it exactly)."""
+        return position in self._wanted
+
     def snapshot(self) -> None:
         """Snapshot the non-trimmable layers at the current position (free for trim-only models)."""
         position = len(self.tokens)
@@ -417,15 +421,13 @@ class Prefill:
 
     def take(self, budget: int) -> tuple[int, int]:
         """Take the next whole chunks that fit in ``budget`` and run beside other sequences' tokens (text only,
-        no follower: :attr:`mergeable`; one at a time on a cache that snapshots, whose chunks end where it
-        does) as one span ``[a, b)`` of the prompt (empty when none fits): the worker's step runs it in its
-        pass (:class:`~mlxchat.cache.RaggedRows`), then :meth:`took` records it."""
+        no follower: :attr:`mergeable`) as one span ``[a, b)`` of the prompt (empty when none fits), up to where
+        the cache snapshots (a hybrid's or a sliding window's state is kept there, when :meth:`took` feeds it):
+        the worker's step runs it in its pass (:class:`~mlxchat.cache.RaggedRows`), then :meth:`took` records it."""
         self._share(budget)
         start = end = self.chunks[0][0] if self.chunks else len(self.cache)
-        while self.mergeable and end - start + self.next_chunk <= budget:
+        while self.mergeable and end - start + self.next_chunk <= budget and not self.cache.snapshots_at(end):
             end = self.chunks.popleft()[1]
-            if self.cache.needs_snapshots:
-                break  # its chunks end where it snapshots (a sliding window's state)
         return start, end
 
     def took(self, a: int, b: int, logits: mx.array) -> None:

@@ -233,7 +233,7 @@ def test_a_long_prompt_goes_in_a_budget_a_step_while_a_running_stream_decodes_a_
     model.close()
 
 
-@pytest.mark.parametrize(("name", "ragged"), [("qwen3", True), ("lfm2", False)])
+@pytest.mark.parametrize(("name", "ragged"), [("qwen3", True), ("lfm2", True), ("qwen3_5", True), ("gemma4", False)])
 def test_a_step_is_one_pass_over_the_weights_on_a_model_that_runs_ragged(name: str, ragged: bool,
                                                                          logged_steps, monkeypatch) -> None:
     """Decode rows and the prompt chunks of two waiting prompts: one forward pass a step on a model whose
@@ -288,7 +288,7 @@ def test_a_step_that_decodes_nothing_takes_a_whole_prefill_step_on_a_model_that_
 def test_waiting_prompts_go_in_first_come_first_served_within_the_budget(logged_steps) -> None:
     model = mlxchat.load_model(fixture_path("lfm2"), dtype="float32", prefill_step_budget=16)
     first, second = [(5 * i) % 200 + 10 for i in range(40)], [(3 * i) % 200 + 12 for i in range(30)]
-    config = {**GREEDY, "max_tokens": 6}
+    config = {**GREEDY, "max_tokens": 6, "prefill_step": 16}  # a step that decodes nothing takes a prefill step
     alone = {name: model.generate(prompt, config).tokens for name, prompt in (("first", first), ("second", second))}
     logged_steps.clear()
     run = Inline(model)

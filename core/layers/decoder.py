@@ -48,7 +48,8 @@ class CausalLM(nn.Module):
     """Whether every pipeline rank needs the token embeddings (not only rank 0, which runs the first layer)."""
     runs_ragged = False
     """Whether every layer that holds a cache takes :class:`~mlxchat.cache.RaggedRows` (a subclass whose
-    blocks attend through :class:`~mlxchat.layers.Attention` only, and hold no state, sets it)."""
+    blocks mix tokens through core's :class:`~mlxchat.layers.Attention`, :class:`~mlxchat.layers.GatedDeltaNet`
+    and :class:`~mlxchat.layers.ShortConv`, or layers of its own that split ragged rows too, sets it)."""
 
     def __init__(self, config: ModelConfig, model: Decoder):
         super().__init__()

@@ -21,7 +21,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .. import kernels
-from ..cache import StateCache
+from ..cache import RaggedRows, RowCaches, StateCache
 from .fused import Projections
 from .parallel import RowParallelLinear, head_split, slice_outputs
 
@@ -263,9 +263,22 @@ class GatedDeltaNet(nn.Module):
         self.out_proj: nn.Module = nn.Linear(self.value_dim, hidden_size, bias=False)
         self._in = Projections("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
 
-    def __call__(self, x: mx.array, cache: StateCache | None = None) -> mx.array:
+    def __call__(self, x: mx.array, cache: StateCache | RaggedRows | None = None) -> mx.array:
         batch, length, _ = x.shape
         qkv, z, b, a = self._in(self, x)
+        if isinstance(cache, RaggedRows):  # several sequences end to end: each runs the rule from its own state
+            out = cache.join([self._recur(qkv_i, b_i, a_i, part)  # type: ignore[arg-type]  # a part holds states
+                              for part, (qkv_i, b_i, a_i) in cache.split(qkv, b, a, axis=1)], axis=1)
+        else:
+            out = self._recur(qkv, b, a, cache)
+        z = z.reshape(batch, length, self.num_value_heads, self.value_head_dim)
+        out = self.norm(out.astype(x.dtype), z)
+        return self.out_proj(out.reshape(batch, length, self.value_dim))
+
+    def _recur(self, qkv: mx.array, b: mx.array, a: mx.array, cache: StateCache | RowCaches | None) -> mx.array:
+        """The convolution and the delta rule of one sequence (or a batch of decode rows) from ``cache``'s
+        state: the heads' outputs ``[B, L, Hv, Dv]`` (float32)."""
+        batch, length, _ = qkv.shape
         conv_state = cache[0] if cache is not None else None
         if conv_state is None:
             conv_state = mx.zeros((batch, self.conv_kernel - 1, self.conv_dim), qkv.dtype)
@@ -296,10 +309,7 @@ class GatedDeltaNet(nn.Module):
         if cache is not None:
             # A copy: a slice would keep the whole prompt's projections alive in the cache.
             cache.update(mx.contiguous(window[:, -(self.conv_kernel - 1) :]), state, tokens=length)
-
-        z = z.reshape(batch, length, heads, self.value_head_dim)
-        out = self.norm(out.astype(x.dtype), z)
-        return self.out_proj(out.reshape(batch, length, self.value_dim))
+        return out
 
     def shard(self, group: mx.distributed.Group) -> None:
         """Tensor parallel by heads: each rank keeps some value heads and the key heads they read (replicated

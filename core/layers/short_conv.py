@@ -5,7 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..cache import StateCache
+from ..cache import RaggedRows, RowCaches, StateCache
 from ..errors import CheckpointError
 from .parallel import RowParallelLinear, balanced, input_unit, slice_outputs
 
@@ -26,9 +26,17 @@ class ShortConv(nn.Module):
         self.conv = nn.Conv1d(dims, dims, kernel_size, groups=dims, bias=bias)
         self.out_proj: nn.Module = nn.Linear(dims, dims, bias=bias)
 
-    def __call__(self, h: mx.array, cache: StateCache | None = None) -> mx.array:
+    def __call__(self, h: mx.array, cache: StateCache | RaggedRows | None = None) -> mx.array:
         b, c, x = mx.split(self.in_proj(h), 3, axis=-1)
         gated = b * x
+        if isinstance(cache, RaggedRows):  # several sequences end to end: each convolves over its own past
+            y = cache.join([self._convolve(gated_i, part)  # type: ignore[arg-type]  # a part holds states
+                            for part, (gated_i,) in cache.split(gated, axis=1)], axis=1)
+        else:
+            y = self._convolve(gated, cache)
+        return self.out_proj(c * y)
+
+    def _convolve(self, gated: mx.array, cache: StateCache | RowCaches | None) -> mx.array:
         batch, length, dims = gated.shape
         keep = self.kernel_size - 1
         past = cache[0] if cache is not None else None
@@ -48,7 +56,7 @@ class ShortConv(nn.Module):
                 y = y + window[:, k : k + length] * taps[k]
         if "bias" in self.conv:
             y = y + self.conv.bias
-        return self.out_proj(c * y)
+        return y
 
     def shard(self, group: mx.distributed.Group) -> None:
         """Tensor parallel by channels: each rank keeps its channels of ``B``, ``C`` and ``x`` and of the

@@ -160,6 +160,8 @@ _RENAME_RE = re.compile(r"(?<![^.])(" + "|".join(map(re.escape, _RENAMES)) + r")
 
 
 class Lfm2ForCausalLM(CausalLM):
+    runs_ragged = True
+
     def __init__(self, config: Lfm2Config):
         rope = RoPE(config.head_dim, config.rope, config.max_position_embeddings)
         blocks = [Lfm2Block(config, i, rope) for i in range(config.num_hidden_layers)]

@@ -39,9 +39,11 @@ from mlxchat.plugin import (
     ProcessedImage,
     Projections,
     Qwen2VLImageProcessor,
+    RaggedRows,
     RMSNorm,
     RoPE,
     RopeConfig,
+    RowCaches,
     RowParallelLinear,
     SparseMoE,
     StateCache,
@@ -152,9 +154,17 @@ class GatedAttention(nn.Module):
         k = k.reshape(batch, length, self.num_kv_heads, self.head_dim)
         v = v.reshape(batch, length, self.num_kv_heads, self.head_dim)
         q, k, v = self.q_norm(q).swapaxes(1, 2), self.k_norm(k).swapaxes(1, 2), v.swapaxes(1, 2)
+        if isinstance(cache, RaggedRows):  # several sequences end to end: each at its own position, own cache
+            out = cache.join([self._attend(q_i, k_i, v_i, part, part.position)  # type: ignore[arg-type, attr-defined]
+                              for part, (q_i, k_i, v_i) in cache.split(q, k, v, axis=2)], axis=2)
+        else:
+            out = self._attend(q, k, v, cache, positions)
+        return self.o_proj((out.swapaxes(1, 2) * mx.sigmoid(gate)).reshape(batch, length, -1))
+
+    def _attend(self, q: mx.array, k: mx.array, v: mx.array, cache: KVCache | RowCaches | None,
+                positions: int | mx.array) -> mx.array:
         q, k = self.rope(q, positions), self.rope(k, positions)
-        out = attend(q, k, v, cache, self.head_dim**-0.5).swapaxes(1, 2)
-        return self.o_proj((out * mx.sigmoid(gate)).reshape(batch, length, -1))
+        return attend(q, k, v, cache, self.head_dim**-0.5)
 
     def shard(self, group: mx.distributed.Group) -> None:
         """Tensor parallel by heads (``q_proj``'s rows hold each head's query and gate side by side)."""
@@ -207,7 +217,11 @@ class Qwen35Model(Decoder):
         h = self.embed(tokens) if embeddings is None else embeddings
         caches = list(cache) if cache is not None else [None] * len(self.layers)
         attention = [c for layer, c in zip(self.layers, caches, strict=True) if not layer.is_linear and c is not None]
-        rope: int | mx.array = positions if positions is not None else (attention[0].position if attention else 0)
+        rope: int | mx.array = 0  # over ragged rows, each sequence's attention reads its own cache's position
+        if positions is not None:
+            rope = positions
+        elif attention and not isinstance(attention[0], RaggedRows):
+            rope = attention[0].position
         for layer, layer_cache in zip(self.layers, caches, strict=True):
             h = layer(h, layer_cache, rope)
         if positions is not None and attention:
@@ -287,6 +301,7 @@ class Qwen35ForCausalLM(CausalLM):
     """The text decoder and ``lm_head``; with a vision tower (``visual``) when the checkpoint has one."""
 
     model: Qwen35Model
+    runs_ragged = True
     atomic_images = False  # the text model is causal over image tokens: a chunk may end inside an image
     vision_parts = ("visual",)
 
