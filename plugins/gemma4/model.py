@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import re
 from functools import partial
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -38,6 +38,7 @@ from mlxchat.plugin import (
     ProcessedImage,
     Projections,
     ProportionalRoPE,
+    RaggedRows,
     RMSNorm,
     RoPE,
     RopeConfig,
@@ -205,6 +206,15 @@ def make_rope(head_dim: int, rope: RopeConfig, max_positions: int) -> nn.Module:
     return RoPE(head_dim, rope, max_positions)
 
 
+class SharedKV(NamedTuple):
+    """What a layer that owns K/V left for the KV-shared layers of its type: the ragged rows its keys were split
+    by (``None``: one sequence, or a batch of rows), and for each part the rotary offset of its queries and what
+    each of its rows attends over."""
+
+    ragged: RaggedRows | None
+    parts: list[tuple[int | mx.array, list[Attended]]]
+
+
 class Gemma4Attention(nn.Module):
     """Unscaled attention with q/k norms and a weightless value norm.
 
@@ -236,31 +246,45 @@ class Gemma4Attention(nn.Module):
         self.rope = make_rope(self.head_dim, rope, config.max_position_embeddings)
 
     def __call__(self, x: mx.array, offset: int | mx.array, cache: LayerCache | None,
-                 shared: dict[str, list[Attended]], blocks: mx.array | None = None) -> mx.array:
+                 shared: dict[str, SharedKV], blocks: mx.array | None = None) -> mx.array:
         """``blocks``: image block id per token (-1 for text) where image tokens attend bidirectionally. With
-        the caches of several sequences (``RowCaches``, batched decoding) each row attends over its own."""
+        the caches of several sequences each attends over its own: ``RowCaches`` (batched decoding, a row
+        each) or ``RaggedRows`` (a step's sequences end to end, each at its own offset)."""
         batch, length, _ = x.shape
         q, *kv = self._qkv(self, x)
-        q = self.q_norm(q.reshape(batch, length, self.num_heads, self.head_dim))
-        q = self.rope(q.transpose(0, 2, 1, 3), offset)
-        rows: list[LayerCache | None] = list(cache.caches) if isinstance(cache, RowCaches) else [cache]
+        q = self.q_norm(q.reshape(batch, length, self.num_heads, self.head_dim)).transpose(0, 2, 1, 3)
         if self.owns_kv:
             k = kv[0].reshape(batch, length, self.num_kv_heads, self.head_dim)
             v = k if self.values_from_keys else kv[1].reshape(batch, length, self.num_kv_heads, -1)
-            k = self.rope(self.k_norm(k).transpose(0, 2, 1, 3), offset)
-            v = rms_norm(v, self.eps).transpose(0, 2, 1, 3)
-            pairs = [(k, v)] if len(rows) == 1 else [(k[i : i + 1], v[i : i + 1]) for i in range(len(rows))]
-            shared[self.kind] = [fetch_attended(row, *pair)  # type: ignore[arg-type]
-                                 for row, pair in zip(rows, pairs, strict=True)]
-        outs, kept = [], shared[self.kind]  # a KV-shared layer reads the rows its owner left
-        for i, held in enumerate(kept):
+            k, v = self.k_norm(k).transpose(0, 2, 1, 3), rms_norm(v, self.eps).transpose(0, 2, 1, 3)
+            ragged = cache if isinstance(cache, RaggedRows) else None
+            parts = ragged.split(k, v, axis=2) if ragged else [(cache, [k, v])]
+            shared[self.kind] = SharedKV(ragged, [self._own(part, part.offset if ragged else offset, k_i, v_i)  # type: ignore[union-attr]
+                                                  for part, (k_i, v_i) in parts])
+        owned = shared[self.kind]  # a KV-shared layer reads what its owner left
+        queries = owned.ragged.split(q, axis=2) if owned.ragged else [(cache, [q])]
+        outs = [self._attend(self.rope(q_i, at), rows, blocks)
+                for (_, (q_i,)), (at, rows) in zip(queries, owned.parts, strict=True)]
+        out = owned.ragged.join(outs, axis=2) if owned.ragged else outs[0]
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(batch, length, -1))
+
+    def _own(self, cache: LayerCache | None, at: int | mx.array, k: mx.array,
+             v: mx.array) -> tuple[int | mx.array, list[Attended]]:
+        """This layer's keys (rotated from ``at``) and values added to ``cache`` (a sequence's, or a batch of
+        rows'), and what each row's queries attend over."""
+        k = self.rope(k, at)
+        rows: list[LayerCache | None] = list(cache.caches) if isinstance(cache, RowCaches) else [cache]
+        pairs = [(k, v)] if len(rows) == 1 else [(k[i : i + 1], v[i : i + 1]) for i in range(len(rows))]
+        return at, [fetch_attended(row, *pair) for row, pair in zip(rows, pairs, strict=True)]  # type: ignore[arg-type]
+
+    def _attend(self, q: mx.array, rows: list[Attended], blocks: mx.array | None) -> mx.array:
+        outs = []
+        for i, held in enumerate(rows):
             mask = None
             if self.window is not None and blocks is not None:  # sliding caches hold floats
-                mask = window_mask(length, held[0].shape[2], self.window, blocks)  # type: ignore[index]
-            rows_q = q if len(kept) == 1 else q[i : i + 1]
-            outs.append(attend_over(rows_q, held, 1.0, mask, self.window))
-        out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(batch, length, -1))
+                mask = window_mask(q.shape[2], held[0].shape[2], self.window, blocks)  # type: ignore[index]
+            outs.append(attend_over(q if len(rows) == 1 else q[i : i + 1], held, 1.0, mask, self.window))
+        return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
 
     def shard(self, group: mx.distributed.Group) -> None:
         """Tensor parallel by heads; a KV-shared layer splits like the owner of its K/V (same head counts), so
@@ -326,7 +350,7 @@ class Gemma4Block(nn.Module):
         self.layer_scalar = mx.ones((1,))
 
     def __call__(self, x: mx.array, per_layer_input: mx.array | None, offset: int | mx.array, cache: LayerCache | None,
-                 shared: dict[str, list[Attended]], blocks: mx.array | None = None) -> mx.array:
+                 shared: dict[str, SharedKV], blocks: mx.array | None = None) -> mx.array:
         attended = self.self_attn(self.input_layernorm(x), offset, cache, shared, blocks)
         h = x + self.post_attention_layernorm(attended)
         f = self.mlp(self.pre_feedforward_layernorm(h))
@@ -404,8 +428,8 @@ class Gemma4TextModel(Decoder):
             if self.bidirectional_images:
                 blocks = image_blocks(images[0])
         per_layer = self.per_layer_inputs(ple_tokens, h) if self.ple_dim else None
-        offset = cache[0].offset if cache else 0
-        shared: dict[str, list[Attended]] = {}
+        offset = cache[0].offset if cache else 0  # over ragged rows each sequence reads its own (Gemma4Attention)
+        shared: dict[str, SharedKV] = {}
         for i, (layer, slot) in enumerate(zip(self.layers, self.cache_slots, strict=True)):
             layer_cache = cache[slot] if cache is not None and slot is not None else None
             layer_input = per_layer[..., i, :] if per_layer is not None else None
@@ -425,6 +449,7 @@ class Gemma4ForCausalLM(CausalLM):
 
     model: Gemma4TextModel
     vision_parts = ("vision_tower", "embed_vision")
+    runs_ragged = True
 
     def __init__(self, config: Gemma4Config):
         super().__init__(config, Gemma4TextModel(config))
