@@ -46,7 +46,7 @@ def step_times(model: Any, chunk: int, reps: int) -> dict[str, float]:
     prompt = mx.array([(5 * j) % 5000 + 10 for j in range(chunk)])
 
     def one_pass() -> list[mx.array]:
-        return [ragged_last_logits(module, [*current, prompt], [*rows, document])]
+        return [ragged_last_logits(module, [*current, prompt], [*rows, document], rows=len(rows))]
 
     def separate() -> list[mx.array]:
         decoded = batched_last_logits(module, mx.concatenate(current), rows)

@@ -60,12 +60,13 @@ def batched_last_logits(module: ModelModule, tokens: Sequence[int] | mx.array,
     return last_logits_of(module)(column, layers)
 
 
-def ragged_last_logits(module: ModelModule, tokens: Sequence[mx.array], caches: Sequence[PromptCache]) -> mx.array:
+def ragged_last_logits(module: ModelModule, tokens: Sequence[mx.array], caches: Sequence[PromptCache],
+                       rows: int = 0) -> mx.array:
     """Logits ``[B, vocab]`` of the last position of each of ``B`` sequences run in one pass: ``tokens[i]``
-    (one decode token, or a prompt chunk) through ``caches[i]``, laid end to end
+    (one decode token, or a prompt chunk) through ``caches[i]``, laid end to end, the first ``rows`` decoding
     (:class:`~mlxchat.cache.RaggedRows`; the module ``runs_ragged``)."""
     lengths = [int(t.size) for t in tokens]
-    layers = [RaggedRows([cache.layers[i] for cache in caches], lengths) for i in range(len(caches[0].layers))]
+    layers = [RaggedRows([cache.layers[i] for cache in caches], lengths, rows) for i in range(len(caches[0].layers))]
     return module.last_logits(mx.concatenate(list(tokens))[None], layers)  # type: ignore[attr-defined]
 
 
@@ -170,7 +171,8 @@ class DecodeRow(StepItem):
             return
         module = rows[0].module if rows else spans[0].item.prefill.module
         logits = ragged_last_logits(module, [row.current for row in rows] + [mx.array(span.tokens) for span in spans],
-                                    [row.cache for row in rows] + [span.item.prefill.cache for span in spans])
+                                    [row.cache for row in rows] + [span.item.prefill.cache for span in spans],
+                                    rows=len(rows))
         filled = [array for span in spans for array in span.item.prefill.cache.arrays()]
         if rows:
             cls.advance(rows, logits[: len(rows)], filled)
@@ -241,7 +243,9 @@ class PrefillChunk(StepItem):
     waiting prefills, oldest job first (FIFO: a prefill runs its next whole chunks while they fit what the
     ones before it left; the first always runs at least one, so a chunk larger than the budget, a whole
     image, still goes). A long prompt thus enters a chunk a step while the running streams decode a token a
-    step, and no prompt is overtaken. A chunk that runs in a pass of its own fails its own generation only.
+    step, and no prompt waits for a later one: a later prompt takes only what an earlier one leaves of the
+    budget (when it stops where its cache snapshots, or before an image chunk). A chunk that runs in a pass
+    of its own fails its own generation only.
     """
 
     def __init__(self, prefill: Prefill, budget: int, idle: int):
@@ -274,7 +278,8 @@ class PrefillChunk(StepItem):
                 continue
             left -= item.ran
             if not item.prefill.done and item.prefill.next_chunk > left:
-                break  # the next prefills wait for this one (FIFO; it stopped short of the budget only to snapshot)
+                break  # the next prefills wait for this one (FIFO), unless it stopped short of the budget (where
+                # its cache snapshots, or before an image chunk, which runs first in the next step)
         return spans
 
 

@@ -577,15 +577,16 @@ class RaggedRows(LayerCache):
     module whose layers all do says so with ``runs_ragged`` (see :class:`~mlxchat.architecture.ModelModule`).
     """
 
-    def __init__(self, caches: list[LayerCache], lengths: list[int]):
+    def __init__(self, caches: list[LayerCache], lengths: list[int], rows: int = 0):
         self.caches = list(caches)
         if len(lengths) != len(self.caches) or min(lengths, default=1) < 1:
             raise ValueError(f"{len(self.caches)} rows need a positive length each, got {lengths}")
+        if any(n != 1 for n in lengths[:rows]):
+            raise ValueError(f"the first {rows} sequences decode a token each, got lengths {lengths}")
         self.lengths = list(lengths)
-        self.rows = next((i for i, n in enumerate(self.lengths) if n != 1), len(self.lengths))
-        """The leading sequences of one token each (the decode rows), which :meth:`split` gives as one batch."""
-        if self.rows < 2:
-            self.rows = 0
+        self.rows = rows if rows >= 2 else 0
+        """The leading sequences that decode a token each (two or more; else 0), which :meth:`split` gives as
+        one batch. A one-token prompt chunk is not one of them: its cache may hold no state yet."""
 
     @property
     def ends(self) -> list[int]:

@@ -274,6 +274,25 @@ def test_a_step_is_one_pass_over_the_weights_on_a_model_that_runs_ragged(name: s
     model.close()
 
 
+@pytest.mark.parametrize("name", ["lfm2", "qwen3_5"])
+def test_a_one_token_prompt_goes_in_beside_the_decode_rows_of_a_hybrid(name: str, logged_steps) -> None:
+    """A one-token prompt's chunk is a prompt span, not one of the step's decode rows (which run as one batch of
+    their states): its fresh cache holds no state yet."""
+    model = mlxchat.load_model(fixture_path(name), dtype="float32")
+    prompts = {"a": model.encode("Hello there"), "b": model.encode("Good morning"), "one": [42]}
+    config = {**GREEDY, "max_tokens": 8}
+    alone = {n: model.generate(prompt, config).tokens for n, prompt in prompts.items()}
+    logged_steps.clear()
+    run = Inline(model)
+    run.start("a", prompts["a"], config)
+    run.start("b", prompts["b"], config, then={2: lambda: run.start("one", prompts["one"], config)})
+    run.wait()
+    assert run.tokens == alone
+    assert any(("prefill", run.caches["one"], 1) in step and sum(kind == "decode" for kind, *_ in step) >= 2
+               for step in logged_steps)
+    model.close()
+
+
 def test_a_step_that_decodes_nothing_takes_a_whole_prefill_step_on_a_model_that_runs_ragged(logged_steps) -> None:
     """The budget bounds what a step adds beside decoding streams; a prompt alone goes in as fast as one
     prefill (its chunks of the budget run as one pass of ``prefill_step`` tokens)."""

@@ -174,13 +174,13 @@ def batched_decoding_problems(model: GenerativeModel, prompts: Sequence[Sequence
     """Decode ``prompts`` together (one forward over all rows a step, each row with its own cache) and
     alone: the logits of every step agree within ``tolerance`` (the products of several rows are summed in
     another order than one row's: about 1e-5 apart in float32) and the greedy tokens are the same. On a
-    module that ``runs_ragged`` the first step also carries the first prompt's last tokens (up to 5) as a
-    prompt chunk beside the others' decode tokens, as the worker's step does. Returns what differs (empty
-    when nothing does)."""
+    module that ``runs_ragged`` the first step also carries the last prompt's last tokens (up to 5) as a
+    prompt chunk after the others' decode tokens (the decode rows as one batch), as the worker's step does.
+    Returns what differs (empty when nothing does)."""
     from ..batching import batched_last_logits, ragged_last_logits
 
     ragged = getattr(model.module, "runs_ragged", False)
-    tails = [min(len(p) - 1, 5) if ragged and i == 0 else 1 for i, p in enumerate(prompts)]
+    tails = [min(len(p) - 1, 5) if ragged and i == len(prompts) - 1 else 1 for i, p in enumerate(prompts)]
 
     def run() -> list[str]:
         alone: list[PromptCache] = []
@@ -198,8 +198,8 @@ def batched_decoding_problems(model: GenerativeModel, prompts: Sequence[Sequence
                     np.array(batched_last_logits(model.module, ids, [cache])[0].astype(mx.float32))
                     for ids, cache in zip(fed, alone, strict=True)]
             if step == 0 and ragged:
-                batch = np.array(ragged_last_logits(model.module, [mx.array(ids) for ids in fed],
-                                                    together).astype(mx.float32))
+                batch = np.array(ragged_last_logits(model.module, [mx.array(ids) for ids in fed], together,
+                                                    rows=len(fed) - 1).astype(mx.float32))
             else:
                 batch = np.array(batched_last_logits(model.module, [ids[-1] for ids in fed],
                                                      together).astype(mx.float32))

@@ -146,8 +146,10 @@ class GatedAttention(nn.Module):
         self.k_norm = RMSNorm(d, config.rms_norm_eps)
         self.rope = rope
 
-    def __call__(self, x: mx.array, cache: KVCache | None, positions: int | mx.array) -> mx.array:
-        """``positions``: the first token's rotary position (text), or every token's 3-D position ``[3, L]``."""
+    def __call__(self, x: mx.array, cache: KVCache | RowCaches | RaggedRows | None,
+                 positions: int | mx.array) -> mx.array:
+        """``positions``: the first token's rotary position (text), or every token's 3-D position ``[3, L]``
+        (over ragged rows each sequence's own cache position is used instead)."""
         batch, length, _ = x.shape
         queries, k, v = self._qkv(self, x)
         q, gate = mx.split(queries.reshape(batch, length, self.num_heads, 2 * self.head_dim), 2, axis=-1)
