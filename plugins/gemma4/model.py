@@ -258,9 +258,10 @@ class Gemma4Attention(nn.Module):
             v = k if self.values_from_keys else kv[1].reshape(batch, length, self.num_kv_heads, -1)
             k, v = self.k_norm(k).transpose(0, 2, 1, 3), rms_norm(v, self.eps).transpose(0, 2, 1, 3)
             ragged = cache if isinstance(cache, RaggedRows) else None
-            parts = ragged.split(k, v, axis=2) if ragged else [(cache, [k, v])]
-            shared[self.kind] = SharedKV(ragged, [self._own(part, part.offset if ragged else offset, k_i, v_i)  # type: ignore[union-attr]
-                                                  for part, (k_i, v_i) in parts])
+            parts: list[tuple[LayerCache | None, int | mx.array, list[mx.array]]] = [(cache, offset, [k, v])]
+            if ragged:  # each sequence (or the batch of decode rows) from its own offset, read before its update
+                parts = [(part, part.offset, arrays) for part, arrays in ragged.split(k, v, axis=2)]
+            shared[self.kind] = SharedKV(ragged, [self._own(part, at, k_i, v_i) for part, at, (k_i, v_i) in parts])
         owned = shared[self.kind]  # a KV-shared layer reads what its owner left
         queries = owned.ragged.split(q, axis=2) if owned.ragged else [(cache, [q])]
         outs = [self._attend(self.rope(q_i, at), rows, blocks)
