@@ -1,8 +1,8 @@
 """Quantized KV caches (``kv_bits``): attention on the packed keys and values equals attention on their
 dequantized values; 8-bit KV keeps every fixture's next-token probabilities within 1e-2 of float KV's (its
 logits within 0.25: the issue's 1e-2 on logits is not met on these sharply attending random fixtures) and
-the demo model's greedy tokens equal over 200 tokens; the cache cuts back, saves and loads like a float one, in the format
-the file records; sessions, batching and speculative decoding run on it unchanged."""
+the demo model's greedy tokens equal over 200 tokens; the cache cuts back, saves and loads like a float one,
+in the format the file records; sessions, batching and speculative decoding run on it unchanged."""
 
 from __future__ import annotations
 
