@@ -612,3 +612,12 @@ class RaggedRows(LayerCache):
         if self.rows:
             outputs = [mx.swapaxes(outputs[0], 0, axis), *outputs[1:]]
         return outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=axis)
+
+
+def each_sequence(run: Callable[..., mx.array], cache: Any, *arrays: mx.array, axis: int) -> mx.array:
+    """``run(*arrays, cache)``, the part of a layer that reads and updates its cache; over :class:`RaggedRows`,
+    once for each part of the step (:meth:`RaggedRows.split` along ``axis``, the sequence axis), the outputs put
+    back end to end."""
+    if isinstance(cache, RaggedRows):
+        return cache.join([run(*part, rows) for rows, part in cache.split(*arrays, axis=axis)], axis=axis)
+    return run(*arrays, cache)

@@ -16,7 +16,7 @@ entry-point group (see :mod:`mlxchat.hookspecs` for the hooks)::
 """
 
 from .architecture import Architecture, ChatQuirks, ModelModule
-from .cache import KVCache, LayerCache, RaggedRows, RowCaches, SlidingWindowCache, StateCache
+from .cache import KVCache, LayerCache, RaggedRows, RowCaches, SlidingWindowCache, StateCache, each_sequence
 from .config import ModelConfig, RopeConfig
 from .errors import CheckpointError, ImageError
 from .hookspecs import hookimpl
@@ -124,6 +124,7 @@ __all__ = [
     "attend",
     "attend_over",
     "depthwise_weight",
+    "each_sequence",
     "gate_function",
     "gated_delta_chunked",
     "gated_delta_step",

@@ -6,7 +6,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .. import kernels
-from ..cache import KeysValues, QuantizedKeysValues, QuantizedKVCache, RaggedRows, RowCaches, padded
+from ..cache import KeysValues, QuantizedKeysValues, QuantizedKVCache, RaggedRows, RowCaches, each_sequence, padded
 from .fused import Projections
 from .norms import RMSNorm
 from .parallel import RowParallelLinear, head_split, slice_outputs
@@ -152,11 +152,7 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))
-        if isinstance(cache, RaggedRows):  # several sequences end to end: each attends over its own cache
-            out = cache.join([self._attend(qs, ks, vs, row)  # type: ignore[arg-type]  # a row holds keys and values
-                              for row, (qs, ks, vs) in cache.split(q, k, v, axis=2)], axis=2)
-        else:
-            out = self._attend(q, k, v, cache)
+        out = each_sequence(self._attend, cache, q, k, v, axis=2)  # each sequence over its own cache
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(batch, length, -1))
 
     def _attend(self, q: mx.array, k: mx.array, v: mx.array, cache: KeysValues | RowCaches | None) -> mx.array:

@@ -21,7 +21,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .. import kernels
-from ..cache import RaggedRows, RowCaches, StateCache
+from ..cache import RaggedRows, RowCaches, StateCache, each_sequence
 from .fused import Projections
 from .parallel import RowParallelLinear, head_split, slice_outputs
 
@@ -266,11 +266,7 @@ class GatedDeltaNet(nn.Module):
     def __call__(self, x: mx.array, cache: StateCache | RaggedRows | None = None) -> mx.array:
         batch, length, _ = x.shape
         qkv, z, b, a = self._in(self, x)
-        if isinstance(cache, RaggedRows):  # several sequences end to end: each runs the rule from its own state
-            out = cache.join([self._recur(qkv_i, b_i, a_i, part)  # type: ignore[arg-type]  # a part holds states
-                              for part, (qkv_i, b_i, a_i) in cache.split(qkv, b, a, axis=1)], axis=1)
-        else:
-            out = self._recur(qkv, b, a, cache)
+        out = each_sequence(self._recur, cache, qkv, b, a, axis=1)  # each sequence from its own state
         z = z.reshape(batch, length, self.num_value_heads, self.value_head_dim)
         out = self.norm(out.astype(x.dtype), z)
         return self.out_proj(out.reshape(batch, length, self.value_dim))

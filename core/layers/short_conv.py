@@ -5,7 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..cache import RaggedRows, RowCaches, StateCache
+from ..cache import RaggedRows, RowCaches, StateCache, each_sequence
 from ..errors import CheckpointError
 from .parallel import RowParallelLinear, balanced, input_unit, slice_outputs
 
@@ -28,12 +28,7 @@ class ShortConv(nn.Module):
 
     def __call__(self, h: mx.array, cache: StateCache | RaggedRows | None = None) -> mx.array:
         b, c, x = mx.split(self.in_proj(h), 3, axis=-1)
-        gated = b * x
-        if isinstance(cache, RaggedRows):  # several sequences end to end: each convolves over its own past
-            y = cache.join([self._convolve(gated_i, part)  # type: ignore[arg-type]  # a part holds states
-                            for part, (gated_i,) in cache.split(gated, axis=1)], axis=1)
-        else:
-            y = self._convolve(gated, cache)
+        y = each_sequence(self._convolve, cache, b * x, axis=1)  # each sequence over its own past
         return self.out_proj(c * y)
 
     def _convolve(self, gated: mx.array, cache: StateCache | RowCaches | None) -> mx.array:

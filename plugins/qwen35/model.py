@@ -17,6 +17,7 @@ drops it when converting) load without one.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 from typing import Any, Literal
 
 import mlx.core as mx
@@ -49,6 +50,7 @@ from mlxchat.plugin import (
     StateCache,
     SwiGLU,
     attend,
+    each_sequence,
     embed_with_images,
     head_split,
     slice_outputs,
@@ -147,25 +149,22 @@ class GatedAttention(nn.Module):
         self.rope = rope
 
     def __call__(self, x: mx.array, cache: KVCache | RowCaches | RaggedRows | None,
-                 positions: int | mx.array) -> mx.array:
-        """``positions``: the first token's rotary position (text), or every token's 3-D position ``[3, L]``
-        (over ragged rows each sequence's own cache position is used instead)."""
+                 positions: int | mx.array | None = None) -> mx.array:
+        """``positions``: every token's 3-D position ``[3, L]`` (an image chunk) or the first token's rotary
+        position; ``None``: the cache's position (each sequence's own over ragged rows; 0 without a cache)."""
         batch, length, _ = x.shape
         queries, k, v = self._qkv(self, x)
         q, gate = mx.split(queries.reshape(batch, length, self.num_heads, 2 * self.head_dim), 2, axis=-1)
         k = k.reshape(batch, length, self.num_kv_heads, self.head_dim)
         v = v.reshape(batch, length, self.num_kv_heads, self.head_dim)
         q, k, v = self.q_norm(q).swapaxes(1, 2), self.k_norm(k).swapaxes(1, 2), v.swapaxes(1, 2)
-        if isinstance(cache, RaggedRows):  # several sequences end to end: each at its own position, own cache
-            out = cache.join([self._attend(q_i, k_i, v_i, part, part.position)  # type: ignore[arg-type, attr-defined]
-                              for part, (q_i, k_i, v_i) in cache.split(q, k, v, axis=2)], axis=2)
-        else:
-            out = self._attend(q, k, v, cache, positions)
+        out = each_sequence(partial(self._attend, positions=positions), cache, q, k, v, axis=2)
         return self.o_proj((out.swapaxes(1, 2) * mx.sigmoid(gate)).reshape(batch, length, -1))
 
     def _attend(self, q: mx.array, k: mx.array, v: mx.array, cache: KVCache | RowCaches | None,
-                positions: int | mx.array) -> mx.array:
-        q, k = self.rope(q, positions), self.rope(k, positions)
+                positions: int | mx.array | None) -> mx.array:
+        at = positions if positions is not None else (cache.position if cache is not None else 0)
+        q, k = self.rope(q, at), self.rope(k, at)
         return attend(q, k, v, cache, self.head_dim**-0.5)
 
     def shard(self, group: mx.distributed.Group) -> None:
@@ -201,7 +200,7 @@ class Qwen35Block(nn.Module):
         else:
             self.mlp = SwiGLU(h, config.intermediate_size, activation=config.hidden_act)
 
-    def __call__(self, x: mx.array, cache: LayerCache | None, positions: int | mx.array) -> mx.array:
+    def __call__(self, x: mx.array, cache: LayerCache | None, positions: int | mx.array | None = None) -> mx.array:
         normed = self.input_layernorm(x)
         if self.is_linear:
             h = x + self.linear_attn(normed, cache)
@@ -211,7 +210,7 @@ class Qwen35Block(nn.Module):
 
 
 class Qwen35Model(Decoder):
-    """The decoder; its attention layers rotate text by the KV cache's position and image chunks by the
+    """The decoder; its attention layers rotate text by their KV cache's position and image chunks by the
     explicit 3-D ``positions`` given with their ``embeddings``."""
 
     def __call__(self, tokens: mx.array, cache: Sequence[LayerCache | None] | None = None,  # type: ignore[override]
@@ -219,13 +218,8 @@ class Qwen35Model(Decoder):
         h = self.embed(tokens) if embeddings is None else embeddings
         caches = list(cache) if cache is not None else [None] * len(self.layers)
         attention = [c for layer, c in zip(self.layers, caches, strict=True) if not layer.is_linear and c is not None]
-        rope: int | mx.array = 0  # over ragged rows, each sequence's attention reads its own cache's position
-        if positions is not None:
-            rope = positions
-        elif attention and not isinstance(attention[0], RaggedRows):
-            rope = attention[0].position
         for layer, layer_cache in zip(self.layers, caches, strict=True):
-            h = layer(h, layer_cache, rope)
+            h = layer(h, layer_cache, positions)
         if positions is not None and attention:
             # Text after this chunk continues one past its last token's largest coordinate.
             shift = int(np.array(positions[:, -1]).max()) + 1 - attention[0].offset
