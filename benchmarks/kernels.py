@@ -4,8 +4,9 @@
   each OpenBLAS mlxchat can load (``MLXCHAT_BLAS=system`` / ``numpy``): GEMM GFLOP/s at prefill shapes and
   single-row GB/s of weights read at decode shapes (through the sgemv route).
 - **Quantized**: GB/s of packed weights (with their scales and biases) that the native 4- and 8-bit
-  kernels read at decode shapes, for one row and for a few, and numpy's own float32 sgemv beside them as
-  the bandwidth reference of the moment.
+  kernels read at decode shapes for one row, and numpy's own float32 sgemv beside them as the bandwidth
+  reference of the moment; GFLOP/s for 4 and 8 rows (batched decoding, speculative drafts), where the
+  kernels are bound by arithmetic rather than by the read.
 - **Attention**: GB/s of KV cache (float32, 8-bit, 4-bit) that one decode step's attention reads at
   Qwen3-0.6B's shapes, through ``mlxchat.layers.attend`` (the fused kernel on a CPU), over enough layers'
   caches that the last-level cache cannot hold them; and GFLOP/s of a 512-token prefill chunk over 4k keys.
@@ -30,7 +31,7 @@ GEMM_SHAPES = [(512, 3072, 1024), (512, 1024, 3072), (2048, 2048, 2048)]
 """(rows of x, outputs, inputs): a prefill chunk through Qwen3-0.6B's up and down projections, and a square."""
 GEMV_SHAPES = [(3072, 1024), (1024, 3072), (151936, 1024), (16384, 4096)]
 """(outputs, inputs): Qwen3-0.6B's up, down and lm_head; a 256 MiB matrix (float32) that no cache holds."""
-QUANT_ROWS = (1, 4)
+QUANT_ROWS = (1, 4, 8)
 PER_EVAL = 16
 ATTENTION_KEYS = (4096, 32768)
 """Cached keys of the measured decode steps (Qwen3-0.6B: 16 query heads, 8 KV heads, head 128)."""
@@ -84,10 +85,14 @@ def measure_quantized() -> dict[str, Any]:
                         bits: int = bits) -> None:
                     mx.eval([mq.quantized_matmul(x, p, s, b, 64, bits) for x in xs])
 
-                out[f"{bits}-bit x{rows} {n}x{k}"] = PER_EVAL * size / _best(run, 5) / 1e9
+                seconds = _best(run, 5) / PER_EVAL
+                if rows == 1:
+                    out[f"{bits}-bit x1 {n}x{k} GB/s"] = size / seconds / 1e9
+                else:
+                    out[f"{bits}-bit x{rows} {n}x{k} GFLOP/s"] = 2 * rows * n * k / seconds / 1e9
         matrix = np.asarray(w)
         vector = np.ones(k, dtype=np.float32)
-        out[f"numpy sgemv {n}x{k}"] = matrix.nbytes / _best(lambda m=matrix, v=vector: m @ v, 10) / 1e9
+        out[f"numpy sgemv {n}x{k} GB/s"] = matrix.nbytes / _best(lambda m=matrix, v=vector: m @ v, 10) / 1e9
     return out
 
 
@@ -158,7 +163,8 @@ def main(argv: list[str]) -> None:
             rounds[job].append(_child(*job))
             print(f"round {index + 1}: {job[0]} {job[1]} done", file=sys.stderr, flush=True)
     titles = {"quantized": "native quantized kernels", "attention": "attention"}
-    units = {"blas": "GFLOP/s (gemm), GB/s of weights (gemv)", "quantized": "GB/s of packed weights",
+    units = {"blas": "GFLOP/s (gemm), GB/s of weights (gemv)",
+             "quantized": "GB/s of packed weights (one row), GFLOP/s (several)",
              "attention": "GB/s of KV cache read by a decode step"}
     for (kind, _), results in rounds.items():
         title = results[0]["library"] if kind == "blas" else f"{titles[kind]} ({results[0]['kernels']})"

@@ -61,7 +61,8 @@ const Isa detected_isa = best_isa();
 std::atomic<Isa> active_isa{detected_isa};
 
 /* Up to this many rows of x share one pass over the packed weights; more go through sgemm (measured
- * crossover on a 2-core AVX-512 machine: between 48 and 64 rows at 4 bits). */
+ * crossover on a 2-core AVX-512 machine: between 48 and 64 rows at 4 bits; on a 2-core AVX2 EPYC, between
+ * 48 and 128 rows by product, at 4 and 8 bits). */
 std::atomic<int> small_rows{48};
 
 const char* isa_name(Isa isa) {
