@@ -89,7 +89,7 @@ CHUNKS = (1, 70, 1, 1, 63, 1, 129, 2, 1, 300, 1)
 
 
 @pytest.mark.parametrize("kind", ["float", "8-bit", "4-bit"])
-@pytest.mark.parametrize(("heads", "kv_heads", "dims"), [(4, 4, 64), (6, 2, 48), (8, 1, 80)])
+@pytest.mark.parametrize(("heads", "kv_heads", "dims"), [(4, 4, 64), (4, 2, 80), (6, 2, 48), (8, 1, 80)])
 def test_attention_over_a_cache_equals_plain_attention(isa: str, kind: str, heads: int, kv_heads: int,
                                                        dims: int) -> None:
     cache = KVCache() if kind == "float" else QuantizedKVCache(8 if kind == "8-bit" else 4, 32 if dims == 80 else 64)

@@ -6,10 +6,11 @@
  * task computes the rows' scores, masks them (causal, sliding window) by position as it goes, folds them
  * into each row's running maximum and sum (rescaling what it has summed when the maximum grows) and adds
  * the block's values weighted by them. So keys and values are read once per block of rows, straight from
- * the cache's buffers (strided views: float32 in place, packed rows dequantized a block at a time into the
- * task's scratch), and the scratch is a block's, whatever the context. A decode step has one block of rows
- * per KV head; when that makes too few tasks for the cores, each block's keys are split among several
- * tasks whose partial sums are merged afterwards (flash decoding).
+ * the cache's buffers (strided views: float32 in place; packed rows dequantized a block at a time into the
+ * task's scratch, or, for one or two rows, converted in registers where they lie), and the scratch is a
+ * block's, whatever the context. A decode step has one block of rows per KV head; when that makes too few
+ * tasks for the cores, each block's keys are split among several tasks whose partial sums are merged
+ * afterwards (flash decoding).
  */
 #include "attention.h"
 
@@ -17,6 +18,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <numeric>
 #include <vector>
 
 #include "pool.h"
@@ -32,6 +34,11 @@ constexpr int kLanes = 16;  // staged rows are padded to whole multiples of this
 constexpr int kKeys = 64;   // keys per block (the values of a block of 64 stay in L1 while 64 rows sum them)
 constexpr int kRows = 64;   // query rows per task (at most)
 constexpr int kSplitKeys = 512;  // the fewest keys a task of a split block gets
+/* Blocks of at most this many rows (a decode step of 1-2 query heads a KV head) read packed keys and values in
+ * place, converting them in registers; more rows share one staged float copy of each block (converting for each
+ * pair of rows cost more than the stores: 3 and 4 rows ran 5-20% slower fused on an AVX2 EPYC, where 1 and 2
+ * rows ran 21-42% faster; benchmarks/results/quantized_kv_decode.md). */
+constexpr int kFusedRows = 2;
 constexpr double kInline = 1 << 18;  // multiply-adds under which a problem runs on the calling thread
 
 int padded(int n) {
@@ -43,6 +50,10 @@ struct Ops {
   void (*accumulate)(const float* p, int rows, int ps, const float* v, int64_t vs, int n, int dims, float* acc,
                      int as);
   void (*dequantize)(const Rows& rows, int b, int h, int64_t at, int n, float* out);
+  void (*packed_scores)(const float* q, int rows, int qs, const float* qsum, const Rows& keys, int b, int h,
+                        int64_t at, int n, float* s, int ss);
+  void (*packed_accumulate)(const float* p, int rows, int ps, const Rows& values, int b, int h, int64_t at, int n,
+                            float* acc, int as);
   float (*row_max)(const float* x, int n);
   float (*exp_sum)(float* x, int n, float shift);
   void (*scale)(float* x, int dims, float by);
@@ -91,6 +102,10 @@ struct V {
     const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + c / 2)), m = _mm_set1_epi8(15);
     const __m128i x = _mm_unpacklo_epi8(_mm_and_si128(b, m), _mm_and_si128(_mm_srli_epi16(b, 4), m));
     return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(x));
+  }
+  static void bytes4x2(const uint8_t* w, int c, Vec& lo, Vec& hi) {
+    lo = bytes4(w, c);
+    hi = bytes4(w, c + W);
   }
 };
 #include "attention_ops.h"
@@ -149,6 +164,12 @@ struct V {
     const __m128i x = _mm_unpacklo_epi8(_mm_and_si128(b, m), _mm_and_si128(_mm_srli_epi16(b, 4), m));
     return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(x));
   }
+  static void bytes4x2(const uint8_t* w, int c, Vec& lo, Vec& hi) {  // one load and unpack for 16 values
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + c / 2)), m = _mm_set1_epi8(15);
+    const __m128i x = _mm_unpacklo_epi8(_mm_and_si128(b, m), _mm_and_si128(_mm_srli_epi16(b, 4), m));
+    lo = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(x));
+    hi = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(x, x)));
+  }
 };
 #include "attention_ops.h"
 }  // namespace avx2
@@ -177,6 +198,10 @@ struct V {
   static void store_rows(Vec v, float* s, int) { *s = v; }
   static Vec bytes8(const uint8_t* w, int c) { return float(w[c]); }
   static Vec bytes4(const uint8_t* w, int c) { return float((w[c / 2] >> (4 * (c & 1))) & 15); }
+  static void bytes4x2(const uint8_t* w, int c, Vec& lo, Vec& hi) {
+    lo = bytes4(w, c);
+    hi = bytes4(w, c + 1);
+  }
 };
 #include "attention_ops.h"
 }  // namespace scalar
@@ -241,7 +266,7 @@ class Buffer {
 };
 
 struct Scratch {
-  Buffer q, s, acc, k, v;
+  Buffer q, s, acc, k, v, qsum;
   std::vector<float> top, sum;
 };
 
@@ -272,6 +297,18 @@ const float* rows_at(const Rows& rows, const Ops& ops, int b, int h, int64_t at,
   return staged;
 }
 
+/* Each of `rows` query rows' sums over each group of `dims` features (what packed keys' biases multiply). */
+const float* group_sums(const float* q, int rows, int qs, int dims, int group, Buffer& into) {
+  const int groups = dims / group;
+  float* sums = into.take(size_t(rows) * groups);
+  for (int i = 0; i < rows; ++i)
+    for (int g = 0; g < groups; ++g) {
+      const float* x = q + size_t(i) * qs + g * group;
+      sums[i * groups + g] = std::accumulate(x, x + group, 0.0f);
+    }
+  return sums;
+}
+
 int features(const Rows& rows) {
   return rows.bits == 0 ? padded(rows.dims) : rows.dims;
 }
@@ -299,11 +336,18 @@ void run_task(const void* ctx, int index) {
   for (int si = 0; si < p.count; start += p.segments[si].count, ++si) {
     const Segment& seg = p.segments[si];
     const int kd = features(seg.keys), vdims = features(seg.values);
+    const bool packed_keys = seg.keys.bits != 0 && rows <= kFusedRows;
+    const bool packed_values = seg.values.bits != 0 && rows <= kFusedRows;
+    const float* qsum = packed_keys ? group_sums(q, rows, qd, seg.keys.dims, seg.keys.group, s.qsum) : nullptr;
     for (int64_t j0 = std::max(t.k0, start); j0 < std::min(t.k1, start + seg.count); j0 += kKeys) {
       const int n = int(std::min<int64_t>(kKeys, std::min(t.k1, start + seg.count) - j0));
-      int64_t ks, vs;
-      const float* k = rows_at(seg.keys, ops, t.b, t.h, j0 - start, n, kd, s.k, ks);
-      ops.scores(q, rows, qd, k, ks, n, kd, scores, kKeys);
+      if (packed_keys) {
+        ops.packed_scores(q, rows, qd, qsum, seg.keys, t.b, t.h, j0 - start, n, scores, kKeys);
+      } else {
+        int64_t ks;
+        const float* k = rows_at(seg.keys, ops, t.b, t.h, j0 - start, n, kd, s.k, ks);
+        ops.scores(q, rows, qd, k, ks, n, kd, scores, kKeys);
+      }
       for (int i = 0; i < rows; ++i) {
         float* row = scores + size_t(i) * kKeys;
         const int a = int(std::clamp<int64_t>(plan.first_key(t.r0 + i) - j0, 0, n));
@@ -321,8 +365,13 @@ void run_task(const void* ctx, int index) {
         s.sum[i] = s.sum[i] * rescale + sum;
         s.top[i] = top;
       }
-      const float* v = rows_at(seg.values, ops, t.b, t.h, j0 - start, n, vdims, s.v, vs);
-      ops.accumulate(scores, rows, kKeys, v, vs, n, vdims, acc, vd);
+      if (packed_values) {
+        ops.packed_accumulate(scores, rows, kKeys, seg.values, t.b, t.h, j0 - start, n, acc, vd);
+      } else {
+        int64_t vs;
+        const float* v = rows_at(seg.values, ops, t.b, t.h, j0 - start, n, vdims, s.v, vs);
+        ops.accumulate(scores, rows, kKeys, v, vs, n, vdims, acc, vd);
+      }
     }
   }
   if (t.parts > 1) {

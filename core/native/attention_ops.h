@@ -4,7 +4,8 @@
  * defined: W lanes of float32 (Vec); zero, set1, load, store, fma, add, sub, mul, max; sum and top of one
  * vector's lanes; sums(acc), the W sums of W vectors in one vector (lane p holds the sum of acc[input(p)]),
  * and store_rows<R>, which writes that vector's R rows of W / R lanes; exp; bytes8/bytes4, the W 8- or 4-bit
- * values from feature c on; kAcc and kMaxC, the accumulators and value chunks the registers hold.
+ * values from feature c on, and bytes4x2 the 2W 4-bit ones, in two vectors; kAcc and kMaxC, the accumulators
+ * and value chunks the registers hold.
  *
  * Feature counts (`dims`) are whole multiples of 16 (attention.cpp pads what it stages), so of W.
  */
@@ -94,6 +95,23 @@ inline void accumulate(const float* p, int rows, int ps, const float* v, int64_t
   }
 }
 
+/* The W values from feature c on of a packed row, as floats. */
+template <int BITS>
+inline Vec unpack(const uint8_t* w, int c) {
+  return BITS == 8 ? V::bytes8(w, c) : V::bytes4(w, c);
+}
+
+/* The 2W values from feature c on (4-bit ones unpacked together). */
+template <int BITS>
+inline void unpack2(const uint8_t* w, int c, Vec& lo, Vec& hi) {
+  if constexpr (BITS == 8) {
+    lo = V::bytes8(w, c);
+    hi = V::bytes8(w, c + V::W);
+  } else {
+    V::bytes4x2(w, c, lo, hi);
+  }
+}
+
 /* n packed rows (mx.quantize's affine layout) from position `at` in float32: w * scale + bias, a group at a time
  * (GROUP features, unrolled). */
 template <int BITS, int GROUP>
@@ -106,8 +124,12 @@ inline void dequantize_rows(const Rows& rows, int b, int h, int64_t at, int n, f
     const float* bias = biases.at<float>(b, h, at + j);
     for (int c = 0; c < dims; c += GROUP) {
       const Vec times = V::set1(scale[c / GROUP]), plus = V::set1(bias[c / GROUP]);
-      for (int f = 0; f < GROUP; f += V::W)
-        V::store(out + c + f, V::fma(BITS == 8 ? V::bytes8(w, c + f) : V::bytes4(w, c + f), times, plus));
+      for (int f = 0; f < GROUP; f += 2 * V::W) {
+        Vec lo, hi;
+        unpack2<BITS>(w, c + f, lo, hi);
+        V::store(out + c + f, V::fma(lo, times, plus));
+        V::store(out + c + f + V::W, V::fma(hi, times, plus));
+      }
     }
   }
 }
@@ -123,6 +145,134 @@ inline void dequantize_bits(const Rows& rows, int b, int h, int64_t at, int n, f
 
 inline void dequantize(const Rows& rows, int b, int h, int64_t at, int n, float* out) {
   return rows.bits == 8 ? dequantize_bits<8>(rows, b, h, at, n, out) : dequantize_bits<4>(rows, b, h, at, n, out);
+}
+
+/* s[i * ss + j] = q_i . k_j for R rows of q and n packed keys, without a float copy of the keys: over each group,
+ * scale * (q_i . w) + bias * (the group's sum of q_i, in qsum[i * groups + g]), the packed values converted in
+ * registers. For one or two rows (a decode step), where storing and reloading staged keys costs more than the
+ * products (attention.cpp, kFusedRows). */
+template <int R, int BITS, int GROUP>
+inline void packed_scores_rows(const float* q, int qs, const float* qsum, const Rows& keys, int b, int h, int64_t at,
+                               int n, float* s, int ss) {
+  const int groups = keys.dims / GROUP;
+  for (int j = 0; j < n; ++j) {
+    const auto* w = reinterpret_cast<const uint8_t*>(keys.data.at<uint32_t>(b, h, at + j));
+    const float* scale = keys.scales.at<float>(b, h, at + j);
+    const float* bias = keys.biases.at<float>(b, h, at + j);
+    Vec acc[R];
+    float shift[R];
+    for (int i = 0; i < R; ++i) acc[i] = V::zero(), shift[i] = 0.0f;
+    for (int g = 0; g < groups; ++g) {
+      Vec t[R][2];
+      for (int i = 0; i < R; ++i) t[i][0] = t[i][1] = V::zero();
+      for (int c = g * GROUP; c < (g + 1) * GROUP; c += 2 * V::W) {
+        Vec x0, x1;
+        unpack2<BITS>(w, c, x0, x1);
+        for (int i = 0; i < R; ++i) {
+          t[i][0] = V::fma(V::load(q + i * qs + c), x0, t[i][0]);
+          t[i][1] = V::fma(V::load(q + i * qs + c + V::W), x1, t[i][1]);
+        }
+      }
+      const Vec times = V::set1(scale[g]);
+      for (int i = 0; i < R; ++i) {
+        acc[i] = V::fma(V::add(t[i][0], t[i][1]), times, acc[i]);
+        shift[i] += bias[g] * qsum[i * groups + g];
+      }
+    }
+    for (int i = 0; i < R; ++i) s[i * ss + j] = V::sum(acc[i]) + shift[i];
+  }
+}
+
+template <int BITS, int GROUP>
+inline void packed_scores_group(const float* q, int rows, int qs, const float* qsum, const Rows& keys, int b, int h,
+                                int64_t at, int n, float* s, int ss) {
+  if (rows == 2) return packed_scores_rows<2, BITS, GROUP>(q, qs, qsum, keys, b, h, at, n, s, ss);
+  return packed_scores_rows<1, BITS, GROUP>(q, qs, qsum, keys, b, h, at, n, s, ss);
+}
+
+template <int BITS>
+inline void packed_scores_bits(const float* q, int rows, int qs, const float* qsum, const Rows& keys, int b, int h,
+                               int64_t at, int n, float* s, int ss) {
+  switch (keys.group) {
+    case 32: return packed_scores_group<BITS, 32>(q, rows, qs, qsum, keys, b, h, at, n, s, ss);
+    case 64: return packed_scores_group<BITS, 64>(q, rows, qs, qsum, keys, b, h, at, n, s, ss);
+    default: return packed_scores_group<BITS, 128>(q, rows, qs, qsum, keys, b, h, at, n, s, ss);
+  }
+}
+
+inline void packed_scores(const float* q, int rows, int qs, const float* qsum, const Rows& keys, int b, int h,
+                          int64_t at, int n, float* s, int ss) {
+  return keys.bits == 8 ? packed_scores_bits<8>(q, rows, qs, qsum, keys, b, h, at, n, s, ss)
+                        : packed_scores_bits<4>(q, rows, qs, qsum, keys, b, h, at, n, s, ss);
+}
+
+/* acc[i * as + f] += sum over j of p_ij * (scale * v_j + bias) over C * W features from c0 (in one group), for R
+ * rows and n packed values: p_ij * scale times the values converted in registers (the biases' part is added per
+ * group by packed_accumulate). */
+template <int R, int C, int BITS>
+inline void packed_accumulate_tile(const float* p, int ps, const Rows& values, int b, int h, int64_t at, int n, int c0,
+                                   int g, float* acc, int as) {
+  Vec a[R][C];
+  for (int i = 0; i < R; ++i)
+    for (int c = 0; c < C; ++c) a[i][c] = V::load(acc + i * as + c0 + c * V::W);
+  for (int j = 0; j < n; ++j) {
+    const auto* w = reinterpret_cast<const uint8_t*>(values.data.at<uint32_t>(b, h, at + j));
+    const float scale = values.scales.at<float>(b, h, at + j)[g];
+    Vec x[C];
+    for (int c = 0; c + 2 <= C; c += 2) unpack2<BITS>(w, c0 + c * V::W, x[c], x[c + 1]);
+    if constexpr (C % 2 == 1) x[C - 1] = unpack<BITS>(w, c0 + (C - 1) * V::W);
+    for (int i = 0; i < R; ++i) {
+      const Vec times = V::set1(p[i * ps + j] * scale);
+      for (int c = 0; c < C; ++c) a[i][c] = V::fma(times, x[c], a[i][c]);
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int c = 0; c < C; ++c) V::store(acc + i * as + c0 + c * V::W, a[i][c]);
+}
+
+template <int R, int BITS, int GROUP>
+inline void packed_accumulate_rows(const float* p, int ps, const Rows& values, int b, int h, int64_t at, int n,
+                                   float* acc, int as) {
+  constexpr int per_group = GROUP / V::W;
+  constexpr int most = V::kAcc / R < V::kMaxC ? V::kAcc / R : V::kMaxC;
+  constexpr int C = most < per_group ? most : per_group;
+  for (int g = 0; g < values.dims / GROUP; ++g) {
+    int c = 0;
+    for (; c + C <= per_group; c += C)
+      packed_accumulate_tile<R, C, BITS>(p, ps, values, b, h, at, n, g * GROUP + c * V::W, g, acc, as);
+    for (; c < per_group; ++c)
+      packed_accumulate_tile<R, 1, BITS>(p, ps, values, b, h, at, n, g * GROUP + c * V::W, g, acc, as);
+    for (int i = 0; i < R; ++i) {
+      float shift = 0.0f;
+      for (int j = 0; j < n; ++j) shift += p[i * ps + j] * values.biases.at<float>(b, h, at + j)[g];
+      const Vec by = V::set1(shift);
+      float* out = acc + i * as + g * GROUP;
+      for (int f = 0; f < GROUP; f += V::W) V::store(out + f, V::add(V::load(out + f), by));
+    }
+  }
+}
+
+template <int BITS, int GROUP>
+inline void packed_accumulate_group(const float* p, int rows, int ps, const Rows& values, int b, int h, int64_t at,
+                                    int n, float* acc, int as) {
+  if (rows == 2) return packed_accumulate_rows<2, BITS, GROUP>(p, ps, values, b, h, at, n, acc, as);
+  return packed_accumulate_rows<1, BITS, GROUP>(p, ps, values, b, h, at, n, acc, as);
+}
+
+template <int BITS>
+inline void packed_accumulate_bits(const float* p, int rows, int ps, const Rows& values, int b, int h, int64_t at,
+                                   int n, float* acc, int as) {
+  switch (values.group) {
+    case 32: return packed_accumulate_group<BITS, 32>(p, rows, ps, values, b, h, at, n, acc, as);
+    case 64: return packed_accumulate_group<BITS, 64>(p, rows, ps, values, b, h, at, n, acc, as);
+    default: return packed_accumulate_group<BITS, 128>(p, rows, ps, values, b, h, at, n, acc, as);
+  }
+}
+
+inline void packed_accumulate(const float* p, int rows, int ps, const Rows& values, int b, int h, int64_t at, int n,
+                              float* acc, int as) {
+  return values.bits == 8 ? packed_accumulate_bits<8>(p, rows, ps, values, b, h, at, n, acc, as)
+                          : packed_accumulate_bits<4>(p, rows, ps, values, b, h, at, n, acc, as);
 }
 
 inline float row_max(const float* x, int n) {
@@ -155,4 +305,4 @@ inline void scale(float* x, int dims, float by) {
   for (int c = 0; c < dims; c += V::W) V::store(x + c, V::mul(V::load(x + c), f));
 }
 
-const Ops ops = {scores, accumulate, dequantize, row_max, exp_sum, scale};
+const Ops ops = {scores, accumulate, dequantize, packed_scores, packed_accumulate, row_max, exp_sum, scale};
