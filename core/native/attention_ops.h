@@ -134,17 +134,23 @@ inline void dequantize_rows(const Rows& rows, int b, int h, int64_t at, int n, f
   }
 }
 
-template <int BITS>
-inline void dequantize_bits(const Rows& rows, int b, int h, int64_t at, int n, float* out) {
-  switch (rows.group) {
-    case 32: return dequantize_rows<BITS, 32>(rows, b, h, at, n, out);
-    case 64: return dequantize_rows<BITS, 64>(rows, b, h, at, n, out);
-    default: return dequantize_rows<BITS, 128>(rows, b, h, at, n, out);
-  }
+/* f(bits, group) for a packed layout, both as compile-time constants (std::integral_constant). */
+template <class F>
+inline void by_format(const Rows& rows, F&& f) {
+  const auto with = [&](auto bits) {
+    switch (rows.group) {
+      case 32: return f(bits, std::integral_constant<int, 32>{});
+      case 64: return f(bits, std::integral_constant<int, 64>{});
+      default: return f(bits, std::integral_constant<int, 128>{});
+    }
+  };
+  return rows.bits == 8 ? with(std::integral_constant<int, 8>{}) : with(std::integral_constant<int, 4>{});
 }
 
 inline void dequantize(const Rows& rows, int b, int h, int64_t at, int n, float* out) {
-  return rows.bits == 8 ? dequantize_bits<8>(rows, b, h, at, n, out) : dequantize_bits<4>(rows, b, h, at, n, out);
+  by_format(rows, [&](auto bits, auto group) {
+    dequantize_rows<decltype(bits)::value, decltype(group)::value>(rows, b, h, at, n, out);
+  });
 }
 
 /* s[i * ss + j] = q_i . k_j for R rows of q and n packed keys, without a float copy of the keys: over each group,
@@ -183,27 +189,13 @@ inline void packed_scores_rows(const float* q, int qs, const float* qsum, const 
   }
 }
 
-template <int BITS, int GROUP>
-inline void packed_scores_group(const float* q, int rows, int qs, const float* qsum, const Rows& keys, int b, int h,
-                                int64_t at, int n, float* s, int ss) {
-  if (rows == 2) return packed_scores_rows<2, BITS, GROUP>(q, qs, qsum, keys, b, h, at, n, s, ss);
-  return packed_scores_rows<1, BITS, GROUP>(q, qs, qsum, keys, b, h, at, n, s, ss);
-}
-
-template <int BITS>
-inline void packed_scores_bits(const float* q, int rows, int qs, const float* qsum, const Rows& keys, int b, int h,
-                               int64_t at, int n, float* s, int ss) {
-  switch (keys.group) {
-    case 32: return packed_scores_group<BITS, 32>(q, rows, qs, qsum, keys, b, h, at, n, s, ss);
-    case 64: return packed_scores_group<BITS, 64>(q, rows, qs, qsum, keys, b, h, at, n, s, ss);
-    default: return packed_scores_group<BITS, 128>(q, rows, qs, qsum, keys, b, h, at, n, s, ss);
-  }
-}
-
 inline void packed_scores(const float* q, int rows, int qs, const float* qsum, const Rows& keys, int b, int h,
                           int64_t at, int n, float* s, int ss) {
-  return keys.bits == 8 ? packed_scores_bits<8>(q, rows, qs, qsum, keys, b, h, at, n, s, ss)
-                        : packed_scores_bits<4>(q, rows, qs, qsum, keys, b, h, at, n, s, ss);
+  by_format(keys, [&](auto bits, auto group) {
+    constexpr int B = decltype(bits)::value, G = decltype(group)::value;
+    if (rows == 2) return packed_scores_rows<2, B, G>(q, qs, qsum, keys, b, h, at, n, s, ss);
+    packed_scores_rows<1, B, G>(q, qs, qsum, keys, b, h, at, n, s, ss);
+  });
 }
 
 /* acc[i * as + f] += sum over j of p_ij * (scale * v_j + bias) over C * W features from c0 (in one group), for R
@@ -252,27 +244,13 @@ inline void packed_accumulate_rows(const float* p, int ps, const Rows& values, i
   }
 }
 
-template <int BITS, int GROUP>
-inline void packed_accumulate_group(const float* p, int rows, int ps, const Rows& values, int b, int h, int64_t at,
-                                    int n, float* acc, int as) {
-  if (rows == 2) return packed_accumulate_rows<2, BITS, GROUP>(p, ps, values, b, h, at, n, acc, as);
-  return packed_accumulate_rows<1, BITS, GROUP>(p, ps, values, b, h, at, n, acc, as);
-}
-
-template <int BITS>
-inline void packed_accumulate_bits(const float* p, int rows, int ps, const Rows& values, int b, int h, int64_t at,
-                                   int n, float* acc, int as) {
-  switch (values.group) {
-    case 32: return packed_accumulate_group<BITS, 32>(p, rows, ps, values, b, h, at, n, acc, as);
-    case 64: return packed_accumulate_group<BITS, 64>(p, rows, ps, values, b, h, at, n, acc, as);
-    default: return packed_accumulate_group<BITS, 128>(p, rows, ps, values, b, h, at, n, acc, as);
-  }
-}
-
 inline void packed_accumulate(const float* p, int rows, int ps, const Rows& values, int b, int h, int64_t at, int n,
                               float* acc, int as) {
-  return values.bits == 8 ? packed_accumulate_bits<8>(p, rows, ps, values, b, h, at, n, acc, as)
-                          : packed_accumulate_bits<4>(p, rows, ps, values, b, h, at, n, acc, as);
+  by_format(values, [&](auto bits, auto group) {
+    constexpr int B = decltype(bits)::value, G = decltype(group)::value;
+    if (rows == 2) return packed_accumulate_rows<2, B, G>(p, ps, values, b, h, at, n, acc, as);
+    packed_accumulate_rows<1, B, G>(p, ps, values, b, h, at, n, acc, as);
+  });
 }
 
 inline float row_max(const float* x, int n) {
