@@ -85,7 +85,7 @@ def run_chunks(cache: KVCache, lengths: tuple[int, ...], heads: int, kv_heads: i
 
 
 CHUNKS = (1, 70, 1, 1, 63, 1, 129, 2, 1, 300, 1)
-"""Chunk lengths that end the cache before, on and after groups of 32 and 64 and blocks of 128 keys."""
+"""Chunk lengths that end the cache before, on and after groups of 32 and 64 and the kernel's blocks of 64 keys."""
 
 
 @pytest.mark.parametrize("kind", ["float", "8-bit", "4-bit"])
