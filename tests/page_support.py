@@ -28,9 +28,13 @@ def page_model() -> mlxchat.GenerativeModel:
 
 @contextmanager
 def long_replies(model: mlxchat.GenerativeModel, tokens: int = 3000) -> Iterator[None]:
-    """Replies that run to ``tokens`` (no end of turn), long enough to queue behind and to stop."""
+    """Replies that run to ``tokens`` (no end of turn), long enough to queue behind and to stop. They are
+    plain text: a greedy reply that drifted into tool calls would end waiting for an approval, so the opening
+    tag of a call is banned with the end of turn."""
     before = model.defaults
-    model.defaults = before.merged({"max_tokens": tokens, "logit_bias": {e: -100.0 for e in model.eos_ids}})
+    call = model.tokenizer.token_id("<tool_call>")
+    banned = [*model.eos_ids, *([] if call is None else [call])]
+    model.defaults = before.merged({"max_tokens": tokens, "logit_bias": {t: -100.0 for t in banned}})
     try:
         yield
     finally:
