@@ -33,6 +33,7 @@ cases = {
     "W.T x column": lambda: (rng.standard_normal((300, 77)).T, rng.standard_normal((300, 1)), "n"),
     "few rows x W.T (verify)": lambda: (rng.standard_normal((5, 300)), rng.standard_normal((301, 300)), "t"),
     "eight rows x W.T": lambda: (rng.standard_normal((8, 257)), rng.standard_normal((700, 257)), "t"),
+    "seven rows x W.T, odd last W row": lambda: (rng.standard_normal((7, 300)), rng.standard_normal((301, 300)), "t"),
     "eight rows x W.T, K in blocks": lambda: (rng.standard_normal((8, 2100)), rng.standard_normal((32, 2100)), "t"),
     "c + three long rows x W.T": lambda: (rng.standard_normal((3, 5000)), rng.standard_normal((64, 5000)), "c"),
     "rows x W.T (prefill)": lambda: (rng.standard_normal((33, 300)), rng.standard_normal((77, 300)), "t"),
@@ -77,7 +78,7 @@ def test_products_are_right_through_sgemv_and_sgemm(blas: str) -> None:
     for name, error in result["errors"].items():  # type: ignore[attr-defined]
         assert error < 1e-5, f"{name}: relative error {error:.1e}"
     # single rows and columns went to sgemv, a few rows to the few-rows kernel, the rest to sgemm
-    assert result["counts"] == [[1, 0]] * 9 + [[0, 1]] * 2
+    assert result["counts"] == [[1, 0]] * 10 + [[0, 1]] * 2
 
 
 @pytest.mark.parametrize("blas", LIBRARIES)
@@ -86,7 +87,7 @@ def test_without_the_gemv_route_everything_is_sgemm_and_still_right(blas: str) -
     assert not result["gemv_route"]
     assert all(error < 1e-5 for error in result["errors"].values())  # type: ignore[attr-defined]
     if blas == "numpy":  # reachable only through the route, which now sends everything to sgemm
-        assert result["counts"] == [[0, 1]] * 11
+        assert result["counts"] == [[0, 1]] * 12
 
 
 def test_the_default_is_the_system_openblas_else_numpys(monkeypatch: pytest.MonkeyPatch) -> None:

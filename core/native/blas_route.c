@@ -148,48 +148,59 @@ static void few_scalar(const few_job *j, int n0, int n1) {
 
 #if defined(__x86_64__)
 /*
- * M given as a constant by the callers below, so that the accumulators stay in registers. K is taken in
- * blocks whose rows of x fit in the L1 cache together (FEW_BLOCK bytes; 32 KiB measured fastest: 8 rows of
- * Qwen3-0.6B's 196 products, 2.4 GB, then take 101 ms where one row takes 86, against 133 before), so that
- * x is read from there for every pair of weight rows: the first block stores alpha * sum + beta * c, the
- * others add alpha * sum.
+ * M given as a constant by the callers below, so that the accumulators stay in registers: two for each row
+ * of x, the two weight vectors and one of x. More than MR rows (what the registers hold: 6 of AVX2's 16,
+ * 8 of AVX-512's 32) go in two groups, each pair of weight rows read from memory by the first group and
+ * from the cache by the second (8 rows in one group spilled on AVX2 and took about 1.5x the time of two
+ * groups of 4 over Qwen3-0.6B's products, 2026-12). K is taken in blocks whose rows of x fit in the L1
+ * cache together (FEW_BLOCK bytes; 32 KiB measured fastest, 16 KiB too on AVX2: 8 rows of Qwen3-0.6B's
+ * 196 products, 2.4 GB, then take 101 ms where one row takes 86, against 133 before), so that x is read
+ * from there for every pair of weight rows: the first block stores alpha * sum + beta * c, the others add
+ * alpha * sum.
  */
 #define FEW_BLOCK 32768
-#define FEW_KERNEL(NAME, TARGET, VEC, WIDTH, ZERO, LOAD, FMA, REDUCE)                                          \
+#define FEW_KERNEL(NAME, TARGET, VEC, WIDTH, MR, ZERO, LOAD, FMA, REDUCE)                                      \
+    /* Rows m0..m0+R-1 of x against weight rows n and n + 1 (w1 = w0 when n is the last), k0..k1. */        \
+    __attribute__((target(TARGET), always_inline)) static inline void NAME##_tile(                            \
+        const few_job *j, const int m0, const int R, int n, int pair, int k0, int k1, int tail) {             \
+        const float *xs[MR];                                                                                 \
+        _Pragma("GCC unroll 8") for (int m = 0; m < R; ++m) xs[m] = j->a + (long)(m0 + m) * j->lda;          \
+        const float *w0 = j->b + (long)n * j->ldb, *w1 = pair ? w0 + j->ldb : w0;                            \
+        VEC acc0[MR], acc1[MR];                                                                              \
+        _Pragma("GCC unroll 8") for (int m = 0; m < R; ++m) acc0[m] = acc1[m] = ZERO;                        \
+        for (int k = k0; k < k1; k += WIDTH) {                                                               \
+            if (m0 == 0) {                                                                                   \
+                _mm_prefetch((const char *)(w0 + 2 * (long)j->ldb + k), _MM_HINT_T0);                        \
+                _mm_prefetch((const char *)(w1 + 2 * (long)j->ldb + k), _MM_HINT_T0);                        \
+            }                                                                                                \
+            const VEC v0 = LOAD(w0 + k), v1 = LOAD(w1 + k);                                                  \
+            _Pragma("GCC unroll 8") for (int m = 0; m < R; ++m) {                                            \
+                VEC x = LOAD(xs[m] + k);                                                                     \
+                __asm__("" : "+v"(x)); /* one load of x for both products, not one in each */                \
+                acc0[m] = FMA(x, v0, acc0[m]);                                                               \
+                acc1[m] = FMA(x, v1, acc1[m]);                                                               \
+            }                                                                                                \
+        }                                                                                                    \
+        _Pragma("GCC unroll 8") for (int m = 0; m < R; ++m) {                                                \
+            const float *x = xs[m];                                                                          \
+            float s0 = REDUCE(acc0[m]), s1 = REDUCE(acc1[m]);                                                \
+            for (int k = tail; k < j->k; ++k) {                                                              \
+                s0 += x[k] * w0[k];                                                                          \
+                s1 += x[k] * w1[k];                                                                          \
+            }                                                                                                \
+            add(j, m0 + m, n, s0, k0 == 0);                                                                  \
+            if (pair) add(j, m0 + m, n + 1, s1, k0 == 0);                                                    \
+        }                                                                                                    \
+    }                                                                                                        \
     __attribute__((target(TARGET), always_inline)) static inline void NAME##_m(const few_job *j, int n0, int n1, \
                                                                               const int M) {                 \
-        const int K = j->k, whole = K - K % WIDTH;                                                           \
+        const int K = j->k, whole = K - K % WIDTH, first = M <= MR ? M : (M + 1) / 2;                        \
         const int block = FEW_BLOCK / (int)sizeof(float) / M / WIDTH * WIDTH;                                \
-        const float *xs[FEW_MAX];                                                                            \
-        _Pragma("GCC unroll 8") for (int m = 0; m < M; ++m) xs[m] = j->a + (long)m * j->lda;                 \
         for (int k0 = 0; k0 < K; k0 += block) {                                                              \
-            const int k1 = k0 + block < whole ? k0 + block : whole, last = k0 + block >= K;                  \
+            const int k1 = k0 + block < whole ? k0 + block : whole, tail = k0 + block >= K ? whole : K;      \
             for (int n = n0; n < n1; n += 2) {                                                               \
-                const int pair = n + 1 < n1;                                                                 \
-                const float *w0 = j->b + (long)n * j->ldb, *w1 = pair ? w0 + j->ldb : w0;                    \
-                VEC acc0[FEW_MAX], acc1[FEW_MAX];                                                            \
-                _Pragma("GCC unroll 8") for (int m = 0; m < M; ++m) acc0[m] = acc1[m] = ZERO;                \
-                for (int k = k0; k < k1; k += WIDTH) {                                                       \
-                    _mm_prefetch((const char *)(w0 + 2 * (long)j->ldb + k), _MM_HINT_T0);                    \
-                    _mm_prefetch((const char *)(w1 + 2 * (long)j->ldb + k), _MM_HINT_T0);                    \
-                    const VEC v0 = LOAD(w0 + k), v1 = LOAD(w1 + k);                                          \
-                    _Pragma("GCC unroll 8") for (int m = 0; m < M; ++m) {                                    \
-                        VEC x = LOAD(xs[m] + k);                                                             \
-                        __asm__("" : "+v"(x)); /* one load of x for both products, not one in each */        \
-                        acc0[m] = FMA(x, v0, acc0[m]);                                                       \
-                        acc1[m] = FMA(x, v1, acc1[m]);                                                       \
-                    }                                                                                        \
-                }                                                                                            \
-                _Pragma("GCC unroll 8") for (int m = 0; m < M; ++m) {                                        \
-                    const float *x = xs[m];                                                                  \
-                    float s0 = REDUCE(acc0[m]), s1 = REDUCE(acc1[m]);                                        \
-                    for (int k = last ? whole : K; k < K; ++k) {                                             \
-                        s0 += x[k] * w0[k];                                                                  \
-                        s1 += x[k] * w1[k];                                                                  \
-                    }                                                                                        \
-                    add(j, m, n, s0, k0 == 0);                                                               \
-                    if (pair) add(j, m, n + 1, s1, k0 == 0);                                                 \
-                }                                                                                            \
+                NAME##_tile(j, 0, first, n, n + 1 < n1, k0, k1, tail);                                       \
+                if (first < M) NAME##_tile(j, first, M - first, n, n + 1 < n1, k0, k1, tail);                \
             }                                                                                                \
         }                                                                                                    \
     }                                                                                                        \
@@ -213,9 +224,9 @@ __attribute__((target("avx2,fma"))) static inline float reduce256(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-FEW_KERNEL(few_avx512, "avx512f,avx2,fma", __m512, 16, _mm512_setzero_ps(), _mm512_loadu_ps, _mm512_fmadd_ps,
+FEW_KERNEL(few_avx512, "avx512f,avx2,fma", __m512, 16, 8, _mm512_setzero_ps(), _mm512_loadu_ps, _mm512_fmadd_ps,
            _mm512_reduce_add_ps)
-FEW_KERNEL(few_avx2, "avx2,fma", __m256, 8, _mm256_setzero_ps(), _mm256_loadu_ps, _mm256_fmadd_ps, reduce256)
+FEW_KERNEL(few_avx2, "avx2,fma", __m256, 8, 6, _mm256_setzero_ps(), _mm256_loadu_ps, _mm256_fmadd_ps, reduce256)
 #endif
 
 typedef void (*few_fn)(const few_job *, int, int);
