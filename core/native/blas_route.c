@@ -153,7 +153,7 @@ static void few_scalar(const few_job *j, int n0, int n1) {
  * 8 of AVX-512's 32) go in two groups, each pair of weight rows read from memory by the first group and
  * from the cache by the second (8 rows in one group spilled on AVX2 and took about 1.5x the time of two
  * groups of 4 over Qwen3-0.6B's products, 2026-12). K is taken in blocks whose rows of x fit in the L1
- * cache together (FEW_BLOCK bytes; 32 KiB measured fastest, 16 KiB too on AVX2: 8 rows of Qwen3-0.6B's
+ * cache together (FEW_BLOCK bytes; 32 KiB measured fastest, on AVX2 too against 16: 8 rows of Qwen3-0.6B's
  * 196 products, 2.4 GB, then take 101 ms where one row takes 86, against 133 before), so that x is read
  * from there for every pair of weight rows: the first block stores alpha * sum + beta * c, the others add
  * alpha * sum.
@@ -227,6 +227,7 @@ __attribute__((target("avx2,fma"))) static inline float reduce256(__m256 v) {
 FEW_KERNEL(few_avx512, "avx512f,avx2,fma", __m512, 16, 8, _mm512_setzero_ps(), _mm512_loadu_ps, _mm512_fmadd_ps,
            _mm512_reduce_add_ps)
 FEW_KERNEL(few_avx2, "avx2,fma", __m256, 8, 6, _mm256_setzero_ps(), _mm256_loadu_ps, _mm256_fmadd_ps, reduce256)
+_Static_assert(FEW_MAX <= 2 * 6, "two groups of rows at most (AVX2 holds 6 rows in registers)");
 #endif
 
 typedef void (*few_fn)(const few_job *, int, int);
