@@ -160,6 +160,7 @@ static void few_scalar(const few_job *j, int n0, int n1) {
  */
 #define FEW_BLOCK 32768
 #define FEW_KERNEL(NAME, TARGET, VEC, WIDTH, MR, ZERO, LOAD, FMA, REDUCE)                                      \
+    _Static_assert(FEW_MAX <= 2 * (MR), #NAME ": the rows of x come in two groups at most");                \
     /* Rows m0..m0+R-1 of x against weight rows n and n + 1 (w1 = w0 when n is the last), k0..k1. */        \
     __attribute__((target(TARGET), always_inline)) static inline void NAME##_tile(                            \
         const few_job *j, const int m0, const int R, int n, int pair, int k0, int k1, int tail) {             \
@@ -199,8 +200,9 @@ static void few_scalar(const few_job *j, int n0, int n1) {
         for (int k0 = 0; k0 < K; k0 += block) {                                                              \
             const int k1 = k0 + block < whole ? k0 + block : whole, tail = k0 + block >= K ? whole : K;      \
             for (int n = n0; n < n1; n += 2) {                                                               \
-                NAME##_tile(j, 0, first, n, n + 1 < n1, k0, k1, tail);                                       \
-                if (first < M) NAME##_tile(j, first, M - first, n, n + 1 < n1, k0, k1, tail);                \
+                const int pair = n + 1 < n1;                                                                 \
+                NAME##_tile(j, 0, first, n, pair, k0, k1, tail);                                             \
+                if (first < M) NAME##_tile(j, first, M - first, n, pair, k0, k1, tail);                      \
             }                                                                                                \
         }                                                                                                    \
     }                                                                                                        \
@@ -227,7 +229,6 @@ __attribute__((target("avx2,fma"))) static inline float reduce256(__m256 v) {
 FEW_KERNEL(few_avx512, "avx512f,avx2,fma", __m512, 16, 8, _mm512_setzero_ps(), _mm512_loadu_ps, _mm512_fmadd_ps,
            _mm512_reduce_add_ps)
 FEW_KERNEL(few_avx2, "avx2,fma", __m256, 8, 6, _mm256_setzero_ps(), _mm256_loadu_ps, _mm256_fmadd_ps, reduce256)
-_Static_assert(FEW_MAX <= 2 * 6, "two groups of rows at most (AVX2 holds 6 rows in registers)");
 #endif
 
 typedef void (*few_fn)(const few_job *, int, int);
