@@ -17,6 +17,7 @@ import mlxchat
 from mlxchat.demo import default_model_path
 from mlxchat.generation import GenerationChunk
 from mlxchat.messages import ChatMessage
+from mlxchat.registry import registry
 
 State = dict[str, Any]
 
@@ -29,10 +30,11 @@ def page_model() -> mlxchat.GenerativeModel:
 @contextmanager
 def long_replies(model: mlxchat.GenerativeModel, tokens: int = 3000) -> Iterator[None]:
     """Replies that run to ``tokens`` (no end of turn), long enough to queue behind and to stop. They are
-    plain text: a greedy reply that drifted into tool calls would end waiting for an approval, so the opening
-    tag of a call is banned with the end of turn."""
+    plain text: a greedy reply that drifted into tool calls would end waiting for an approval, so the token that
+    opens a call in the model's tool format is banned with the end of turn."""
     before = model.defaults
-    call = model.tokenizer.token_id("<tool_call>")
+    calls = model.architecture.chat.tool_format
+    call = None if calls is None else model.tokenizer.token_id(registry().tool_parsers()[calls].start)
     banned = [*model.eos_ids, *([] if call is None else [call])]
     model.defaults = before.merged({"max_tokens": tokens, "logit_bias": {t: -100.0 for t in banned}})
     try:
