@@ -154,6 +154,10 @@ class KVCache(KeysValues):
         ``shift``. Multimodal RoPE (Qwen-VL) continues text after an image at the image's largest position
         + 1, not at the token index; the shift travels with the keys so that decoding, and a cache cut back
         to any position, continue at the right position."""
+        self.lineage: tuple[object, int] | None = None
+        """``(mark, n)``: the first ``n`` keys and values are, bit for bit, those of every other cache holding
+        the same ``mark`` (copies of one prefix: :meth:`share`), so a decode step of several such caches can
+        read them once for all (:func:`mlxchat.layers.attend`). Cutting back below ``n`` lowers it."""
 
     @property
     def position(self) -> int:
@@ -169,6 +173,15 @@ class KVCache(KeysValues):
         super().trim_to(position)
         while self.shifts and self.shifts[-1][0] > position:
             self.shifts.pop()
+        if self.lineage is not None and position < self.lineage[1]:
+            self.lineage = (self.lineage[0], position)
+
+    def share(self, length: int) -> tuple[object, int]:
+        """The :attr:`lineage` of a copy of this cache's first ``length`` tokens (this cache joins it, leaving a
+        shorter one it held)."""
+        if self.lineage is None or self.lineage[1] < length:
+            self.lineage = (object(), self.offset)
+        return self.lineage[0], length
 
     def state_dict(self) -> tuple[Arrays, dict[str, Any]]:
         held = {} if self.keys is None or self.values is None or not self.offset else {
@@ -182,6 +195,7 @@ class KVCache(KeysValues):
             raise SavedStateError("a KV cache that holds tokens was saved without its keys and values")
         self.offset = offset
         self.shifts = _shifts(fields, offset)
+        self.lineage = None
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Append this chunk's keys and values; return everything cached so far."""
@@ -333,7 +347,7 @@ class QuantizedKVCache(KVCache):
         mine = (like or {}).get("keys")  # this model's float keys: the packed ones have as many heads
         if held and mine is not None and parts[0].shape[1] != mine.shape[1]:  # type: ignore[union-attr]
             _misfit("a quantized KV cache", "packed keys", parts[0], mine)  # type: ignore[arg-type]
-        self.offset, self.shifts = offset, _shifts(fields, offset)
+        self.offset, self.shifts, self.lineage = offset, _shifts(fields, offset), None
         self.tail = None if tail[0] is None else tail  # type: ignore[assignment]
         self.held_quantized = held
         if not held:

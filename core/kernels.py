@@ -140,6 +140,19 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
     return module.attention(queries, keys, values, scale, window or 0)  # type: ignore[no-any-return]
 
 
+def attention_parts(queries: mx.array, keys: mx.array, values: mx.array,
+                    scale: float) -> tuple[mx.array, mx.array] | None:
+    """:func:`attention` (no window) and each query row's log-sum-exp of its scaled scores, ``[B, heads, L, 1]``:
+    what merging it with attention over other keys takes (:func:`mlxchat.layers.attention.attend_shared`).
+    ``None`` where the kernel does not apply."""
+    module = _applies(queries, keys, values)
+    if not _attends(module, queries, keys, values):
+        return None
+    assert module is not None
+    both = module.attention(queries, keys, values, scale, 0, True)
+    return both[..., :-1], both[..., -1:]
+
+
 def quantized_attention(queries: mx.array, held: QuantizedKeysValues, scale: float,
                         window: int | None = None) -> mx.array | None:
     """:func:`attention` over a quantized cache's keys and values: its packed ones (4 or 8 bits, float32

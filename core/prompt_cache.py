@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import mlx.core as mx
 
 from . import profiling
-from .cache import Arrays, LayerCache, cache_arrays
+from .cache import Arrays, KVCache, LayerCache, cache_arrays
 from .errors import ImageError, SavedStateError
 from .multimodal import ImageKey, ImageSpan, MultimodalPrompt, chunk_bounds, encode_images
 
@@ -265,6 +265,8 @@ class PromptCache:
             mine.load_state(*shadow.state_dict())
             if mine.offset != position:
                 mine.trim_to(position)
+            if isinstance(theirs, KVCache):
+                mine.lineage = theirs.share(position)  # type: ignore[attr-defined]
         mx.eval(self.arrays())
         self.tokens = source.tokens[:position]
         self.images = [key for key in source.images if key[0] < position]

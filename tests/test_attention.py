@@ -138,6 +138,69 @@ def test_rows_of_different_lengths_each_attend_over_their_own(isa: str) -> None:
         assert float(mx.abs(got - mx.concatenate(expected, 0)).max()) < 2e-5
 
 
+@pytest.mark.parametrize("keys", [37, 4096])  # one task a KV head, and keys split among tasks (merged after)
+def test_the_kernel_gives_each_rows_log_sum_exp(isa: str, keys: int) -> None:
+    rng = np.random.default_rng(5)
+    q = mx.array(rng.standard_normal((2, 6, 3, 32)).astype(np.float32))
+    k, v = (mx.array(rng.standard_normal((2, 2, keys, 32)).astype(np.float32)) for _ in range(2))
+    parts = kernels.attention_parts(q, k, v, 0.3)
+    assert parts is not None
+    out, lse = parts
+    scores = (q * 0.3).reshape(2, 2, 3, 3, 32) @ k[:, :, None].swapaxes(-1, -2)  # [B, kv heads, group, L, keys]
+    visible = mx.arange(keys)[None] <= mx.arange(keys - 3, keys)[:, None]
+    expected = mx.logsumexp(mx.where(visible, scores, -mx.inf), axis=-1, keepdims=True).reshape(2, 6, 3, 1)
+    assert float(mx.abs(lse - expected).max()) < 1e-4
+    assert float(mx.abs(out - plain_attention(q, k, v, 0.3)).max()) < 2e-5
+
+
+def test_decode_rows_copied_from_one_prefix_read_it_once_and_attend_as_alone(isa: str,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows whose caches hold copies of one prefix (their lineage) attend over it together (cascade attention);
+    each row's output equals its own attention, a row outside the group's included."""
+    from mlxchat.layers import attention
+
+    rng = np.random.default_rng(6)
+    prefix = [mx.array(rng.standard_normal((1, 2, 300, 32)).astype(np.float32)) for _ in range(2)]
+    rows = [KVCache() for _ in range(4)]
+    for i, (row, own) in enumerate(zip(rows, (5, 0, 70, 9), strict=True)):
+        row.update_and_fetch(*prefix) if i < 3 else row.update_and_fetch(
+            *(mx.array(rng.standard_normal((1, 2, 280, 32)).astype(np.float32)) for _ in range(2)))
+        if own:
+            row.update_and_fetch(*(mx.array(rng.standard_normal((1, 2, own, 32)).astype(np.float32)) for _ in range(2)))
+    mark = object()
+    rows[0].lineage = rows[1].lineage = (mark, 300)
+    rows[2].lineage = (mark, 290)  # cut back below the prefix once, then refilled: the group shares 290
+    assert attention.shared_prefixes(rows) == [([0, 1, 2], 290)]  # type: ignore[arg-type]
+    q = mx.array(rng.standard_normal((4, 4, 1, 32)).astype(np.float32))
+    k, v = (mx.array(rng.standard_normal((4, 2, 1, 32)).astype(np.float32)) for _ in range(2))
+    expected = []
+    for i, row in enumerate(rows):
+        before_k, before_v = held(row)
+        expected.append(plain_attention(q[i : i + 1], mx.concatenate([before_k, k[i : i + 1]], 2),
+                                        mx.concatenate([before_v, v[i : i + 1]], 2), 0.2))
+    groups = []
+    shared = attention.attend_shared
+    monkeypatch.setattr(attention, "attend_shared", lambda *a: groups.append(a[2]) or shared(*a))
+    got = attend(q, k, v, RowCaches(rows), 0.2)  # type: ignore[arg-type]
+    assert groups == [[0, 1, 2]]
+    assert float(mx.abs(got - mx.concatenate(expected, 0)).max()) < 2e-5
+
+
+def test_a_cache_lineage_follows_copies_and_cut_backs() -> None:
+    source = KVCache()
+    source.update_and_fetch(mx.zeros((1, 2, 400, 8)), mx.zeros((1, 2, 400, 8)))
+    first = source.share(300)
+    assert first[1] == 300 and source.lineage == (first[0], 400)  # the source's whole content is the reference
+    assert source.share(350)[0] is first[0]  # a second copy joins the same lineage
+    source.trim_to(200)  # what it held after 200 may now change: it shares only 200
+    assert source.lineage == (first[0], 200)
+    source.update_and_fetch(mx.ones((1, 2, 100, 8)), mx.ones((1, 2, 100, 8)))
+    again = source.share(250)  # more than it still shares: a new lineage, of what it holds now
+    assert again == (source.lineage[0], 250) and again[0] is not first[0] and source.lineage[1] == 300
+    source.load_state(*source.state_dict())  # content from elsewhere: no lineage
+    assert source.lineage is None
+
+
 @pytest.mark.parametrize("kind", ["float", "8-bit"])
 def test_decoding_reads_the_cache_in_place(kind: str) -> None:
     """A decode step over 16k cached keys (16 MB or more) allocates its output and the new token: neither a copy

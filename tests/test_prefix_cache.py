@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import pytest
 
 import mlxchat
@@ -105,4 +106,59 @@ def test_conversations_arriving_together_prefill_their_shared_system_prompt_once
     cached = sorted(r.report.cached_prompt_tokens for r in together)
     assert cached[0] == 0 and cached[1] >= user_start(model)  # the first in line prefilled it; the others copied
     assert [r.tokens for r in together] == alone
+    model.close()
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_5"])
+def test_decode_rows_that_copied_one_prefix_read_it_once_with_their_own_logits(name: str, monkeypatch) -> None:
+    """Caches that copied a prefix from the pool's source share its lineage; a decode step of them together
+    attends over the shared keys once (cascade attention) and gives each row the logits of its own step."""
+    import mlx.core as mx
+
+    from mlxchat.batching import batched_last_logits
+    from mlxchat.cache import KVCache
+    from mlxchat.layers import attention
+    from mlxchat.prompt_cache import last_logits_of
+
+    model = mlxchat.load_model(fixture_path(name), dtype="float32")
+    prompt = model.render_prompt([{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi"}])[1]
+    assert len(prompt) > attention.SHARED_PREFIX_MIN
+
+    copied = len(prompt) - 2
+
+    def fill(cache, ids) -> None:  # noqa: ANN001
+        plan = cache.start_prefill(model.module, ids, step=128, logits=True, snapshot_at=[copied])
+        while not plan.done:
+            plan.run(plan.next_chunk)
+        mx.eval(cache.arrays())
+
+    def run() -> tuple[np.ndarray, np.ndarray, list[list[int]]]:
+        """Logits of each row's decode step alone, of the three together, and each cache's lineage marks."""
+        source = model.make_prompt_cache()
+        fill(source, prompt)
+        caches = [source]
+        for i in range(2):
+            copy = model.make_prompt_cache()
+            assert copy.copy_prefix(source, [*prompt[:copied], 5 + i]) == copied  # hybrids: through a snapshot
+            caches.append(copy)
+        for i, cache in enumerate(caches):  # each goes on with a reply of its own
+            fill(cache, [*list(cache.tokens), *range(40 + i, 43 + 2 * i)])
+        marks = [[id(layer.lineage[0]) for layer in cache.layers if type(layer) is KVCache] for cache in caches]
+        alone = []
+        for cache in caches:  # each row's own step, then back (recurrent layers through a mark)
+            mark = cache.mark()
+            alone.append(last_logits_of(model.module)(mx.array([[9]]), cache.layers))
+            mx.eval(alone[-1])
+            cache.rewind(len(cache.tokens), mark)
+        together = batched_last_logits(model.module, [9, 9, 9], caches)
+        return np.array(mx.concatenate(alone)), np.array(together), marks
+
+    groups = []
+    shared = attention.attend_shared
+    monkeypatch.setattr(attention, "attend_shared", lambda *a: groups.append(a[2]) or shared(*a))
+    alone, together, marks = model.worker.run(run)
+    assert all(m == marks[0] for m in marks) and marks[0]
+    assert groups and all(g == [0, 1, 2] for g in groups)  # every full-attention layer
+    assert float(np.abs(alone - together).max()) < 1e-4
+    assert (alone.argmax(-1) == together.argmax(-1)).all()
     model.close()

@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import mlx.core as mx
 import mlx.nn as nn
 
 from .. import kernels
-from ..cache import KeysValues, QuantizedKeysValues, QuantizedKVCache, RaggedRows, RowCaches, each_sequence, padded
+from ..cache import (
+    KeysValues,
+    KVCache,
+    LayerCache,
+    QuantizedKeysValues,
+    QuantizedKVCache,
+    RaggedRows,
+    RowCaches,
+    each_sequence,
+    padded,
+)
 from .fused import Projections
 from .norms import RMSNorm
 from .parallel import RowParallelLinear, head_split, slice_outputs
@@ -40,13 +52,70 @@ def attend(
     with a ``window``, each query sees only itself and the ``window - 1`` positions before it.
 
     Keys and values keep their own (fewer) heads: grouped-query attention is done by the kernel. With the
-    caches of several sequences (:class:`~mlxchat.cache.RowCaches`) each row attends over its own.
+    caches of several sequences (:class:`~mlxchat.cache.RowCaches`) each row attends over its own, but decode
+    rows whose caches are copies of one long prefix read it once for all (:func:`attend_shared`).
     """
     if isinstance(cache, RowCaches):
         rows: list[KeysValues] = cache.caches  # type: ignore[assignment]
-        return mx.concatenate([attend(queries[i : i + 1], keys[i : i + 1], values[i : i + 1], row, scale, mask,
-                                      window) for i, row in enumerate(rows)], axis=0)
+        decoding = window is None and (mask is None or isinstance(mask, str)) and queries.shape[2] == 1
+        groups = shared_prefixes(rows) if decoding else []
+        held = [fetch_attended(row, keys[i : i + 1], values[i : i + 1]) for i, row in enumerate(rows)]
+        out: list[mx.array | None] = [None] * len(rows)
+        for members, length in groups:
+            for i, row_out in zip(members, attend_shared(queries, held, members, length, scale) or (), strict=False):
+                out[i] = row_out
+        return mx.concatenate([row_out if row_out is not None else
+                               attend_over(queries[i : i + 1], held[i], scale, mask, window)
+                               for i, row_out in enumerate(out)], axis=0)
     return attend_over(queries, fetch_attended(cache, keys, values), scale, mask, window)
+
+
+SHARED_PREFIX_MIN = 256
+"""Keys decode rows must share (:func:`shared_prefixes`) before they read them once for all: below that, reading
+them once per row costs less than the extra operations."""
+
+
+def shared_prefixes(rows: Sequence[LayerCache]) -> list[tuple[list[int], int]]:
+    """Groups of two or more rows (their indices) whose float KV caches hold copies of one prefix of at least
+    :data:`SHARED_PREFIX_MIN` tokens (:attr:`~mlxchat.cache.KVCache.lineage`), and the length all of them
+    share."""
+    groups: dict[int, list[int]] = {}
+    for i, row in enumerate(rows):
+        lineage = row.lineage if type(row) is KVCache else None
+        if lineage is not None and lineage[1] >= SHARED_PREFIX_MIN:
+            groups.setdefault(id(lineage[0]), []).append(i)
+    return [(members, min(rows[i].lineage[1] for i in members))  # type: ignore[attr-defined, index]
+            for members in groups.values() if len(members) > 1]
+
+
+def attend_shared(queries: mx.array, held: list[Attended], members: list[int], length: int,
+                  scale: float) -> list[mx.array] | None:
+    """The outputs ``[1, heads, 1, Dv]`` of the decode queries ``queries[i]`` of the rows ``members``, whose first
+    ``length`` keys and values are the same (cascade attention, as FlashInfer and SGLang do for shared prefixes):
+    the shared keys read once by every member's heads together, each row's own keys after them by themselves, the
+    two parts merged by their log-sum-exps. ``None`` where the native kernel does not apply."""
+    shared_keys, shared_values = held[members[0]]  # type: ignore[misc]
+    _, heads, _, dims = queries.shape
+    kv_heads = shared_keys.shape[1]
+    rep, count = heads // kv_heads, len(members)
+
+    def by_member(x: mx.array) -> mx.array:
+        """``[1, kv_heads * count * rep, 1, F]`` (every member's query heads of a KV head together) back to
+        ``[count, heads, 1, F]``."""
+        return x.reshape(kv_heads, count, rep, -1).transpose(1, 0, 2, 3).reshape(count, heads, 1, -1)
+
+    grouped = queries[mx.array(members)].reshape(count, kv_heads, rep, dims).transpose(1, 0, 2, 3)
+    shared = kernels.attention_parts(grouped.reshape(1, kv_heads * count * rep, 1, dims),
+                                     shared_keys[..., :length, :], shared_values[..., :length, :], scale)
+    own = [kernels.attention_parts(queries[i : i + 1], held[i][0][..., length:, :],  # type: ignore[index]
+                                   held[i][1][..., length:, :], scale) for i in members]  # type: ignore[index]
+    if shared is None or any(part is None for part in own):
+        return None
+    shared_out, shared_lse = by_member(shared[0]), by_member(shared[1])
+    own_out = mx.concatenate([part[0] for part in own])  # type: ignore[index]
+    own_lse = mx.concatenate([part[1] for part in own])  # type: ignore[index]
+    out = own_out + mx.sigmoid(shared_lse - own_lse) * (shared_out - own_out)  # the shared keys' share of each row
+    return [out[j : j + 1] for j in range(count)]
 
 
 def attend_over(queries: mx.array, held: Attended, scale: float, mask: mx.array | str | None = None,

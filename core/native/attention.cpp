@@ -248,6 +248,10 @@ struct Plan {
   int64_t first_key(int row) const {  // the first key row `row` sees
     return p->window > 0 ? std::max<int64_t>(0, position(row) - p->window + 1) : 0;
   }
+  float* out_row(int b, int h, int row) const {  // where row `row` of the task's KV head h writes its output
+    const int64_t at = (int64_t(b) * p->heads + h * group + row % group) * p->length + row / group;
+    return p->out + at * (p->value_dims + (p->lse ? 1 : 0));
+  }
   float* partial_at(int slot) {
     return partial.data() + size_t(slot) * row_block * (v_dims + 2);
   }
@@ -383,11 +387,10 @@ void run_task(const void* ctx, int index) {
     return;
   }
   for (int i = 0; i < rows; ++i) {
-    const int r = t.r0 + i;
-    float* out = p.out + ((int64_t(t.b) * p.heads + t.h * plan.group + r % plan.group) * p.length + r / plan.group) *
-                             p.value_dims;
+    float* out = plan.out_row(t.b, t.h, t.r0 + i);
     const float inv = 1.0f / s.sum[i];
     for (int d = 0; d < p.value_dims; ++d) out[d] = acc[size_t(i) * vd + d] * inv;
+    if (p.lse) out[p.value_dims] = s.top[i] + std::log(s.sum[i]);
   }
 }
 
@@ -399,9 +402,7 @@ void merge(Plan& plan, const Task& t) {
   for (int i = 0; i < t.r1 - t.r0; ++i) {
     float top = -INFINITY;
     for (int k = 0; k < splits; ++k) top = std::max(top, plan.partial_at(t.slot + k)[i]);
-    const int r = t.r0 + i;
-    float* out = p.out + ((int64_t(t.b) * p.heads + t.h * plan.group + r % plan.group) * p.length + r / plan.group) *
-                             p.value_dims;
+    float* out = plan.out_row(t.b, t.h, t.r0 + i);
     std::fill(out, out + p.value_dims, 0.0f);
     float sum = 0.0f;
     for (int k = 0; k < splits; ++k) {
@@ -413,6 +414,7 @@ void merge(Plan& plan, const Task& t) {
       for (int d = 0; d < p.value_dims; ++d) out[d] += w * acc[d];
     }
     for (int d = 0; d < p.value_dims; ++d) out[d] /= sum;
+    if (p.lse) out[p.value_dims] = top + std::log(sum);
   }
 }
 

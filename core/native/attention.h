@@ -40,7 +40,7 @@ struct Segment {
 };
 
 /*
- * out [batch, heads, length, value_dims] (contiguous) = softmax(scale * q k^T) v for queries [batch, heads,
+ * out [batch, heads, length, value_dims (+ 1 with lse)] (contiguous) = softmax(scale * q k^T) v for queries [batch, heads,
  * length, dims], grouped-query: query head h reads KV head h / (heads / kv_heads). The keys are the
  * segments' in order; the queries are the last `length` positions, each seeing the keys up to its own and,
  * with a window, only the `window` last of them (itself included).
@@ -53,6 +53,9 @@ struct Problem {
   Segment segments[2];
   int count = 0;
   float* out = nullptr;
+  /* With `lse`, each output row holds value_dims + 1 floats, the last the log-sum-exp of the row's scaled
+   * scores (its softmax's log denominator): what merging with attention over other keys needs. */
+  bool lse = false;
 };
 
 void attend(const Problem& problem);

@@ -457,19 +457,20 @@ class Rope : public Kernel {
  * float32 keys and values [B, kv_heads, T, D|Dv], or (bits 4 or 8) mx.quantize's packed keys and values with
  * their scales and biases followed by float32 ones (a quantized cache's float tail). Inputs: q, k, v; or q,
  * packed keys, scales, biases, packed values, scales, biases, tail keys, tail values. The output is
- * [B, heads, L, Dv].
+ * [B, heads, L, Dv], or with `lse` [B, heads, L, Dv + 1]: each row's log-sum-exp of its scaled scores last (to
+ * merge it with attention over other keys).
  */
 class Attention : public Kernel {
  public:
-  Attention(mx::Stream stream, float scale, int window, int bits, int group)
-      : Kernel(stream), scale_(scale), window_(window), bits_(bits), group_(group) {}
+  Attention(mx::Stream stream, float scale, int window, int bits, int group, bool lse = false)
+      : Kernel(stream), scale_(scale), window_(window), bits_(bits), group_(group), lse_(lse) {}
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
-    return {{in[0].shape(0), in[0].shape(1), in[0].shape(2), in.back().shape(3)}};
+    return {{in[0].shape(0), in[0].shape(1), in[0].shape(2), in.back().shape(3) + (lse_ ? 1 : 0)}};
   }
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    dispatch_held(inputs, out, [scale = scale_, window = window_, bits = bits_, group = group_](
+    dispatch_held(inputs, out, [scale = scale_, window = window_, bits = bits_, group = group_, lse = lse_](
                                    const std::vector<mx::array>& held, mx::array& out) {
       namespace att = mlxchat_attention;
       std::vector<std::vector<float>> copies(held.size());
@@ -480,7 +481,7 @@ class Attention : public Kernel {
       p.queries = views[0];
       p.batch = q.shape(0), p.heads = q.shape(1), p.length = q.shape(2), p.dims = q.shape(3);
       p.kv_heads = held.back().shape(1), p.value_dims = held.back().shape(3);
-      p.scale = scale, p.window = window, p.out = out.data<float>();
+      p.scale = scale, p.window = window, p.out = out.data<float>(), p.lse = lse;
       auto floats = [&](size_t k, size_t v) {
         att::Segment seg;
         seg.count = held[k].shape(2);
@@ -509,7 +510,7 @@ class Attention : public Kernel {
 
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const Attention&>(other);
-    return scale_ == o.scale_ && window_ == o.window_ && bits_ == o.bits_ && group_ == o.group_;
+    return scale_ == o.scale_ && window_ == o.window_ && bits_ == o.bits_ && group_ == o.group_ && lse_ == o.lse_;
   }
 
  protected:
@@ -541,8 +542,11 @@ class Attention : public Kernel {
       visible = mx::logical_and(visible, mx::less(mx::subtract(positions, key_positions, s), mx::array(window_), s), s);
     scores = mx::where(visible, scores, mx::array(-INFINITY), s);
     const auto probs = mx::softmax(scores, {-1}, true, s);
-    const auto out = mx::matmul(probs, mx::expand_dims(values, 2, s), s);
-    return mx::reshape(out, {batch, heads, length, values.shape(3)}, s);
+    const auto out = mx::reshape(mx::matmul(probs, mx::expand_dims(values, 2, s), s),
+                                 {batch, heads, length, values.shape(3)}, s);
+    if (!lse_) return out;
+    const auto log_sum = mx::reshape(mx::logsumexp(scores, {-1}, true, s), {batch, heads, length, 1}, s);
+    return mx::concatenate({out, log_sum}, 3, s);
   }
 
  private:
@@ -557,6 +561,7 @@ class Attention : public Kernel {
 
   float scale_;
   int window_, bits_, group_;
+  bool lse_;
 };
 
 /* Sets flush-to-zero and denormals-are-zero on the thread that evaluates it (the stream's): a denormal operand
@@ -652,11 +657,11 @@ void check_attention(const mx::array& q, const mx::array& k, const mx::array& v,
   if (window < 0) throw std::invalid_argument("window must be 0 (none) or more");
 }
 
-mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, float scale, int window) {
+mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, float scale, int window, bool lse) {
   check_attention(q, k, v, window);
   if (q.shape(2) > k.shape(2)) throw std::invalid_argument("there must be a key for every query");
-  return mx::array({q.shape(0), q.shape(1), q.shape(2), v.shape(3)}, mx::float32,
-                   std::make_shared<Attention>(cpu_stream(), scale, window, 0, 0), {q, k, v});
+  return mx::array({q.shape(0), q.shape(1), q.shape(2), v.shape(3) + (lse ? 1 : 0)}, mx::float32,
+                   std::make_shared<Attention>(cpu_stream(), scale, window, 0, 0, lse), {q, k, v});
 }
 
 /* Packed keys or values with their scales and biases: the tail's batch, heads and features (up to padding). */
@@ -700,9 +705,10 @@ NB_MODULE(_kernels, m) {
   m.def("rope", &rope, nb::arg("x"), nb::arg("inv_freq"), nb::arg("dims"), nb::arg("offset"),
         "Rotate-half RoPE of x [..., L, D] at positions offset.. over its first dims features.");
   m.def("attention", &attention, nb::arg("queries"), nb::arg("keys"), nb::arg("values"), nb::arg("scale"),
-        nb::arg("window") = 0,
+        nb::arg("window") = 0, nb::arg("lse") = false,
         "Causal attention of [B, heads, L, D] queries (the last L positions) over [B, kv_heads, T, D] keys and "
-        "values read in place; window > 0 limits each query to that many last keys.");
+        "values read in place; window > 0 limits each query to that many last keys; with lse each output row "
+        "ends with the log-sum-exp of its scaled scores.");
   m.def("quantized_attention", &quantized_attention, nb::arg("queries"), nb::arg("packed_keys"),
         nb::arg("key_scales"), nb::arg("key_biases"), nb::arg("packed_values"), nb::arg("value_scales"),
         nb::arg("value_biases"), nb::arg("keys"), nb::arg("values"), nb::arg("scale"), nb::arg("window"),
