@@ -2,8 +2,9 @@
 plain MLX attention: float and 4/8-bit quantized caches, grouped-query heads, causal chunks of uneven
 lengths and single tokens, sliding windows, cache lengths around the quantization groups and the kernel's
 key blocks, batch rows of different lengths, on every instruction set the CPU has; it reads the cache in
-place (no copy of the used part, no scores), Gemma 4's quantized layers included; gradients, ``mx.compile``
-and ``vmap`` work; and MLX's own attention runs where the kernel does not apply."""
+place (no copy of the used part, no scores), Gemma 4's quantized layers included; it gives each row's
+log-sum-exp, and decode rows that copied one prefix read it once (cascade attention) with their own outputs;
+gradients, ``mx.compile`` and ``vmap`` work; and MLX's own attention runs where the kernel does not apply."""
 
 from __future__ import annotations
 
@@ -151,6 +152,11 @@ def test_the_kernel_gives_each_rows_log_sum_exp(isa: str, keys: int) -> None:
     expected = mx.logsumexp(mx.where(visible, scores, -mx.inf), axis=-1, keepdims=True).reshape(2, 6, 3, 1)
     assert float(mx.abs(lse - expected).max()) < 1e-4
     assert float(mx.abs(out - plain_attention(q, k, v, 0.3)).max()) < 2e-5
+    if keys < 100:  # differentiable like the plain output (through the kernel's MLX reference)
+        grad = mx.grad(lambda x: kernels.attention_parts(x, k, v, 0.3)[1].sum())(q)  # type: ignore[index]
+        plain = mx.grad(lambda x: mx.logsumexp(mx.where(visible, (x * 0.3).reshape(2, 2, 3, 3, 32)
+                                                        @ k[:, :, None].swapaxes(-1, -2), -mx.inf), axis=-1).sum())(q)
+        assert float(mx.abs(grad - plain).max()) < 1e-4
 
 
 def test_decode_rows_copied_from_one_prefix_read_it_once_and_attend_as_alone(isa: str,
@@ -160,13 +166,16 @@ def test_decode_rows_copied_from_one_prefix_read_it_once_and_attend_as_alone(isa
     from mlxchat.layers import attention
 
     rng = np.random.default_rng(6)
-    prefix = [mx.array(rng.standard_normal((1, 2, 300, 32)).astype(np.float32)) for _ in range(2)]
+
+    def random(length: int) -> list[mx.array]:  # keys and values of `length` positions
+        return [mx.array(rng.standard_normal((1, 2, length, 32)).astype(np.float32)) for _ in range(2)]
+
+    prefix = random(300)
     rows = [KVCache() for _ in range(4)]
     for i, (row, own) in enumerate(zip(rows, (5, 0, 70, 9), strict=True)):
-        row.update_and_fetch(*prefix) if i < 3 else row.update_and_fetch(
-            *(mx.array(rng.standard_normal((1, 2, 280, 32)).astype(np.float32)) for _ in range(2)))
+        row.update_and_fetch(*(prefix if i < 3 else random(280)))  # the last row holds keys of its own
         if own:
-            row.update_and_fetch(*(mx.array(rng.standard_normal((1, 2, own, 32)).astype(np.float32)) for _ in range(2)))
+            row.update_and_fetch(*random(own))
     mark = object()
     rows[0].lineage = rows[1].lineage = (mark, 300)
     rows[2].lineage = (mark, 290)  # cut back below the prefix once, then refilled: the group shares 290

@@ -40,8 +40,8 @@ struct Segment {
 };
 
 /*
- * out [batch, heads, length, value_dims (+ 1 with lse)] (contiguous) = softmax(scale * q k^T) v for queries [batch, heads,
- * length, dims], grouped-query: query head h reads KV head h / (heads / kv_heads). The keys are the
+ * out [batch, heads, length, value_dims (+ 1 with lse)] (contiguous) = softmax(scale * q k^T) v for queries
+ * [batch, heads, length, dims], grouped-query: query head h reads KV head h / (heads / kv_heads). The keys are the
  * segments' in order; the queries are the last `length` positions, each seeing the keys up to its own and,
  * with a window, only the `window` last of them (itself included).
  */
