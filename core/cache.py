@@ -137,6 +137,24 @@ class KeysValues(LayerCache):
         return [] if self.keys is None or self.values is None else [self.keys, self.values]
 
 
+@dataclass(frozen=True, eq=False)
+class Copies:
+    """Keys and values that caches hold copies of, bit for bit (see :attr:`KVCache.lineage`): the content of
+    one cache when it was first copied. Its first ``after[1]`` tokens are also ``after[0]``'s (that cache was
+    itself a copy, copied further than its own lineage went)."""
+
+    after: tuple[Copies, int] | None = None
+
+    def root(self, length: int) -> tuple[Copies, int]:
+        """The lineage this one continues from the start, and how many of its tokens the first ``length`` of
+        this one's are."""
+        copies = self
+        while copies.after is not None:
+            parent, shared = copies.after
+            copies, length = parent, min(length, shared)
+        return copies, length
+
+
 class KVCache(KeysValues):
     """Keys and values of a full-attention layer, ``[batch, kv_heads, tokens, head_dim]``.
 
@@ -154,10 +172,10 @@ class KVCache(KeysValues):
         ``shift``. Multimodal RoPE (Qwen-VL) continues text after an image at the image's largest position
         + 1, not at the token index; the shift travels with the keys so that decoding, and a cache cut back
         to any position, continue at the right position."""
-        self.lineage: tuple[object, int] | None = None
-        """``(mark, n)``: the first ``n`` keys and values are, bit for bit, those of every other cache holding
-        the same ``mark`` (copies of one prefix: :meth:`share`), so a decode step of several such caches can
-        read them once for all (:func:`mlxchat.layers.attend`). Cutting back below ``n`` lowers it."""
+        self.lineage: tuple[Copies, int] | None = None
+        """``(copies, n)``: the first ``n`` keys and values are, bit for bit, the first ``n`` of ``copies``' (a
+        prefix copied between caches: :meth:`share`), so a decode step of several such caches can read them once
+        for all (:func:`mlxchat.layers.attend`). Cutting back below ``n`` lowers it."""
 
     @property
     def position(self) -> int:
@@ -176,11 +194,11 @@ class KVCache(KeysValues):
         if self.lineage is not None and position < self.lineage[1]:
             self.lineage = (self.lineage[0], position)
 
-    def share(self, length: int) -> tuple[object, int]:
-        """The :attr:`lineage` of a copy of this cache's first ``length`` tokens (this cache joins it, leaving a
-        shorter one it held)."""
+    def share(self, length: int) -> tuple[Copies, int]:
+        """The :attr:`lineage` of a copy of this cache's first ``length`` tokens: this cache's own, or, where that
+        covers fewer tokens, a new one of what it holds now, continuing it."""
         if self.lineage is None or self.lineage[1] < length:
-            self.lineage = (object(), self.offset)
+            self.lineage = (Copies(self.lineage), self.offset)
         return self.lineage[0], length
 
     def state_dict(self) -> tuple[Arrays, dict[str, Any]]:

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from mlxchat import kernels
-from mlxchat.cache import KVCache, QuantizedKVCache, RowCaches, SlidingWindowCache, padded
+from mlxchat.cache import Copies, KVCache, QuantizedKVCache, RowCaches, SlidingWindowCache, padded
 from mlxchat.layers import attend
 
 pytestmark = pytest.mark.skipif(kernels._native()[0] is None, reason=f"fused kernels: {kernels._native()[1]}")
@@ -176,10 +176,10 @@ def test_decode_rows_copied_from_one_prefix_read_it_once_and_attend_as_alone(isa
         row.update_and_fetch(*(prefix if i < 3 else random(280)))  # the last row holds keys of its own
         if own:
             row.update_and_fetch(*random(own))
-    mark = object()
-    rows[0].lineage = rows[1].lineage = (mark, 300)
-    rows[2].lineage = (mark, 290)  # cut back below the prefix once, then refilled: the group shares 290
-    assert attention.shared_prefixes(rows) == [([0, 1, 2], 290)]  # type: ignore[arg-type]
+    copies = Copies()
+    rows[0].lineage = rows[1].lineage = (copies, 300)
+    rows[2].lineage = (Copies((copies, 290)), 295)  # a copy of a copy that had been cut back to 290
+    assert attention.shared_prefixes(rows) == [([0, 1, 2], 290)]
     q = mx.array(rng.standard_normal((4, 4, 1, 32)).astype(np.float32))
     k, v = (mx.array(rng.standard_normal((4, 2, 1, 32)).astype(np.float32)) for _ in range(2))
     expected = []
@@ -204,8 +204,9 @@ def test_a_cache_lineage_follows_copies_and_cut_backs() -> None:
     source.trim_to(200)  # what it held after 200 may now change: it shares only 200
     assert source.lineage == (first[0], 200)
     source.update_and_fetch(mx.ones((1, 2, 100, 8)), mx.ones((1, 2, 100, 8)))
-    again = source.share(250)  # more than it still shares: a new lineage, of what it holds now
+    again = source.share(250)  # more than it still shares: a new lineage, of what it holds now, continuing the first
     assert again == (source.lineage[0], 250) and again[0] is not first[0] and source.lineage[1] == 300
+    assert again[0].root(250) == (first[0], 200)  # a copy of it and one of the first share 200 tokens
     source.load_state(*source.state_dict())  # content from elsewhere: no lineage
     assert source.lineage is None
 

@@ -78,14 +78,16 @@ keys, 1.14x at 512, 1.81x at 4,096; ``python -m benchmarks.shared_prefix``)."""
 
 def shared_prefixes(rows: Sequence[LayerCache]) -> list[tuple[list[int], int]]:
     """Groups of two or more rows (their indices) whose float KV caches hold copies of one prefix of at least
-    :data:`SHARED_PREFIX_MIN` tokens (:attr:`~mlxchat.cache.KVCache.lineage`), and the length all of them
-    share."""
-    groups: dict[int, list[int]] = {}
+    :data:`SHARED_PREFIX_MIN` tokens (:attr:`~mlxchat.cache.KVCache.lineage`, followed to where it starts), and
+    the length all of them share."""
+    groups: dict[int, list[tuple[int, int]]] = {}
     for i, row in enumerate(rows):
         lineage = row.lineage if type(row) is KVCache else None
-        if lineage is not None and lineage[1] >= SHARED_PREFIX_MIN:
-            groups.setdefault(id(lineage[0]), []).append(i)
-    return [(members, min(rows[i].lineage[1] for i in members))  # type: ignore[attr-defined, index]
+        if lineage is not None:
+            root, length = lineage[0].root(lineage[1])
+            if length >= SHARED_PREFIX_MIN:
+                groups.setdefault(id(root), []).append((i, length))
+    return [([i for i, _ in members], min(length for _, length in members))
             for members in groups.values() if len(members) > 1]
 
 
