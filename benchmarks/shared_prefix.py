@@ -1,12 +1,13 @@
-"""``python -m benchmarks.shared_prefix``: a decode step of conversations that copied one long prefix (the same
-system prompt and tools, from the model's prompt cache pool), reading the shared keys and values once for all
-rows (cascade attention, :func:`mlxchat.layers.attention.attend_shared`) against every row reading its own
-copy (the same caches without their lineage, as before), on one model in one process, the two alternating.
+"""``python -m benchmarks.shared_prefix``: conversations that copied one long prefix (the same system prompt and
+tools, from the model's prompt cache pool), reading it where it lies, one copy for all (a decode step of them
+reading the shared keys and values once: cascade attention, :func:`mlxchat.layers.attention.attend_shared`),
+against each holding a copy of its own (as before), on one model in one process, the ways alternating.
 
 For each prefix length: a cache prefilled with the prefix, ``--rows - 1`` copies of it (``copy_prefix``), each
-row then ``--own`` tokens of its own (its user message); the median time of one decode step of all rows, each
-way, and of one row alone (the solo step that inter-token latency is held against in issue 25). Beside them,
-the keys and values a step reads: each row's whole cache, or the prefix once and each row's own part.
+row then ``--own`` tokens of its own (its user message), and the same caches loaded again as copies holding
+everything; the median time of one decode step of all rows, each way, and of one row alone (the solo step that
+inter-token latency is held against in issue 25). Beside them, the keys and values a step reads and the bytes
+the caches hold, each way.
 
 Writes ``results/shared_prefix.{json,md}``.
 """
@@ -27,13 +28,13 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def step_times(model: Any, prefix: int, rows: int, own: int, reps: int) -> dict[str, Any]:
-    """Median seconds of a decode step of ``rows`` caches that copied a ``prefix``-token prefix, with and without
-    their lineage, and of one alone; the KV bytes a token of each holds (run on the model's worker; what a try
-    adds is cut back after it)."""
+    """Median seconds of a decode step of ``rows`` caches that copied a ``prefix``-token prefix, reading it where it
+    lies (shared) or each from a copy of its own, and of one such row alone; the bytes the rows' caches hold and
+    the KV bytes a step reads each way (run on the model's worker; what a try adds is cut back after it)."""
     import mlx.core as mx
 
     from mlxchat.batching import batched_last_logits
-    from mlxchat.cache import KVCache
+    from mlxchat.cache import KVCache, distinct_nbytes
     from mlxchat.prompt_cache import last_logits_of
 
     module = model.module
@@ -47,18 +48,24 @@ def step_times(model: Any, prefix: int, rows: int, own: int, reps: int) -> dict[
     ids = [(7 * j) % 5000 + 10 for j in range(prefix + 1)]
     source = model.make_prompt_cache()
     fill(source, ids)
-    caches = [source]
+    shared = [source]
     for i in range(rows - 1):
         copy = model.make_prompt_cache()
         if copy.copy_prefix(source, [*ids[:prefix], 5001 + i]) != prefix:
             raise RuntimeError("a copy did not take the whole prefix")
-        caches.append(copy)
-    for i, cache in enumerate(caches):
+        shared.append(copy)
+    for i, cache in enumerate(shared):
         fill(cache, [*ids[:prefix], *((11 * j + i) % 5000 + 10 for j in range(own + 1))])
+    copies = []  # the same content, each cache holding all of it (as before prefixes were shared)
+    for cache in shared:
+        copies.append(model.make_prompt_cache())
+        copies[-1].load_state(*cache.state_dict())
     kv = [layer for layer in source.layers if type(layer) is KVCache]
-    per_token = sum(2 * layer.keys.shape[1] * layer.keys.shape[3] * layer.keys.itemsize for layer in kv)
-    lineages = {id(layer): layer.lineage for cache in caches for layer in cache.layers if type(layer) is KVCache}
-    saved = {id(layer): layer.snapshot() for cache in caches for layer in cache.layers if not layer.trimmable}
+    per_token = sum(2 * layer.shared.keys.shape[1] * layer.shared.keys.shape[3] * layer.shared.keys.itemsize
+                    for layer in kv if layer.shared is not None)
+    if not per_token or any(layer.shared is None for cache in shared for layer in cache.layers if layer in kv):
+        raise RuntimeError("the copies do not read a shared prefix")
+    saved = {id(layer): layer.snapshot() for cache in shared + copies for layer in cache.layers if not layer.trimmable}
     tokens = mx.array([11 + i for i in range(rows)])
 
     def back(cache: Any) -> None:
@@ -68,11 +75,7 @@ def step_times(model: Any, prefix: int, rows: int, own: int, reps: int) -> dict[
             else:
                 layer.restore(saved[id(layer)])
 
-    def step(shared: bool) -> float:
-        for cache in caches:
-            for layer in cache.layers:
-                if type(layer) is KVCache:
-                    layer.lineage = lineages[id(layer)] if shared else None
+    def step(caches: list[Any]) -> float:
         start = time.perf_counter()
         mx.eval(batched_last_logits(module, tokens, caches), [a for cache in caches for a in cache.arrays()])
         seconds = time.perf_counter() - start
@@ -80,23 +83,27 @@ def step_times(model: Any, prefix: int, rows: int, own: int, reps: int) -> dict[
             back(cache)
         return seconds
 
-    def alone() -> float:
+    def alone(cache: Any) -> float:
         start = time.perf_counter()
-        mx.eval(last_logits_of(module)(tokens[:1][None], source.layers), source.arrays())
+        mx.eval(last_logits_of(module)(tokens[:1][None], cache.layers), cache.arrays())
         seconds = time.perf_counter() - start
-        back(source)
+        back(cache)
         return seconds
 
-    times: dict[str, list[float]] = {"alone": [], "shared": [], "copies": []}
-    step(True), step(False), alone()  # warm-up
+    ways = {"shared": lambda: step(shared), "copies": lambda: step(copies),
+            "alone_shared": lambda: alone(shared[1]), "alone_copy": lambda: alone(copies[1])}
+    times: dict[str, list[float]] = {label: [] for label in ways}
+    for run in ways.values():  # warm-up
+        run()
     for _ in range(reps):
-        times["shared"].append(step(True))
-        times["copies"].append(step(False))
-        times["alone"].append(alone())
+        for label, run in ways.items():
+            times[label].append(run())
     own_tokens = own + 1  # the own part and the token of the step
     return {**{label: statistics.median(values) for label, values in times.items()},
             "kv_per_token": per_token, "kv_read_copies": rows * (prefix + own_tokens) * per_token,
-            "kv_read_shared": (prefix + rows * own_tokens) * per_token}
+            "kv_read_shared": (prefix + rows * own_tokens) * per_token,
+            "held_copies": distinct_nbytes(cache.held() for cache in copies),
+            "held_shared": distinct_nbytes(cache.held() for cache in shared)}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -131,20 +138,22 @@ def main(argv: list[str] | None = None) -> None:
 
 def markdown(results: dict[str, Any]) -> list[str]:
     host, rows = results["host"], results["rows"]
-    lines = [f"# Decode steps of conversations sharing a prefix ({host['cpu']}, {host['cores']} cores)", "",
+    lines = [f"# Conversations sharing a prefix ({host['cpu']}, {host['cores']} cores)", "",
              f"Checkpoint `{results['model']}`, float32 KV; command `{results['command']}` "
-             f"({results['minutes']:.1f} min; the two ways alternate in one process, medians of "
-             f"{results['reps']}). {rows} caches copied one prefix from the prompt cache pool, then took "
-             f"{results['own']} tokens of their own; one decode step of all {rows}, reading the shared keys and "
-             "values once (cascade attention) or each row its own copy (before), and one row's step alone:", "",
-             "| prefix | alone s | each its copy s | shared once s | faster | each its copy ÷ alone | "
-             "shared once ÷ alone | KV read: copies → shared |",
-             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             f"({results['minutes']:.1f} min; the ways alternate in one process, medians of {results['reps']}). "
+             f"{rows} caches copied one prefix from the prompt cache pool, then took {results['own']} tokens of "
+             "their own. Shared: they read the prefix where it lies, one copy for all (and a decode step of all "
+             "of them reads it once: cascade attention); copies: the same content, each cache holding all of it "
+             "(as before). One decode step of one row and of all of them, and what the caches hold:", "",
+             "| prefix | one row: own copy s | one row: shared s | all rows: copies s | all rows: shared s | "
+             "faster | all ÷ one, copies → shared | KV read by a step | caches hold |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for prefix, t in results["steps"].items():
-        lines.append(f"| {prefix} | {t['alone']:.3f} | {t['copies']:.3f} | {t['shared']:.3f} | "
-                     f"{t['copies'] / t['shared']:.2f}× | {t['copies'] / t['alone']:.2f}× | "
-                     f"{t['shared'] / t['alone']:.2f}× | {t['kv_read_copies'] / 1e9:.2f} → "
-                     f"{t['kv_read_shared'] / 1e9:.2f} GB |")
+        lines.append(f"| {prefix} | {t['alone_copy']:.3f} | {t['alone_shared']:.3f} | {t['copies']:.3f} | "
+                     f"{t['shared']:.3f} | {t['copies'] / t['shared']:.2f}× | {t['copies'] / t['alone_copy']:.2f}× "
+                     f"→ {t['shared'] / t['alone_shared']:.2f}× | {t['kv_read_copies'] / 1e9:.2f} → "
+                     f"{t['kv_read_shared'] / 1e9:.2f} GB | {t['held_copies'] / 1e9:.2f} → "
+                     f"{t['held_shared'] / 1e9:.2f} GB |")
     return lines
 
 

@@ -18,7 +18,7 @@ snapshots; :class:`mlxchat.prompt_cache.PromptCache` takes those at turn boundar
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -138,30 +138,46 @@ class KeysValues(LayerCache):
 
 
 @dataclass(frozen=True, eq=False)
-class Copies:
-    """Keys and values that caches hold copies of, bit for bit (see :attr:`KVCache.lineage`): the content of
-    one cache when it was first copied. Its first ``after[1]`` tokens are also ``after[0]``'s (that cache was
-    itself a copy, copied further than its own lineage went)."""
+class SharedPrefix:
+    """The keys and values of a prompt prefix that several KV caches read where they lie
+    (:meth:`KVCache.copy_from`): stored once, never written to, kept while a cache reads it."""
 
-    after: tuple[Copies, int] | None = None
+    keys: mx.array
+    values: mx.array
 
-    def root(self, length: int) -> tuple[Copies, int]:
-        """The lineage this one continues from the start, and how many of its tokens the first ``length`` of
-        this one's are."""
-        copies = self
-        while copies.after is not None:
-            parent, shared = copies.after
-            copies, length = parent, min(length, shared)
-        return copies, length
+
+@dataclass(frozen=True)
+class PrefixedKeysValues:
+    """What a chunk's queries attend over in a KV cache that reads a shared prefix: the prefix's first ``length``
+    keys and values (every query sees them all) and the cache's own after them, which end with the chunk."""
+
+    shared: SharedPrefix
+    length: int
+    keys: mx.array
+    values: mx.array
+
+    def span(self, start: int = 0) -> tuple[mx.array, mx.array]:
+        """The shared prefix's keys and values this cache reads, from token ``start`` on (views)."""
+        return self.shared.keys[..., start : self.length, :], self.shared.values[..., start : self.length, :]
+
+    def joined(self) -> tuple[mx.array, mx.array]:
+        """Every key and value in one array each (a copy: for attention that cannot read the two parts)."""
+        keys, values = self.span()
+        return mx.concatenate([keys, self.keys], axis=2), mx.concatenate([values, self.values], axis=2)
 
 
 class KVCache(KeysValues):
     """Keys and values of a full-attention layer, ``[batch, kv_heads, tokens, head_dim]``.
 
-    The buffer grows in steps so that decode writes in place instead of concatenating every token.
+    The buffer grows in steps so that decode writes in place instead of concatenating every token. A cache
+    that copied a long prefix from another (:meth:`copy_from`) reads it where it lies, in a
+    :class:`SharedPrefix` the two (and every later copy) hold once; its buffer holds only the tokens after it.
     """
 
     step = 256
+    share_from = 256
+    """Tokens a copy must take before it reads them where they lie instead of copying them (below this the
+    saving is small and every attention call would read two parts)."""
 
     def __init__(self) -> None:
         self.keys: mx.array | None = None
@@ -172,10 +188,10 @@ class KVCache(KeysValues):
         ``shift``. Multimodal RoPE (Qwen-VL) continues text after an image at the image's largest position
         + 1, not at the token index; the shift travels with the keys so that decoding, and a cache cut back
         to any position, continue at the right position."""
-        self.lineage: tuple[Copies, int] | None = None
-        """``(copies, n)``: the first ``n`` keys and values are, bit for bit, the first ``n`` of ``copies``' (a
-        prefix copied between caches: :meth:`share`), so a decode step of several such caches can read them once
-        for all (:func:`mlxchat.layers.attend`). Cutting back below ``n`` lowers it."""
+        self.shared: SharedPrefix | None = None
+        self.base = 0
+        """The first ``base`` tokens are :attr:`shared`'s first ``base`` (read in place, none without one); the
+        buffer (:attr:`keys`, :attr:`values`) holds the tokens after them."""
 
     @property
     def position(self) -> int:
@@ -191,19 +207,32 @@ class KVCache(KeysValues):
         super().trim_to(position)
         while self.shifts and self.shifts[-1][0] > position:
             self.shifts.pop()
-        if self.lineage is not None and position < self.lineage[1]:
-            self.lineage = (self.lineage[0], position)
+        if position < self.base:
+            self.base = position
+            if not position:
+                self.shared = None
 
-    def share(self, length: int) -> tuple[Copies, int]:
-        """The :attr:`lineage` of a copy of this cache's first ``length`` tokens: this cache's own, or, where that
-        covers fewer tokens, a new one of what it holds now, continuing it."""
-        if self.lineage is None or self.lineage[1] < length:
-            self.lineage = (Copies(self.lineage), self.offset)
-        return self.lineage[0], length
+    @property
+    def state(self) -> list[mx.array | None]:
+        shared = [] if self.shared is None else [self.shared.keys, self.shared.values]
+        return [*shared, *super().state]
+
+    def span(self, start: int, stop: int) -> tuple[mx.array, mx.array]:
+        """Keys and values of tokens ``start`` to ``stop`` (views where they lie in one part, else joined)."""
+        parts = []
+        if self.shared is not None and start < self.base:
+            end = min(stop, self.base)
+            parts.append((self.shared.keys[..., start:end, :], self.shared.values[..., start:end, :]))
+        if stop > self.base:
+            assert self.keys is not None and self.values is not None
+            first, last = max(start, self.base) - self.base, stop - self.base
+            parts.append((self.keys[..., first:last, :], self.values[..., first:last, :]))
+        if len(parts) == 1:
+            return parts[0]
+        return (mx.concatenate([k for k, _ in parts], axis=2), mx.concatenate([v for _, v in parts], axis=2))
 
     def state_dict(self) -> tuple[Arrays, dict[str, Any]]:
-        held = {} if self.keys is None or self.values is None or not self.offset else {
-            "keys": self.keys[..., : self.offset, :], "values": self.values[..., : self.offset, :]}
+        held = {} if not self.offset else dict(zip(("keys", "values"), self.span(0, self.offset), strict=True))
         return held, {"offset": self.offset, "shifts": [list(s) for s in self.shifts]}
 
     def load_state(self, arrays: Arrays, fields: dict[str, Any], like: Arrays | None = None) -> None:
@@ -213,11 +242,50 @@ class KVCache(KeysValues):
             raise SavedStateError("a KV cache that holds tokens was saved without its keys and values")
         self.offset = offset
         self.shifts = _shifts(fields, offset)
-        self.lineage = None
+        self.shared, self.base = None, 0
+
+    def copy_from(self, source: KVCache, length: int) -> None:
+        """Become a copy of ``source``'s first ``length`` tokens. A copy of :attr:`share_from` tokens or more reads
+        them where they lie: in ``source``'s shared prefix, or in one that ``source`` first makes of what it holds
+        (its content unchanged, its buffer then holding only the rest) when it has none or the copy goes
+        :attr:`share_from` tokens or more past it. What the copy takes beyond the prefix is copied."""
+        if not 0 < length <= source.offset:
+            raise ValueError(f"a KV cache at {source.offset} has no first {length} tokens to copy")
+        if length >= self.share_from and length - source.base >= self.share_from:
+            source._share(length)
+        self.keys = self.values = None
+        self.shared, self.base = source.shared, min(length, source.base)
+        self.offset = self.base
+        self.shifts = [shift for shift in source.shifts if shift[0] <= length]
+        if length > self.base:
+            self._append(*source.span(self.base, length))
+
+    def _share(self, length: int) -> None:
+        """Move the first ``length`` tokens into a new shared prefix, the rest into a new buffer."""
+        shared, rest = self.span(0, length), self.span(length, self.offset) if length < self.offset else None
+        self.shared = SharedPrefix(mx.contiguous(shared[0]), mx.contiguous(shared[1]))
+        self.keys = self.values = None
+        self.base = self.offset = length
+        if rest is not None:
+            self._append(*rest)
+        mx.eval(self.state)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """Append this chunk's keys and values; return everything cached so far."""
-        start, length = self.offset, keys.shape[2]
+        """Append this chunk's keys and values; return everything cached so far (joined after a shared prefix:
+        :meth:`update_and_fetch_parts` gives them where they lie)."""
+        held = self.update_and_fetch_parts(keys, values)
+        return held.joined() if isinstance(held, PrefixedKeysValues) else held
+
+    def update_and_fetch_parts(self, keys: mx.array,
+                               values: mx.array) -> tuple[mx.array, mx.array] | PrefixedKeysValues:
+        """Append this chunk's keys and values; return everything cached so far as it lies: a shared prefix's
+        part and the cache's own, or (without one) the cache's keys and values."""
+        own = self._append(keys, values)
+        return own if self.shared is None else PrefixedKeysValues(self.shared, self.base, *own)
+
+    def _append(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Write a chunk after the held tokens into the buffer (grown by whole steps); return the buffer's used part."""
+        start, length = self.offset - self.base, keys.shape[2]
         if self.keys is None or self.values is None or start + length > self.keys.shape[2]:
             grow = -(-length // self.step) * self.step
             batch, heads, _, k_dim = keys.shape
@@ -228,10 +296,11 @@ class KVCache(KeysValues):
             else:
                 self.keys = mx.concatenate([self.keys[..., :start, :], new_keys], axis=2)
                 self.values = mx.concatenate([self.values[..., :start, :], new_values], axis=2)
-        self.offset = start + length
-        self.keys[..., start : self.offset, :] = keys
-        self.values[..., start : self.offset, :] = values
-        return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
+        self.offset += length
+        end = start + length
+        self.keys[..., start:end, :] = keys
+        self.values[..., start:end, :] = values
+        return self.keys[..., :end, :], self.values[..., :end, :]
 
 
 KV_BITS = (2, 3, 4, 5, 6, 8)
@@ -365,7 +434,7 @@ class QuantizedKVCache(KVCache):
         mine = (like or {}).get("keys")  # this model's float keys: the packed ones have as many heads
         if held and mine is not None and parts[0].shape[1] != mine.shape[1]:  # type: ignore[union-attr]
             _misfit("a quantized KV cache", "packed keys", parts[0], mine)  # type: ignore[arg-type]
-        self.offset, self.shifts, self.lineage = offset, _shifts(fields, offset), None
+        self.offset, self.shifts = offset, _shifts(fields, offset)
         self.tail = None if tail[0] is None else tail  # type: ignore[assignment]
         self.held_quantized = held
         if not held:
@@ -465,6 +534,20 @@ class StateCache(LayerCache):
                 _misfit("a state cache", f"state {name}", saved, mine)
         self.offset = _count(fields, "offset")
         self.arrays = [arrays.get(str(i)) for i in range(len(self.arrays))]
+
+
+def distinct_nbytes(held: Iterable[Any]) -> int:
+    """Bytes of the arrays in ``held`` (nested lists and tuples of them), each counted once however often it
+    appears: a shared prefix several caches read, a state a snapshot still holds."""
+    seen: dict[int, int] = {}
+    stack: list[Any] = list(held)
+    while stack:
+        item = stack.pop()
+        if isinstance(item, mx.array):
+            seen[id(item)] = item.nbytes
+        elif isinstance(item, list | tuple):
+            stack.extend(item)
+    return sum(seen.values())
 
 
 def cache_arrays(layers: list[LayerCache]) -> list[mx.array]:

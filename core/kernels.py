@@ -116,40 +116,47 @@ def rope(x: mx.array, inv_freq: mx.array, dims: int, offset: int) -> mx.array | 
 # -- attention ----------------------------------------------------------------------------------------------
 
 
-def _attends(module: ModuleType | None, queries: mx.array, keys: mx.array, values: mx.array) -> bool:
+def _attends(module: ModuleType | None, queries: mx.array, keys: mx.array, values: mx.array,
+             prefix: tuple[mx.array, mx.array] | None = None) -> bool:
     return (module is not None and queries.ndim == keys.ndim == values.ndim == 4 and keys.shape[1] > 0
             and queries.shape[1] % keys.shape[1] == 0 and queries.shape[3] == keys.shape[3]
-            and queries.shape[2] <= keys.shape[2])
+            and queries.shape[2] <= keys.shape[2]
+            and (prefix is None or (_applies(*prefix) is not None and prefix[0].ndim == prefix[1].ndim == 4
+                                    and prefix[0].shape[:2] == keys.shape[:2] and prefix[0].shape[3] == keys.shape[3]
+                                    and prefix[1].shape[:3] == prefix[0].shape[:3]
+                                    and prefix[1].shape[3] == values.shape[3])))
 
 
 def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
-              window: int | None = None) -> mx.array | None:
+              window: int | None = None, prefix: tuple[mx.array, mx.array] | None = None) -> mx.array | None:
     """Causal attention of ``[B, heads, L, D]`` queries, the last ``L`` of the ``T`` positions, over
     ``[B, kv_heads, T, D]`` keys and values (grouped-query: query head ``h`` reads KV head
     ``h // (heads / kv_heads)``); with a ``window``, each query sees only the ``window`` last keys up to its
-    own. ``None`` where the kernel does not apply (the caller's MLX attention runs).
+    own. A ``prefix``'s keys and values come before them (a shared prefix: the two parts read where each
+    lies). ``None`` where the kernel does not apply (the caller's MLX attention runs).
 
     One fused pass (online softmax over blocks of keys, split over the cores): keys and values are read once
     per block of queries, in place (a cache's used part is a view of its buffer, not copied), and the
     scratch is a block's, whatever the context.
     """
     module = _applies(queries, keys, values)
-    if not _attends(module, queries, keys, values):
+    if not _attends(module, queries, keys, values, prefix):
         return None
     assert module is not None
-    return module.attention(queries, keys, values, scale, window or 0)  # type: ignore[no-any-return]
+    return module.attention(queries, keys, values, scale, window or 0,  # type: ignore[no-any-return]
+                            *(() if prefix is None else (False, *prefix)))
 
 
-def attention_parts(queries: mx.array, keys: mx.array, values: mx.array,
-                    scale: float) -> tuple[mx.array, mx.array] | None:
+def attention_parts(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
+                    prefix: tuple[mx.array, mx.array] | None = None) -> tuple[mx.array, mx.array] | None:
     """:func:`attention` (no window) and each query row's log-sum-exp of its scaled scores, ``[B, heads, L, 1]``:
     what merging it with attention over other keys takes (:func:`mlxchat.layers.attention.attend_shared`).
     ``None`` where the kernel does not apply."""
     module = _applies(queries, keys, values)
-    if not _attends(module, queries, keys, values):
+    if not _attends(module, queries, keys, values, prefix):
         return None
     assert module is not None
-    both = module.attention(queries, keys, values, scale, 0, True)
+    both = module.attention(queries, keys, values, scale, 0, True, *(() if prefix is None else prefix))
     return both[..., :-1], both[..., -1:]
 
 

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import mlx.core as mx
 
 from . import profiling
-from .cache import Arrays, KVCache, LayerCache, cache_arrays
+from .cache import Arrays, KVCache, LayerCache, cache_arrays, distinct_nbytes
 from .errors import ImageError, SavedStateError
 from .multimodal import ImageKey, ImageSpan, MultimodalPrompt, chunk_bounds, encode_images
 
@@ -250,8 +250,9 @@ class PromptCache:
                     images: Sequence[ImageKey] | None = None) -> int:
         """Become a copy of what ``source`` (a cache of the same model) holds of ``prompt``'s longest prefix it
         can return to (:meth:`reusable`; layers that cannot be cut back through its snapshot there); return
-        that length. ``source`` stays as it is: the copy's layers are its own (read from ``source``'s
-        state as saving reads it), its snapshots the same immutable arrays."""
+        that length. What ``source`` holds stays as it is: a long prefix of its KV layers is read where it lies,
+        shared by both (:meth:`~mlxchat.cache.KVCache.copy_from`), its other layers are copied (read from
+        ``source``'s state as saving reads it), its snapshots are the same immutable arrays."""
         position = source.reusable(prompt, images)
         trim = all(layer.can_trim_to(position) for layer in source.layers)
         if not position or not (trim or position in source._snapshots):
@@ -259,14 +260,15 @@ class PromptCache:
         saved = None if trim else source._snapshots[position]
         self.clear()
         for i, (mine, theirs) in enumerate(zip(self.layers, source.layers, strict=True)):
+            if type(mine) is KVCache and type(theirs) is KVCache:
+                mine.copy_from(theirs, position)  # a long prefix read where it lies
+                continue
             shadow = copy.copy(theirs)
             if saved is not None and saved[i] is not None:
                 shadow.restore(saved[i])
             mine.load_state(*shadow.state_dict())
             if mine.offset != position:
                 mine.trim_to(position)
-            if isinstance(theirs, KVCache):
-                mine.lineage = theirs.share(position)  # type: ignore[attr-defined]
         mx.eval(self.arrays())
         self.tokens = source.tokens[:position]
         self.images = [key for key in source.images if key[0] < position]
@@ -370,16 +372,9 @@ class PromptCache:
     @property
     def nbytes(self) -> int:
         """Memory the layer caches, their snapshots and the drafter's state hold (an array shared by several
-        counts once)."""
-        seen: dict[int, int] = {}
-        stack: list[Any] = self.held()
-        while stack:
-            item = stack.pop()
-            if isinstance(item, mx.array):
-                seen[id(item)] = item.nbytes
-            elif isinstance(item, list | tuple):
-                stack.extend(item)
-        return sum(seen.values())
+        counts once; so does a shared prefix other caches read too: :func:`~mlxchat.cache.distinct_nbytes` of
+        several caches' :meth:`held` counts it once for all)."""
+        return distinct_nbytes(self.held())
 
 
 class Prefill:

@@ -15,8 +15,16 @@ import numpy as np
 import pytest
 
 from mlxchat import kernels
-from mlxchat.cache import Copies, KVCache, QuantizedKVCache, RowCaches, SlidingWindowCache, padded
-from mlxchat.layers import attend
+from mlxchat.cache import (
+    KVCache,
+    PrefixedKeysValues,
+    QuantizedKVCache,
+    RowCaches,
+    SlidingWindowCache,
+    distinct_nbytes,
+    padded,
+)
+from mlxchat.layers import attend, attend_over, fetch_attended
 
 pytestmark = pytest.mark.skipif(kernels._native()[0] is None, reason=f"fused kernels: {kernels._native()[1]}")
 
@@ -50,8 +58,7 @@ def plain_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: 
 def held(cache: KVCache) -> tuple[mx.array, mx.array]:
     """The float keys and values a cache holds (a quantized one's dequantized, features padded to groups)."""
     if not isinstance(cache, QuantizedKVCache):
-        assert cache.keys is not None and cache.values is not None
-        return cache.keys[..., : cache.offset, :], cache.values[..., : cache.offset, :]
+        return cache.span(0, cache.offset)
     parts = []
     for i, tail in enumerate(cache.tail or (None, None)):
         whole = []
@@ -159,26 +166,50 @@ def test_the_kernel_gives_each_rows_log_sum_exp(isa: str, keys: int) -> None:
         assert float(mx.abs(grad - plain).max()) < 1e-4
 
 
-def test_decode_rows_copied_from_one_prefix_read_it_once_and_attend_as_alone(isa: str,
-                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    """Rows whose caches hold copies of one prefix (their lineage) attend over it together (cascade attention);
-    each row's output equals its own attention, a row outside the group's included."""
+@pytest.mark.parametrize(("prefix", "length", "window"), [(37, 5, 0), (3000, 1, 0), (3000, 40, 0), (300, 9, 50)])
+def test_the_kernel_reads_a_prefix_and_the_rest_where_each_lies(isa: str, prefix: int, length: int,
+                                                                window: int) -> None:
+    """Keys and values in two parts (a shared prefix, a cache's own): as over the two joined, the log-sum-exp and
+    a window across the parts included, and differentiable the same way."""
+    rng = np.random.default_rng(prefix + length)
+    q = mx.array(rng.standard_normal((1, 4, length, 32)).astype(np.float32))
+    first, rest = random_kv(rng, prefix), random_kv(rng, length + 20)
+    joined = [mx.concatenate([a, b], axis=2) for a, b in zip(first, rest, strict=True)]
+    out = kernels.attention(q, *rest, 0.3, window or None, prefix=(first[0], first[1]))
+    assert out is not None
+    assert float(mx.abs(out - plain_attention(q, *joined, 0.3, window=window or None)).max()) < 2e-5
+    if not window:
+        parts = kernels.attention_parts(q, *rest, 0.3, (first[0], first[1]))
+        whole = kernels.attention_parts(q, *joined, 0.3)
+        assert parts is not None and whole is not None
+        assert float(mx.abs(parts[1] - whole[1]).max()) < 1e-4
+    if prefix < 100:
+        grads = mx.grad(lambda x, k: kernels.attention(x, k, rest[1], 0.3, prefix=(first[0], first[1])).sum(),  # type: ignore[union-attr]
+                        argnums=(0, 1))(q, rest[0])
+        plain = mx.grad(lambda x, k: plain_attention(x, mx.concatenate([first[0], k], 2), joined[1], 0.3).sum(),
+                        argnums=(0, 1))(q, rest[0])
+        assert all(float(mx.abs(a - b).max()) < 1e-4 for a, b in zip(grads, plain, strict=True))
+
+
+def random_kv(rng: np.random.Generator, length: int, heads: int = 2) -> list[mx.array]:
+    """Keys and values of ``length`` positions."""
+    return [mx.array(rng.standard_normal((1, heads, length, 32)).astype(np.float32)) for _ in range(2)]
+
+
+def test_decode_rows_reading_one_shared_prefix_read_it_once_and_attend_as_alone(
+        isa: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows whose caches read one shared prefix attend over it together (cascade attention); each row's output
+    equals its own attention, a row that reads less of it and a row outside the group's included."""
     from mlxchat.layers import attention
 
     rng = np.random.default_rng(6)
-
-    def random(length: int) -> list[mx.array]:  # keys and values of `length` positions
-        return [mx.array(rng.standard_normal((1, 2, length, 32)).astype(np.float32)) for _ in range(2)]
-
-    prefix = random(300)
     rows = [KVCache() for _ in range(4)]
-    for i, (row, own) in enumerate(zip(rows, (5, 0, 70, 9), strict=True)):
-        row.update_and_fetch(*(prefix if i < 3 else random(280)))  # the last row holds keys of its own
-        if own:
-            row.update_and_fetch(*random(own))
-    copies = Copies()
-    rows[0].lineage = rows[1].lineage = (copies, 300)
-    rows[2].lineage = (Copies((copies, 290)), 295)  # a copy of a copy that had been cut back to 290
+    rows[0].update_and_fetch(*random_kv(rng, 305))
+    rows[1].copy_from(rows[0], 300)  # the source moves its first 300 tokens into a shared prefix
+    rows[2].copy_from(rows[0], 290)
+    rows[2].update_and_fetch(*random_kv(rng, 70))
+    rows[3].update_and_fetch(*random_kv(rng, 280))  # keys of its own
+    assert rows[0].shared is rows[1].shared is rows[2].shared is not None and rows[3].shared is None
     assert attention.shared_prefixes(rows) == [([0, 1, 2], 290)]
     q = mx.array(rng.standard_normal((4, 4, 1, 32)).astype(np.float32))
     k, v = (mx.array(rng.standard_normal((4, 2, 1, 32)).astype(np.float32)) for _ in range(2))
@@ -195,20 +226,63 @@ def test_decode_rows_copied_from_one_prefix_read_it_once_and_attend_as_alone(isa
     assert float(mx.abs(got - mx.concatenate(expected, 0)).max()) < 2e-5
 
 
-def test_a_cache_lineage_follows_copies_and_cut_backs() -> None:
+@pytest.mark.parametrize("length", [1, 37])
+def test_a_chunk_after_a_shared_prefix_attends_over_both_parts_as_over_one(isa: str, length: int) -> None:
+    """A prompt chunk (or a decode token) of a cache that reads a shared prefix: every query sees the whole prefix,
+    and its own part causally, as plain attention over the joined keys does."""
+    rng = np.random.default_rng(length)
+    source, copy = KVCache(), KVCache()
+    source.update_and_fetch(*random_kv(rng, 400))
+    copy.copy_from(source, 330)
+    copy.update_and_fetch(*random_kv(rng, 20))
+    before_k, before_v = copy.span(0, copy.offset)
+    q = mx.array(rng.standard_normal((1, 4, length, 32)).astype(np.float32))
+    k, v = random_kv(rng, length)
+    held_now = fetch_attended(copy, k, v)
+    assert isinstance(held_now, PrefixedKeysValues) and held_now.length == 330
+    expected = plain_attention(q, mx.concatenate([before_k, k], 2), mx.concatenate([before_v, v], 2), 0.3)
+    assert float(mx.abs(attend_over(q, held_now, 0.3) - expected).max()) < 2e-5
+    assert float(mx.abs(attend_over(q, held_now, 0.3, window=64)  # a window: the parts joined, MLX's masks
+                        - plain_attention(q, *held_now.joined(), 0.3, window=64)).max()) < 2e-5
+
+
+def test_a_copy_reads_a_long_prefix_where_it_lies_and_holds_the_same_keys() -> None:
+    rng = np.random.default_rng(3)
     source = KVCache()
-    source.update_and_fetch(mx.zeros((1, 2, 400, 8)), mx.zeros((1, 2, 400, 8)))
-    first = source.share(300)
-    assert first[1] == 300 and source.lineage == (first[0], 400)  # the source's whole content is the reference
-    assert source.share(350)[0] is first[0]  # a second copy joins the same lineage
-    source.trim_to(200)  # what it held after 200 may now change: it shares only 200
-    assert source.lineage == (first[0], 200)
-    source.update_and_fetch(mx.ones((1, 2, 100, 8)), mx.ones((1, 2, 100, 8)))
-    again = source.share(250)  # more than it still shares: a new lineage, of what it holds now, continuing the first
-    assert again == (source.lineage[0], 250) and again[0] is not first[0] and source.lineage[1] == 300
-    assert again[0].root(250) == (first[0], 200)  # a copy of it and one of the first share 200 tokens
-    source.load_state(*source.state_dict())  # content from elsewhere: no lineage
-    assert source.lineage is None
+    source.update_and_fetch(*random_kv(rng, 400))
+    whole = [mx.array(a) for a in source.span(0, 400)]
+
+    def same(cache: KVCache, length: int) -> bool:
+        return cache.offset == length and all(mx.array_equal(a, b[..., :length, :]).item()
+                                              for a, b in zip(cache.span(0, length), whole, strict=True))
+
+    short = KVCache()
+    short.copy_from(source, 200)  # too short to share: copied
+    assert short.shared is None and source.shared is None and same(short, 200)
+    first = KVCache()
+    first.copy_from(source, 300)  # the source's first 300 tokens move into a shared prefix, both read it
+    assert source.shared is first.shared is not None and (source.base, first.base) == (300, 300)
+    assert source.keys is not None and source.keys.shape[2] == KVCache.step  # the 100 after it: its own buffer
+    assert same(source, 400) and same(first, 300)
+    second = KVCache()
+    second.copy_from(source, 350)  # the prefix read, the 50 after it copied
+    assert second.shared is source.shared and second.base == 300 and same(second, 350)
+    assert distinct_nbytes([c.state for c in (source, first, second)]) < 2 * source.nbytes  # the prefix counts once
+    first.trim_to(250)  # cut back into the prefix: reads less of it
+    assert first.base == 250 and same(first, 250)
+    first.update_and_fetch(*random_kv(rng, 10))
+    assert first.base == 250 and first.offset == 260 and mx.array_equal(first.span(0, 250)[0], whole[0][..., :250, :])
+    source.update_and_fetch(*random_kv(rng, 300))
+    longer = KVCache()
+    longer.copy_from(source, 650)  # 350 past the shared prefix: the source makes a new one of its first 650
+    assert longer.shared is source.shared is not second.shared and longer.base == 650
+    assert all(mx.array_equal(a, b).item() for a, b in zip(longer.span(0, 650), source.span(0, 650), strict=True))
+    saved, fields = second.state_dict()  # saved whole; loaded back as a cache of its own
+    assert saved["keys"].shape[2] == 350
+    second.load_state(saved, fields)
+    assert second.shared is None and second.base == 0 and same(second, 350)
+    first.trim_to(0)
+    assert first.shared is None
 
 
 @pytest.mark.parametrize("kind", ["float", "8-bit"])

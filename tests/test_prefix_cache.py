@@ -111,12 +111,13 @@ def test_conversations_arriving_together_prefill_their_shared_system_prompt_once
 
 @pytest.mark.parametrize("name", ["qwen3", "qwen3_5"])
 def test_decode_rows_that_copied_one_prefix_read_it_once_with_their_own_logits(name: str, monkeypatch) -> None:
-    """Caches that copied a prefix from the pool's source share its lineage; a decode step of them together
-    attends over the shared keys once (cascade attention) and gives each row the logits of its own step."""
+    """Caches that copied a prefix from the pool's source read it where it lies (one shared prefix, held once); a
+    decode step of them together attends over the shared keys once (cascade attention) and gives each row the
+    logits of its own step."""
     import mlx.core as mx
 
     from mlxchat.batching import batched_last_logits
-    from mlxchat.cache import KVCache
+    from mlxchat.cache import KVCache, distinct_nbytes
     from mlxchat.layers import attention
     from mlxchat.prompt_cache import last_logits_of
 
@@ -132,8 +133,9 @@ def test_decode_rows_that_copied_one_prefix_read_it_once_with_their_own_logits(n
             plan.run(plan.next_chunk)
         mx.eval(cache.arrays())
 
-    def run() -> tuple[np.ndarray, np.ndarray, list[list[int]]]:
-        """Logits of each row's decode step alone, of the three together, and each cache's lineage marks."""
+    def run() -> tuple[np.ndarray, np.ndarray, list[list[int]], list[int]]:
+        """Logits of each row's decode step alone, of the three together, each cache's shared prefixes, and the
+        bytes the caches hold: each counted alone, and together."""
         source = model.make_prompt_cache()
         fill(source, prompt)
         caches = [source]
@@ -143,7 +145,8 @@ def test_decode_rows_that_copied_one_prefix_read_it_once_with_their_own_logits(n
             caches.append(copy)
         for i, cache in enumerate(caches):  # each goes on with a reply of its own
             fill(cache, [*list(cache.tokens), *range(40 + i, 43 + 2 * i)])
-        marks = [[id(layer.lineage[0]) for layer in cache.layers if type(layer) is KVCache] for cache in caches]
+        marks = [[id(layer.shared) for layer in cache.layers if type(layer) is KVCache] for cache in caches]
+        held = [sum(cache.nbytes for cache in caches), distinct_nbytes(cache.held() for cache in caches)]
         alone = []
         for cache in caches:  # each row's own step, then back (recurrent layers through a mark)
             mark = cache.mark()
@@ -151,13 +154,14 @@ def test_decode_rows_that_copied_one_prefix_read_it_once_with_their_own_logits(n
             mx.eval(alone[-1])
             cache.rewind(len(cache.tokens), mark)
         together = batched_last_logits(model.module, [9, 9, 9], caches)
-        return np.array(mx.concatenate(alone)), np.array(together), marks
+        return np.array(mx.concatenate(alone)), np.array(together), marks, held
 
     groups = []
     shared = attention.attend_shared
     monkeypatch.setattr(attention, "attend_shared", lambda *a: groups.append(a[2]) or shared(*a))
-    alone, together, marks = model.worker.run(run)
-    assert all(m == marks[0] for m in marks) and marks[0]
+    alone, together, marks, (each, distinct) = model.worker.run(run)
+    assert all(m == marks[0] for m in marks) and marks[0] and id(None) not in marks[0]
+    assert distinct < each * 0.6  # the prefix's keys and values held once for the three
     assert groups and all(g == [0, 1, 2] for g in groups)  # every full-attention layer
     assert float(np.abs(alone - together).max()) < 1e-4
     assert (alone.argmax(-1) == together.argmax(-1)).all()

@@ -12,6 +12,7 @@ from ..cache import (
     KeysValues,
     KVCache,
     LayerCache,
+    PrefixedKeysValues,
     QuantizedKeysValues,
     QuantizedKVCache,
     RaggedRows,
@@ -24,18 +25,23 @@ from .norms import RMSNorm
 from .parallel import RowParallelLinear, head_split, slice_outputs
 from .rope import RoPE
 
-Attended = tuple[mx.array, mx.array] | QuantizedKeysValues
-"""What a chunk's queries attend over: float keys and values, or a quantized cache's packed ones and float
-tail (:meth:`~mlxchat.cache.QuantizedKVCache.update_and_fetch_quantized`)."""
+Attended = tuple[mx.array, mx.array] | PrefixedKeysValues | QuantizedKeysValues
+"""What a chunk's queries attend over: float keys and values, those of a shared prefix and a cache's own
+(:meth:`~mlxchat.cache.KVCache.update_and_fetch_parts`), or a quantized cache's packed ones and float tail
+(:meth:`~mlxchat.cache.QuantizedKVCache.update_and_fetch_quantized`)."""
+Part = tuple[mx.array, mx.array]
+"""Attention over some of the keys and its log-sum-exp (:func:`mlxchat.kernels.attention_parts`), to merge."""
 
 
 def fetch_attended(cache: KeysValues | None, keys: mx.array, values: mx.array) -> Attended:
     """Add this chunk's keys and values to the cache (when there is one); give what its queries attend over,
-    a quantized cache's packed part as it is stored."""
+    a quantized cache's packed part as it is stored, a shared prefix where it lies."""
     if cache is None:
         return keys, values
     if isinstance(cache, QuantizedKVCache):
         return cache.update_and_fetch_quantized(keys, values)
+    if isinstance(cache, KVCache):
+        return cache.update_and_fetch_parts(keys, values)
     return cache.update_and_fetch(keys, values)
 
 
@@ -53,7 +59,7 @@ def attend(
 
     Keys and values keep their own (fewer) heads: grouped-query attention is done by the kernel. With the
     caches of several sequences (:class:`~mlxchat.cache.RowCaches`) each row attends over its own, but decode
-    rows whose caches are copies of one long prefix read it once for all (:func:`attend_shared`).
+    rows whose caches read one shared prefix read it once for all (:func:`attend_shared`).
     """
     if isinstance(cache, RowCaches):
         rows: list[KeysValues] = cache.caches  # type: ignore[assignment]
@@ -77,29 +83,37 @@ keys, 1.14x at 512, 1.81x at 4,096; ``python -m benchmarks.shared_prefix``)."""
 
 
 def shared_prefixes(rows: Sequence[LayerCache]) -> list[tuple[list[int], int]]:
-    """Groups of two or more rows (their indices) whose float KV caches hold copies of one prefix of at least
-    :data:`SHARED_PREFIX_MIN` tokens (:attr:`~mlxchat.cache.KVCache.lineage`, followed to where it starts), and
-    the length all of them share."""
+    """Groups of two or more rows (their indices) whose float KV caches read one shared prefix
+    (:attr:`~mlxchat.cache.KVCache.shared`) for at least :data:`SHARED_PREFIX_MIN` tokens, and the length all of
+    them read."""
     groups: dict[int, list[tuple[int, int]]] = {}
     for i, row in enumerate(rows):
-        lineage = row.lineage if type(row) is KVCache else None
-        if lineage is not None:
-            root, length = lineage[0].root(lineage[1])
-            if length >= SHARED_PREFIX_MIN:
-                groups.setdefault(id(root), []).append((i, length))
+        if type(row) is KVCache and row.shared is not None and row.base >= SHARED_PREFIX_MIN:
+            groups.setdefault(id(row.shared), []).append((i, row.base))
     return [([i for i, _ in members], min(length for _, length in members))
             for members in groups.values() if len(members) > 1]
 
 
+def merged(parts: Sequence[Part]) -> Part:
+    """Attention over all the keys of ``parts`` (attention over each part and its log-sum-exp), and its
+    log-sum-exp: each part weighted by its share of the softmax's mass."""
+    out, lse = parts[0]
+    for part_out, part_lse in parts[1:]:
+        out = out + mx.sigmoid(part_lse - lse) * (part_out - out)
+        lse = mx.logaddexp(lse, part_lse)
+    return out, lse
+
+
 def attend_shared(queries: mx.array, held: list[Attended], members: list[int], length: int,
                   scale: float) -> list[mx.array] | None:
-    """The outputs ``[1, heads, 1, Dv]`` of the decode queries ``queries[i]`` of the rows ``members``, whose first
-    ``length`` keys and values are the same (cascade attention, as FlashInfer and SGLang do for shared prefixes):
-    the shared keys read once by every member's heads together, each row's own keys after them by themselves, the
-    two parts merged by their log-sum-exps. ``None`` where the native kernel does not apply."""
-    shared_keys, shared_values = held[members[0]]  # type: ignore[misc]
+    """The outputs ``[1, heads, 1, Dv]`` of the decode queries ``queries[i]`` of the rows ``members``, which read one
+    shared prefix for at least ``length`` tokens (cascade attention, as FlashInfer and SGLang do for shared
+    prefixes): its first ``length`` keys read once by every member's heads together, each row's keys after them
+    by themselves, the parts merged by their log-sum-exps. ``None`` where the native kernel does not apply."""
+    rows: list[PrefixedKeysValues] = [held[i] for i in members]  # type: ignore[misc]
+    shared = rows[0].shared
     _, heads, _, dims = queries.shape
-    kv_heads = shared_keys.shape[1]
+    kv_heads = shared.keys.shape[1]
     rep, count = heads // kv_heads, len(members)
 
     def by_member(x: mx.array) -> mx.array:
@@ -108,16 +122,16 @@ def attend_shared(queries: mx.array, held: list[Attended], members: list[int], l
         return x.reshape(kv_heads, count, rep, -1).transpose(1, 0, 2, 3).reshape(count, heads, 1, -1)
 
     grouped = queries[mx.array(members)].reshape(count, kv_heads, rep, dims).transpose(1, 0, 2, 3)
-    shared = kernels.attention_parts(grouped.reshape(1, kv_heads * count * rep, 1, dims),
-                                     shared_keys[..., :length, :], shared_values[..., :length, :], scale)
-    own = [kernels.attention_parts(queries[i : i + 1], held[i][0][..., length:, :],  # type: ignore[index]
-                                   held[i][1][..., length:, :], scale) for i in members]  # type: ignore[index]
-    if shared is None or any(part is None for part in own):
+    together = kernels.attention_parts(grouped.reshape(1, kv_heads * count * rep, 1, dims),
+                                       shared.keys[..., :length, :], shared.values[..., :length, :], scale)
+    own = [kernels.attention_parts(queries[i : i + 1], row.keys, row.values, scale,
+                                   None if row.length == length else row.span(length)) for i, row in zip(members, rows,
+                                                                                                          strict=True)]
+    if together is None or any(part is None for part in own):
         return None
-    shared_out, shared_lse = by_member(shared[0]), by_member(shared[1])
-    own_out = mx.concatenate([part[0] for part in own])  # type: ignore[index]
-    own_lse = mx.concatenate([part[1] for part in own])  # type: ignore[index]
-    out = own_out + mx.sigmoid(shared_lse - own_lse) * (shared_out - own_out)  # the shared keys' share of each row
+    out, _ = merged([(by_member(together[0]), by_member(together[1])),
+                     (mx.concatenate([part[0] for part in own]),  # type: ignore[index]
+                      mx.concatenate([part[1] for part in own]))])  # type: ignore[index]
     return [out[j : j + 1] for j in range(count)]
 
 
@@ -132,6 +146,11 @@ def attend_over(queries: mx.array, held: Attended, scale: float, mask: mx.array 
     :func:`quantized_attend`).
     """
     causal = mask is None or isinstance(mask, str)
+    if isinstance(held, PrefixedKeysValues):
+        fused = kernels.attention(queries, held.keys, held.values, scale, window, held.span()) if causal else None
+        if fused is not None:
+            return fused
+        held = held.joined()
     if isinstance(held, QuantizedKeysValues):
         if causal:
             fused = kernels.quantized_attention(queries, held, scale, window)

@@ -17,11 +17,13 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 
 #include "mlx/backend/cpu/encoder.h"
@@ -455,7 +457,8 @@ class Rope : public Kernel {
 /*
  * Causal attention of queries [B, heads, L, D] over keys and values read in place (mlxchat_attention::attend):
  * float32 keys and values [B, kv_heads, T, D|Dv], or (bits 4 or 8) mx.quantize's packed keys and values with
- * their scales and biases followed by float32 ones (a quantized cache's float tail). Inputs: q, k, v; or q,
+ * their scales and biases followed by float32 ones (a quantized cache's float tail). Inputs: q, k, v; q, a prefix's
+ * keys and values (a shared prefix, read where it lies), k, v; or q,
  * packed keys, scales, biases, packed values, scales, biases, tail keys, tail values. The output is
  * [B, heads, L, Dv], or with `lse` [B, heads, L, Dv + 1]: each row's log-sum-exp of its scaled scores last (to
  * merge it with attention over other keys).
@@ -491,6 +494,7 @@ class Attention : public Kernel {
       };
       if (bits == 0) {
         p.segments[0] = floats(1, 2), p.count = 1;
+        if (held.size() == 5) p.segments[1] = floats(3, 4), p.count = 2;  // a prefix, then the rest
       } else {
         att::Segment& seg = p.segments[0];
         seg.count = held[1].shape(2);
@@ -521,6 +525,7 @@ class Attention : public Kernel {
   mx::array reference(const std::vector<mx::array>& in) override {
     const auto s = stream();
     mx::array keys = in[1], values = in[2];
+    if (bits_ == 0 && in.size() == 5) keys = mx::concatenate({keys, in[3]}, 2, s), values = mx::concatenate({values, in[4]}, 2, s);
     if (bits_ != 0) {
       auto whole = [&](size_t at, const mx::array& tail) {
         const auto held = mx::dequantize(in[at], in[at + 1], in[at + 2], group_, bits_, "affine", std::nullopt,
@@ -657,11 +662,22 @@ void check_attention(const mx::array& q, const mx::array& k, const mx::array& v,
   if (window < 0) throw std::invalid_argument("window must be 0 (none) or more");
 }
 
-mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, float scale, int window, bool lse) {
+mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, float scale, int window, bool lse,
+                    const std::optional<mx::array>& prefix_keys, const std::optional<mx::array>& prefix_values) {
   check_attention(q, k, v, window);
   if (q.shape(2) > k.shape(2)) throw std::invalid_argument("there must be a key for every query");
+  std::vector<mx::array> inputs = {q, k, v};
+  if (prefix_keys.has_value() != prefix_values.has_value())
+    throw std::invalid_argument("a prefix needs both its keys and its values");
+  if (prefix_keys) {
+    const auto &pk = *prefix_keys, &pv = *prefix_values;
+    check_attention(q, pk, pv, window);
+    if (pk.shape(1) != k.shape(1) || pv.shape(3) != v.shape(3))
+      throw std::invalid_argument("the prefix's keys and values must have the others' heads and features");
+    inputs = {q, pk, pv, k, v};
+  }
   return mx::array({q.shape(0), q.shape(1), q.shape(2), v.shape(3) + (lse ? 1 : 0)}, mx::float32,
-                   std::make_shared<Attention>(cpu_stream(), scale, window, 0, 0, lse), {q, k, v});
+                   std::make_shared<Attention>(cpu_stream(), scale, window, 0, 0, lse), inputs);
 }
 
 /* Packed keys or values with their scales and biases: the tail's batch, heads and features (up to padding). */
@@ -705,10 +721,11 @@ NB_MODULE(_kernels, m) {
   m.def("rope", &rope, nb::arg("x"), nb::arg("inv_freq"), nb::arg("dims"), nb::arg("offset"),
         "Rotate-half RoPE of x [..., L, D] at positions offset.. over its first dims features.");
   m.def("attention", &attention, nb::arg("queries"), nb::arg("keys"), nb::arg("values"), nb::arg("scale"),
-        nb::arg("window") = 0, nb::arg("lse") = false,
+        nb::arg("window") = 0, nb::arg("lse") = false, nb::arg("prefix_keys") = nb::none(), nb::arg("prefix_values") = nb::none(),
         "Causal attention of [B, heads, L, D] queries (the last L positions) over [B, kv_heads, T, D] keys and "
-        "values read in place; window > 0 limits each query to that many last keys; with lse each output row "
-        "ends with the log-sum-exp of its scaled scores.");
+        "values read in place, after a prefix's keys and values when they are given (read where they lie too); "
+        "window > 0 limits each query to that many last keys; with lse each output row ends with the "
+        "log-sum-exp of its scaled scores.");
   m.def("quantized_attention", &quantized_attention, nb::arg("queries"), nb::arg("packed_keys"),
         nb::arg("key_scales"), nb::arg("key_biases"), nb::arg("packed_values"), nb::arg("value_scales"),
         nb::arg("value_biases"), nb::arg("keys"), nb::arg("values"), nb::arg("scale"), nb::arg("window"),

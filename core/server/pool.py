@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..cache import distinct_nbytes
 from ..model import GenerativeModel
 from ..persistence import load_prompt_cache, save_prompt_cache
 from ..prefix_cache import PromptCachePool
@@ -76,7 +77,8 @@ class CachePool:
 
     @property
     def nbytes(self) -> int:
-        return sum(cache.nbytes for _, cache in self._entries)
+        """Bytes the idle caches hold (a prefix they share counted once)."""
+        return distinct_nbytes(cache.held() for _, cache in self._entries)
 
     @property
     def spilled(self) -> int:

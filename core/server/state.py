@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Protocol
 
+from ..cache import distinct_nbytes
 from ..model import GenerativeModel
 from ..prompt_cache import PromptCache
 from .admission import KvBudget, default_limit
@@ -64,8 +65,8 @@ class ServerState:
 
     @property
     def kv_live(self) -> int:
-        """Bytes the caches of the running turns hold now."""
-        return sum(turn.cache.nbytes for turn in list(self.turns) if turn.cache is not None)
+        """Bytes the caches of the running turns hold now (a prefix they share counted once)."""
+        return distinct_nbytes(turn.cache.held() for turn in list(self.turns) if turn.cache is not None)
 
     @property
     def kv_reserved(self) -> int:
