@@ -7,10 +7,11 @@ The pool holds no cache of its own: it knows the caches of the sessions that sha
 when its owner drops it) and, when a cache is about to prefill, copies into it the longest prefix any of
 them holds, when that is more than the cache can reuse itself; a prefill that waited for others' (the
 worker feeds prompts first come, first served) looks again before its first chunk, so conversations that
-arrive together with the same long prefix prefill it once. A copy never changes
-the cache it reads (:meth:`~mlxchat.prompt_cache.PromptCache.copy_prefix`): another live conversation
-keeps its cache whole. Layers that cannot be cut back are copied through the snapshot their cache took at
-or before the shared prefix (a session snapshots after its system prompt).
+arrive together with the same long prefix prefill it once. A copy never changes what the cache it reads
+holds (:meth:`~mlxchat.prompt_cache.PromptCache.copy_prefix`): another live conversation keeps its cache
+whole, and a long prefix of their KV layers is held once, read by both where it lies
+(:meth:`~mlxchat.cache.KVCache.copy_from`). Layers that cannot be cut back are copied through the snapshot
+their cache took at or before the shared prefix (a session snapshots after its system prompt).
 
 Every lookup and copy runs on the model's worker, between steps, where the caches are consistent.
 """
