@@ -209,6 +209,16 @@ class Server:
             time.sleep(0.5)
         raise RuntimeError(f"{self.engine} did not start within {timeout:.0f} s; see {self.log}")
 
+    def peak_rss(self) -> int | None:
+        """The server process's peak resident bytes so far (Linux's VmHWM; ``None`` elsewhere)."""
+        assert self.process is not None
+        try:
+            status = Path(f"/proc/{self.process.pid}/status").read_text()
+        except OSError:
+            return None
+        line = next((line for line in status.splitlines() if line.startswith("VmHWM:")), None)
+        return None if line is None else int(line.split()[1]) * 1024
+
     def stop(self) -> None:
         if self.process is None:
             return
@@ -368,6 +378,7 @@ def measure(engine: str, setup: Setup, clients: int, budget: int | None, workloa
         samples, seconds = run_workload(server, clients, workload["turns"], workload["system"],
                                         workload["document"] if documents else None, workload["max_tokens"])
         result = summary(samples, seconds, workload["system_tokens"])
+        result["peak_rss_bytes"] = server.peak_rss()
         if before is not None:
             ok = [s for s in samples if s.error is None]
             seen = {"requests": len(samples), "prompt_tokens": sum(s.prompt_tokens for s in ok),
@@ -437,26 +448,27 @@ def markdown(results: dict[str, Any]) -> str:
              "prefill (its request to its first token).", "",
              "| engine | clients | tok/s | chat TTFT p50 / p99 ms | chat ITL p50 / p99 ms | ITL p99 during documents "
              "ms (x solo step) | document TTFT p50 / p99 ms | cached share | first turns' share of the system "
-             "prompt cached | /metrics = clients | errors |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "prompt cached | /metrics = clients | server's peak RSS GB | errors |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     solo = results["goals"]["solo_step_ms"]
     for row in results["rows"]:
         clients = "solo" if row.get("solo") else row["clients"]
         if "result" not in row:
-            lines.append(f"| {row['label']} | {clients} | failed: {row['error'][:200]} | | | | | | | | |")
+            lines.append(f"| {row['label']} | {clients} | failed: {row['error'][:200]} | | | | | | | | | |")
             continue
         r = row["result"]
         during = r["chat_itl_during_documents_ms"]
         step = solo.get(row["engine"])
         times = f" ({during['p99'] / step:.1f}x)" if step and during["gaps"] else ""
         shares = ", ".join(f"{s:.0%}" for s in r["first_turn_system_share"]) or "—"
+        rss = "—" if r.get("peak_rss_bytes") is None else f"{r['peak_rss_bytes'] / 1e9:.2f}"
         metrics = ("—" if "metrics" not in r else "yes" if r["metrics"]["equal"] else
                    f"no: {json.dumps(r['metrics']['server'])} vs {json.dumps(r['metrics']['clients'])}")
         lines.append(f"| {row['label']} | {clients} | {r['tokens_per_second']} | {r['chat_ttft_ms']['p50']} / "
                      f"{r['chat_ttft_ms']['p99']} | {r['chat_itl_ms']['p50']} / {r['chat_itl_ms']['p99']} | "
                      f"{during['p99'] if during['gaps'] else '—'}{times} | "
                      f"{r['document_ttft_ms']['p50']} / {r['document_ttft_ms']['p99']} | {r['cached_share']:.0%} | "
-                     f"{shares} | {metrics} | {len(r['errors'])} |")
+                     f"{shares} | {metrics} | {rss} | {len(r['errors'])} |")
     for engine, why in results["skipped"].items():
         lines.append(f"\nSkipped {engine}: {why}.")
     lines += ["", "## Goals (issue 25)", ""]

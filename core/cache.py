@@ -246,12 +246,13 @@ class KVCache(KeysValues):
 
     def copy_from(self, source: KVCache, length: int) -> None:
         """Become a copy of ``source``'s first ``length`` tokens. A copy of :attr:`share_from` tokens or more reads
-        them where they lie: in ``source``'s shared prefix, or in one that ``source`` first makes of what it holds
-        (its content unchanged, its buffer then holding only the rest) when it has none or the copy goes
-        :attr:`share_from` tokens or more past it. What the copy takes beyond the prefix is copied."""
+        them where they lie: in ``source``'s shared prefix, what it takes beyond that copied, or, where ``source``
+        has none or the copy goes further past it than the prefix is long (a new prefix then costs less than
+        copying the rest), in one that ``source`` first makes of what it holds (its content unchanged, its
+        buffer then holding only the tokens after it)."""
         if not 0 < length <= source.offset:
             raise ValueError(f"a KV cache at {source.offset} has no first {length} tokens to copy")
-        if length >= self.share_from and length - source.base >= self.share_from:
+        if length - source.base >= max(self.share_from, source.base):
             source._share(length)
         self.keys = self.values = None
         self.shared, self.base = source.shared, min(length, source.base)

@@ -273,8 +273,11 @@ def test_a_copy_reads_a_long_prefix_where_it_lies_and_holds_the_same_keys() -> N
     first.update_and_fetch(*random_kv(rng, 10))
     assert first.base == 250 and first.offset == 260 and mx.array_equal(first.span(0, 250)[0], whole[0][..., :250, :])
     source.update_and_fetch(*random_kv(rng, 300))
+    further = KVCache()
+    further.copy_from(source, 580)  # 280 past the 300-token prefix: read it, copy the 280 (a new prefix: 580 again)
+    assert further.shared is source.shared is second.shared and further.base == 300
     longer = KVCache()
-    longer.copy_from(source, 650)  # 350 past the shared prefix: the source makes a new one of its first 650
+    longer.copy_from(source, 650)  # 350 past it: the source makes a new prefix of its first 650
     assert longer.shared is source.shared is not second.shared and longer.base == 650
     assert all(mx.array_equal(a, b).item() for a, b in zip(longer.span(0, 650), source.span(0, 650), strict=True))
     saved, fields = second.state_dict()  # saved whole; loaded back as a cache of its own

@@ -29,8 +29,6 @@ Attended = tuple[mx.array, mx.array] | PrefixedKeysValues | QuantizedKeysValues
 """What a chunk's queries attend over: float keys and values, those of a shared prefix and a cache's own
 (:meth:`~mlxchat.cache.KVCache.update_and_fetch_parts`), or a quantized cache's packed ones and float tail
 (:meth:`~mlxchat.cache.QuantizedKVCache.update_and_fetch_quantized`)."""
-Part = tuple[mx.array, mx.array]
-"""Attention over some of the keys and its log-sum-exp (:func:`mlxchat.kernels.attention_parts`), to merge."""
 
 
 def fetch_attended(cache: KeysValues | None, keys: mx.array, values: mx.array) -> Attended:
@@ -94,16 +92,6 @@ def shared_prefixes(rows: Sequence[LayerCache]) -> list[tuple[list[int], int]]:
             for members in groups.values() if len(members) > 1]
 
 
-def merged(parts: Sequence[Part]) -> Part:
-    """Attention over all the keys of ``parts`` (attention over each part and its log-sum-exp), and its
-    log-sum-exp: each part weighted by its share of the softmax's mass."""
-    out, lse = parts[0]
-    for part_out, part_lse in parts[1:]:
-        out = out + mx.sigmoid(part_lse - lse) * (part_out - out)
-        lse = mx.logaddexp(lse, part_lse)
-    return out, lse
-
-
 def attend_shared(queries: mx.array, held: list[Attended], members: list[int], length: int,
                   scale: float) -> list[mx.array] | None:
     """The outputs ``[1, heads, 1, Dv]`` of the decode queries ``queries[i]`` of the rows ``members``, which read one
@@ -124,14 +112,15 @@ def attend_shared(queries: mx.array, held: list[Attended], members: list[int], l
     grouped = queries[mx.array(members)].reshape(count, kv_heads, rep, dims).transpose(1, 0, 2, 3)
     together = kernels.attention_parts(grouped.reshape(1, kv_heads * count * rep, 1, dims),
                                        shared.keys[..., :length, :], shared.values[..., :length, :], scale)
-    own = [kernels.attention_parts(queries[i : i + 1], row.keys, row.values, scale,
-                                   None if row.length == length else row.span(length)) for i, row in zip(members, rows,
-                                                                                                          strict=True)]
+    own = [kernels.attention_parts(queries[i : i + 1], row.keys, row.values, scale,  # the prefix it reads further too
+                                   None if row.length == length else row.span(length))
+           for i, row in zip(members, rows, strict=True)]
     if together is None or any(part is None for part in own):
         return None
-    out, _ = merged([(by_member(together[0]), by_member(together[1])),
-                     (mx.concatenate([part[0] for part in own]),  # type: ignore[index]
-                      mx.concatenate([part[1] for part in own]))])  # type: ignore[index]
+    shared_out, shared_lse = by_member(together[0]), by_member(together[1])
+    own_out = mx.concatenate([part[0] for part in own])  # type: ignore[index]
+    own_lse = mx.concatenate([part[1] for part in own])  # type: ignore[index]
+    out = own_out + mx.sigmoid(shared_lse - own_lse) * (shared_out - own_out)  # the shared keys' share of each row
     return [out[j : j + 1] for j in range(count)]
 
 
@@ -141,9 +130,9 @@ def attend_over(queries: mx.array, held: Attended, scale: float, mask: mx.array 
     :func:`fetch_attended` gave, within the last ``window`` positions when one is given; a ``mask`` array
     (``[L, keys]``, true where a query sees a key) replaces the causal and window masks.
 
-    On a CPU (float32) one fused native kernel reads float or packed keys and values where they lie
-    (:func:`mlxchat.kernels.attention`); elsewhere MLX's attention runs (over a quantized cache:
-    :func:`quantized_attend`).
+    On a CPU (float32) one fused native kernel reads float or packed keys and values where they lie, a shared
+    prefix and a cache's own in one pass (:func:`mlxchat.kernels.attention`); elsewhere MLX's attention runs
+    (over a quantized cache: :func:`quantized_attend`; over a shared prefix: the two parts joined).
     """
     causal = mask is None or isinstance(mask, str)
     if isinstance(held, PrefixedKeysValues):
