@@ -242,7 +242,7 @@ def test_a_chunk_after_a_shared_prefix_attends_over_both_parts_as_over_one(isa: 
     assert isinstance(held_now, PrefixedKeysValues) and held_now.length == 330
     expected = plain_attention(q, mx.concatenate([before_k, k], 2), mx.concatenate([before_v, v], 2), 0.3)
     assert float(mx.abs(attend_over(q, held_now, 0.3) - expected).max()) < 2e-5
-    assert float(mx.abs(attend_over(q, held_now, 0.3, window=64)  # a window: the parts joined, MLX's masks
+    assert float(mx.abs(attend_over(q, held_now, 0.3, window=64)  # a window reaching back across the two parts
                         - plain_attention(q, *held_now.joined(), 0.3, window=64)).max()) < 2e-5
 
 
