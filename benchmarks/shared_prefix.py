@@ -63,7 +63,8 @@ def step_times(model: Any, prefix: int, rows: int, own: int, reps: int) -> dict[
     kv = [layer for layer in source.layers if type(layer) is KVCache]
     per_token = sum(2 * layer.shared.keys.shape[1] * layer.shared.keys.shape[3] * layer.shared.keys.itemsize
                     for layer in kv if layer.shared is not None)
-    if not per_token or any(layer.shared is None for cache in shared for layer in cache.layers if layer in kv):
+    if not per_token or any(layer.shared is None for cache in shared for layer in cache.layers
+                            if type(layer) is KVCache):
         raise RuntimeError("the copies do not read a shared prefix")
     saved = {id(layer): layer.snapshot() for cache in shared + copies for layer in cache.layers if not layer.trimmable}
     tokens = mx.array([11 + i for i in range(rows)])

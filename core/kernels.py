@@ -143,8 +143,8 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
     if not _attends(module, queries, keys, values, prefix):
         return None
     assert module is not None
-    return module.attention(queries, keys, values, scale, window or 0,  # type: ignore[no-any-return]
-                            *(() if prefix is None else (False, *prefix)))
+    return module.attention(queries, keys, values, scale, window or 0, False,  # type: ignore[no-any-return]
+                            *(prefix or (None, None)))
 
 
 def attention_parts(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
@@ -156,7 +156,7 @@ def attention_parts(queries: mx.array, keys: mx.array, values: mx.array, scale: 
     if not _attends(module, queries, keys, values, prefix):
         return None
     assert module is not None
-    both = module.attention(queries, keys, values, scale, 0, True, *(() if prefix is None else prefix))
+    both = module.attention(queries, keys, values, scale, 0, True, *(prefix or (None, None)))
     return both[..., :-1], both[..., -1:]
 
 

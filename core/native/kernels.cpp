@@ -525,7 +525,8 @@ class Attention : public Kernel {
   mx::array reference(const std::vector<mx::array>& in) override {
     const auto s = stream();
     mx::array keys = in[1], values = in[2];
-    if (bits_ == 0 && in.size() == 5) keys = mx::concatenate({keys, in[3]}, 2, s), values = mx::concatenate({values, in[4]}, 2, s);
+    if (bits_ == 0 && in.size() == 5)  // a prefix, then the rest
+      keys = mx::concatenate({keys, in[3]}, 2, s), values = mx::concatenate({values, in[4]}, 2, s);
     if (bits_ != 0) {
       auto whole = [&](size_t at, const mx::array& tail) {
         const auto held = mx::dequantize(in[at], in[at + 1], in[at + 2], group_, bits_, "affine", std::nullopt,
@@ -721,7 +722,8 @@ NB_MODULE(_kernels, m) {
   m.def("rope", &rope, nb::arg("x"), nb::arg("inv_freq"), nb::arg("dims"), nb::arg("offset"),
         "Rotate-half RoPE of x [..., L, D] at positions offset.. over its first dims features.");
   m.def("attention", &attention, nb::arg("queries"), nb::arg("keys"), nb::arg("values"), nb::arg("scale"),
-        nb::arg("window") = 0, nb::arg("lse") = false, nb::arg("prefix_keys") = nb::none(), nb::arg("prefix_values") = nb::none(),
+        nb::arg("window") = 0, nb::arg("lse") = false, nb::arg("prefix_keys") = nb::none(),
+        nb::arg("prefix_values") = nb::none(),
         "Causal attention of [B, heads, L, D] queries (the last L positions) over [B, kv_heads, T, D] keys and "
         "values read in place, after a prefix's keys and values when they are given (read where they lie too); "
         "window > 0 limits each query to that many last keys; with lse each output row ends with the "
