@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
 
 httpx = pytest.importorskip("httpx")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from mlxchat.server.admission import Footprint, KvBudget, Reservation  # noqa: E402
 
 from conftest import loaded  # noqa: E402
 from server_support import DEMO, Served, held_mid_stream, serving  # noqa: E402
@@ -128,7 +131,7 @@ def test_a_request_whose_cache_could_never_fit_is_a_503_and_one_that_fits_waits(
         finally:
             (_, ticket), = kv._queue
             loop = ticket.get_loop()  # the server's loop, on which the waiting request sleeps
-            asyncio.run_coroutine_threadsafe(kv.release(held), loop).result(10)
+            asyncio.run_coroutine_threadsafe(kv.release(Reservation(0, held)), loop).result(10)
             waiting.join(60)
         assert answers and answers[0].status_code == 200
         assert kv.reserved == 0 and served.state.queued == 0
@@ -137,7 +140,6 @@ def test_a_request_whose_cache_could_never_fit_is_a_503_and_one_that_fits_waits(
 def test_requests_waiting_for_memory_are_served_in_arrival_order() -> None:
     """A small request that would fit at once waits behind a large one that came first (no overtaking, so a
     large request is never starved), and each is granted as soon as what is given back lets it fit."""
-    from mlxchat.server.admission import KvBudget
 
     kv = KvBudget(loaded("qwen3"), limit=100)
 
@@ -145,7 +147,7 @@ def test_requests_waiting_for_memory_are_served_in_arrival_order() -> None:
         granted: list[str] = []
 
         async def reserve(name: str, nbytes: int) -> None:
-            await kv.reserve(0, nbytes)
+            await kv.reserve(Reservation(0, nbytes))
             granted.append(name)
 
         await reserve("held", 60)
@@ -159,12 +161,12 @@ def test_requests_waiting_for_memory_are_served_in_arrival_order() -> None:
         leaving.cancel()  # a request whose client left while it waited gives its place up
         await asyncio.gather(leaving, return_exceptions=True)
         assert granted == ["held"] and kv.waiting == 2 and kv.reserved == 60
-        await kv.release(60)
+        await kv.release(Reservation(0, 60))
         await large
         assert granted == ["held", "large"] and not small.done() and kv.reserved == 80
-        await kv.release(80)
+        await kv.release(Reservation(0, 80))
         await small
-        await kv.release(30)
+        await kv.release(Reservation(0, 30))
         return granted
 
     assert asyncio.run(run()) == ["held", "large", "small"]
@@ -173,7 +175,6 @@ def test_requests_waiting_for_memory_are_served_in_arrival_order() -> None:
 
 @pytest.mark.parametrize("name", ["qwen3", "qwen3_5", "gemma4", "lfm2"])
 def test_the_measured_footprint_bounds_what_a_conversation_holds(name: str) -> None:
-    from mlxchat.server.admission import Footprint
 
     model = loaded(name)
     footprint = Footprint(model)
@@ -184,3 +185,77 @@ def test_the_measured_footprint_bounds_what_a_conversation_holds(name: str) -> N
     assert held <= footprint.nbytes(tokens)
     if name == "qwen3":  # full attention only: the estimate is what it holds
         assert footprint.nbytes(tokens) == held
+
+
+SYSTEM = " ".join(f"Rule {i}: answer briefly and name your sources." for i in range(30))
+
+
+def test_the_footprint_of_a_copy_counts_the_prefix_it_reads_apart() -> None:
+    """A conversation that copied a long system prompt from another holds what the footprint says it adds
+    past that prefix, and the prefix, read where it lies, holds what the footprint says it does."""
+    from mlxchat import PromptCachePool
+    from mlxchat.cache import KVCache, distinct_nbytes
+
+    model = loaded("qwen3")
+    footprint, pool = Footprint(model), PromptCachePool()
+    config = {"max_tokens": 8, "temperature": 0.0}
+    first = model.chat_session(system=SYSTEM, prefix_cache=pool)
+    first.send("Hi", config=config)
+    second = model.chat_session(system=SYSTEM, prefix_cache=pool)
+    report = second.send("Hello there", config=config).report
+    shared, tokens = pool.copied_tokens, report.prompt_tokens + report.generated_tokens
+    assert shared >= KVCache.share_from
+    added = distinct_nbytes([first.cache.held(), second.cache.held()]) - distinct_nbytes([first.cache.held()])
+    assert added == footprint.nbytes(tokens, shared) < footprint.nbytes(tokens)
+    prefixes = {id(layer.shared): layer.shared for layer in second.cache.layers}
+    assert sum(p.keys.nbytes + p.values.nbytes for p in prefixes.values()) == footprint.prefix_nbytes(shared)
+    assert footprint.nbytes(tokens, shared=KVCache.share_from - 1) == footprint.nbytes(tokens)  # copied, not read
+
+
+def test_requests_that_will_read_one_cached_system_prompt_reserve_it_once() -> None:
+    """Behind the server: once a conversation has prefilled a long system prompt, new conversations starting
+    with it reserve what they add past it and the prompt once among them, so all are admitted together
+    under a limit that four whole reservations would overrun; giving them back frees everything."""
+    import mlxchat
+
+    from conftest import fixture_path
+
+    model = mlxchat.load_model(fixture_path("qwen3_chat"), dtype="float32")
+
+    def chat(question: str) -> list[dict[str, str]]:
+        return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+
+    questions = ["What is the capital of France?", "Tell me a number", "And of Italy?", "Hello there"]
+    with serving("qwen3_chat", model) as served:
+        kv = served.state.kv
+        config = mlxchat.GenerationConfig(max_tokens=4, temperature=0.0)
+        cold = asyncio.run(kv.estimate(chat("Hi"), None, config))
+        assert cold.prefix is None and cold.own == kv.footprint.nbytes(cold.tokens)
+        assert cold.tokens == len(model.render_prompt(chat("Hi"))[1]) + 4  # the whole prompt and the reply
+        answer = httpx.post(served.url + "/v1/chat/completions", timeout=60, json={
+            "model": "tiny", "messages": chat("Hi"), "max_tokens": 4, "temperature": 0})
+        assert answer.status_code == 200
+        reservations = [asyncio.run(kv.estimate(chat(q), None, config)) for q in questions]
+        assert len({r.prefix for r in reservations}) == 1 and reservations[0].prefix is not None
+        assert all(r.own < kv.footprint.nbytes(r.tokens) for r in reservations)
+        kv.limit = sum(r.own for r in reservations) + reservations[0].prefix_bytes
+        assert kv.limit < sum(kv.footprint.nbytes(r.tokens) for r in reservations)
+
+        async def hold_all() -> tuple[int, int]:
+            for r in reservations:
+                await asyncio.wait_for(kv.reserve(r), 5)  # each granted at once: none waits
+            held = kv.reserved
+            for r in reservations:
+                await kv.release(r)
+            return held, kv.reserved
+
+        assert asyncio.run(hold_all()) == (kv.limit, 0)
+        # the same requests through the server, all at once, under that limit
+        with ThreadPoolExecutor(4) as threads:
+            answers = list(threads.map(lambda q: httpx.post(served.url + "/v1/chat/completions", timeout=120, json={
+                "model": "tiny", "messages": chat(q), "max_tokens": 4, "temperature": 0}), questions))
+        assert [a.status_code for a in answers] == [200] * 4
+        assert min(a.json()["usage"]["prompt_tokens_details"]["cached_tokens"] for a in answers) > 0
+        assert kv.reserved == 0 and kv.waiting == 0 and served.state.queued == 0
+        assert Reservation(1, 2, b"k", 3).nbytes == 5
+    model.close()

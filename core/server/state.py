@@ -46,12 +46,13 @@ class ServerState:
         self.model = model
         self.settings = settings
         self.name = settings.model_name or served_name(model)
-        self.kv = KvBudget(model, int(settings.max_kv_gb * 1e9) if settings.max_kv_gb else default_limit())
         store = settings.store if settings.store == ":memory:" else Path(settings.store).expanduser()
         self.store = ResponseStore(store, max_age=settings.store_max_age_days * 86400 or None,
                                    max_rows=settings.store_max_rows or None)
         self.pool = CachePool(model, settings.caches, settings.max_cache_bytes, settings.spill_dir,
                               int(settings.max_spill_gb * 1e9))
+        self.kv = KvBudget(model, int(settings.max_kv_gb * 1e9) if settings.max_kv_gb else default_limit(),
+                           self.pool.prefixes)
         self.refusals = RefusalLog()
         self.queued = 0
         self.turns: set[Running] = set()

@@ -24,6 +24,7 @@ from ..model import GenerativeModel
 from ..prompt_cache import PromptCache
 from ..reply import TextDelta, ThinkingDelta, ToolCallEvent
 from ..session import ChatResult, ChatSession, ChatStream, ContextPolicy, Done, StreamEvent
+from .admission import Reservation
 from .errors import ApiError
 
 if TYPE_CHECKING:
@@ -139,7 +140,7 @@ class Turn:
         self._events: AsyncIterator[StreamEvent] | None = None
         self._raw: ChatResult | None = None
         self._admitted = self._finished = False
-        self._reserved = 0
+        self._reserved = Reservation(0, 0)
         self.reports: list[GenerationReport] = []
         """The reports of the replies done (one per choice)."""
         self.first_token_seconds: float | None = None
@@ -159,9 +160,9 @@ class Turn:
         :mod:`mlxchat.server.admission`); a request the session refuses is a 400."""
         self.admit()
         kv = self.state.kv
-        tokens, nbytes = await kv.estimate(self.messages, self.tools, self.config)
-        await kv.reserve(tokens, nbytes)
-        self._reserved = nbytes
+        reservation = await kv.estimate(self.messages, self.tools, self.config)
+        await kv.reserve(reservation)
+        self._reserved = reservation
         self.cache = await self.state.pool.take(self.messages)
         try:
             self.session = self.state.model.chat_session(tools=self.tools, cache=self.cache,
