@@ -302,12 +302,15 @@ def no_eos(model: mlxchat.GenerativeModel) -> dict[str, float]:
     return {str(e): -100.0 for e in model.eos_ids}
 
 
-def post_and_leave(server: Served, payload: dict[str, Any], after: float) -> float:
-    """Send a request on a raw socket and close it ``after`` seconds later; return when it closed."""
+def post_and_leave(server: Served, payload: dict[str, Any], after: float, *, once_started: bool = False) -> float:
+    """Send a request on a raw socket and close it ``after`` seconds later (``once_started``: after its turn
+    has started, past admission); return when it closed."""
     data = json.dumps(payload).encode()
     with socket.create_connection(("127.0.0.1", server.port)) as sock:
         sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                      + f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+        while once_started and not server.state.turns:
+            time.sleep(0.002)
         time.sleep(after)
     return time.monotonic()
 
@@ -338,7 +341,8 @@ def test_a_client_that_leaves_during_prefill_stops_it() -> None:
     prompt = len(model.apply_chat_template([{"role": "user", "content": content}]))
     assert 2000 < prompt < 4000
     with serving("qwen3_chat", caches=1) as served:
-        post_and_leave(served, body(messages=[{"role": "user", "content": content}], max_tokens=5), 0.05)
+        post_and_leave(served, body(messages=[{"role": "user", "content": content}], max_tokens=5), 0.05,
+                       once_started=True)
         wait_for_release(served)
         (_, cache), = served.state.pool._entries
         assert len(cache) < prompt
