@@ -220,6 +220,12 @@ def encode_images(module: VisionModule, spans: Iterable[ImageSpan]) -> dict[str,
 IMAGE_PART_TYPES = ("image", "image_url")
 
 
+def carries_image(content: Any) -> bool:
+    """Whether a message's content holds an image part."""
+    return isinstance(content, list) and any(isinstance(p, dict) and p.get("type") in IMAGE_PART_TYPES
+                                             for p in content)
+
+
 def split_image_parts(messages: Sequence[Any], images: Sequence[Any] = ()) -> tuple[list[dict[str, Any]], list[Any]]:
     """Chat messages with each image content part reduced to ``{"type": "image"}`` (all a chat template
     needs to write its marker), and the images in order.

@@ -41,7 +41,7 @@ from .history import History
 from .images import ImageSource, as_data_url
 from .limits import check_depth, check_strings, check_text
 from .messages import ChatMessage, ToolCall
-from .multimodal import IMAGE_PART_TYPES, part_image
+from .multimodal import IMAGE_PART_TYPES, carries_image, part_image
 from .persistence import restore_session, save_session
 from .prefix_cache import PromptCachePool
 from .prompt_cache import PromptCache
@@ -194,8 +194,7 @@ class ChatSession:
     @property
     def has_images(self) -> bool:
         """Whether any message carries an image."""
-        return any(isinstance(m.content, list) and any(p.get("type") in IMAGE_PART_TYPES for p in m.content)
-                   for m in self._history.messages)
+        return any(carries_image(m.content) for m in self._history.messages)
 
     @property
     def tools(self) -> list[ToolSpec]:

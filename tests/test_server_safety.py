@@ -309,7 +309,8 @@ def post_and_leave(server: Served, payload: dict[str, Any], after: float, *, onc
     with socket.create_connection(("127.0.0.1", server.port)) as sock:
         sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                      + f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
-        while once_started and not server.state.turns:
+        deadline = time.monotonic() + 30
+        while once_started and not server.state.turns and time.monotonic() < deadline:
             time.sleep(0.002)
         time.sleep(after)
     return time.monotonic()

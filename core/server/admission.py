@@ -38,6 +38,7 @@ from ..cache import KeysValues, KVCache, SlidingWindowCache
 from ..generation import GenerationConfig
 from ..messages import ChatMessage
 from ..model import GenerativeModel
+from ..multimodal import carries_image
 from ..prefix_cache import PromptCachePool
 from ..prompt_cache import DEFAULT_MAX_SNAPSHOTS
 from .errors import ApiError
@@ -156,21 +157,21 @@ class KvBudget:
         cache of the pool holds (text-only prompts: token ids alone do not say which image a cache saw)."""
         model = self.model
 
-        def prompt_tokens() -> tuple[list[int], bool]:
+        def prompt_tokens() -> tuple[list[int], int]:
+            """The prompt's ids, and the longest prefix of them a cache of the pool holds."""
             kwargs = dict(config.chat_template_kwargs)
             if config.enable_thinking is not None:
                 kwargs["enable_thinking"] = config.enable_thinking
             coerced = [ChatMessage.coerce(m) for m in messages]
             ids = model.render_prompt([m.template_dict() for m in coerced], tools=tools, **kwargs)[1]
-            return ids, any(isinstance(m.content, list) for m in coerced)
+            return ids, 0 if any(carries_image(m.content) for m in coerced) else self._held_prefix(ids)
 
         try:
-            ids, images = await asyncio.to_thread(prompt_tokens)
+            ids, held = await asyncio.to_thread(prompt_tokens)
         except Exception:  # noqa: BLE001 - the session refuses this prompt itself, with its own message
             return Reservation(0, 0)
         reply = config.max_tokens if config.max_tokens is not None else model.context_length
         tokens = min(len(ids) + reply, model.context_length)
-        held = 0 if images else await asyncio.to_thread(self._held_prefix, ids)
         shared = self.footprint.shareable(held // KVCache.step * KVCache.step)  # one key for prompts that go
         # on alike a few tokens more or less past a system prompt (the tokens cut off count as their own)
         if not shared:
