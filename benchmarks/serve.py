@@ -6,8 +6,9 @@ Engines, each a server in its own process on the same checkpoint, one after anot
 - ``mlxchat``: ``mlxchat serve`` with its defaults (on a CPU float32, OpenBLAS, the gemv route; idle caches
   within 4 GB), keeping the number of clients + 2 caches and spilling none to disk (the workload never
   comes back to an evicted conversation, and the other engines keep none on disk);
-  ``--budgets 64,128,256,512`` runs it once per ``--prefill-step-budget`` (rows ``mlxchat b=N``), to pick
-  a measured default.
+  ``--budgets 64,128,256,512`` runs it once per ``--prefill-step-budget`` (rows ``mlxchat b=N``), and
+  ``--slowdowns 0,2`` once per ``--max-decode-slowdown`` (rows ``mlxchat s=X``, 0 for off), to pick measured
+  defaults.
 - ``mlx-lm``: ``mlx_lm server`` (0.32.2) with its batch generator on for every client
   (``--decode-concurrency`` / ``--prompt-concurrency`` at the number of clients + 1) and a prompt cache of
   as many entries and bytes as mlxchat's, started the way the speed rows run mlx-lm at its best on a CPU:
@@ -58,6 +59,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -147,8 +149,8 @@ class Server:
     """One engine's server process on a free port (its output in ``log``); a context manager that starts it,
     waits until it has answered one short request, and stops it."""
 
-    def __init__(self, engine: str, setup: Setup, clients: int, budget: int | None = None):
-        self.engine, self.setup, self.clients, self.budget = engine, setup, clients, budget
+    def __init__(self, engine: str, setup: Setup, clients: int, flags: Sequence[str] = ()):
+        self.engine, self.setup, self.clients, self.flags = engine, setup, clients, list(flags)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.model = {"mlxchat": "bench", "mlx-lm": "default_model", "llama.cpp": "bench"}[engine]
@@ -174,11 +176,10 @@ class Server:
     def _command(self) -> list[str]:
         port, folder, caches = str(self.port), self.setup.folder, str(self.clients + 2)
         if self.engine == "mlxchat":
-            budget = ["--prefill-step-budget", str(self.budget)] if self.budget is not None else []
             return [sys.executable, "-m", "mlxchat.cli", "serve", "--model", str(folder), "--port", port,
                     "--served-model-name", self.model, "--store", str(self.work / "store.sqlite"),
                     "--caches", caches, "--max-cache-gb", str(CACHE_GB), "--max-spill-gb", "0",
-                    "--max-queue", str(4 * self.clients + 8), *budget]
+                    "--max-queue", str(4 * self.clients + 8), *self.flags]
         if self.engine == "mlx-lm":
             blas = self.setup.blas_path
             preload = f"import ctypes; ctypes.CDLL({blas!r}, mode=ctypes.RTLD_GLOBAL); " if blas else ""
@@ -330,12 +331,16 @@ def run_workload(server: Server, clients: int, turns: int, system: str, document
     return samples, time.perf_counter() - started
 
 
-def during_documents(samples: list[Sample]) -> list[float]:
+def during_documents(samples: list[Sample]) -> tuple[list[float], list[float]]:
     """The chats' gaps between pieces that overlap a document's prefill (from its request to its first piece,
-    or to its end when it streamed nothing)."""
+    or to its end when it streamed nothing), and the others (the chats' own step under the same load)."""
     windows = [(s.sent, s.stamps[0] if s.stamps else s.sent + s.ttft) for s in samples if s.kind == "document"]
-    return [end - start for s in samples if s.kind == "chat" for start, end in s.gaps
-            if any(start < until and end > since for since, until in windows)]
+    during: list[float] = []
+    outside: list[float] = []
+    for start, end in (gap for s in samples if s.kind == "chat" for gap in s.gaps):
+        overlaps = any(start < until and end > since for since, until in windows)
+        (during if overlaps else outside).append(end - start)
+    return during, outside
 
 
 def summary(samples: list[Sample], seconds: float, system_tokens: int) -> dict[str, Any]:
@@ -343,7 +348,7 @@ def summary(samples: list[Sample], seconds: float, system_tokens: int) -> dict[s
     chats = [s for s in ok if s.kind == "chat"]
     docs = [s for s in ok if s.kind == "document"]
     gaps = [end - start for s in chats for start, end in s.gaps]
-    overlapping = during_documents(ok)
+    overlapping, outside = during_documents(ok)
     prompt = sum(s.prompt_tokens for s in ok)
     cached = sum(s.cached_tokens for s in ok)
     firsts = [s for s in chats if s.turn == 0]
@@ -360,6 +365,7 @@ def summary(samples: list[Sample], seconds: float, system_tokens: int) -> dict[s
         "chat_itl_ms": {"p50": ms(gaps, 0.5), "p99": ms(gaps, 0.99)},
         "chat_itl_during_documents_ms": {"p50": ms(overlapping, 0.5), "p99": ms(overlapping, 0.99),
                                          "gaps": len(overlapping)},
+        "chat_itl_outside_documents_ms": {"p50": ms(outside, 0.5), "p99": ms(outside, 0.99), "gaps": len(outside)},
         "documents": len(docs),
         "prompt_tokens": prompt, "cached_tokens": cached,
         "generated_tokens": sum(s.generated_tokens for s in ok),
@@ -370,10 +376,10 @@ def summary(samples: list[Sample], seconds: float, system_tokens: int) -> dict[s
     }
 
 
-def measure(engine: str, setup: Setup, clients: int, budget: int | None, workload: dict[str, Any],
+def measure(engine: str, setup: Setup, clients: int, flags: Sequence[str], workload: dict[str, Any],
             documents: bool) -> dict[str, Any]:
     """One row: a fresh server of ``engine`` under the workload (with the document client or not)."""
-    with Server(engine, setup, clients, budget) as server:
+    with Server(engine, setup, clients, flags) as server:
         before = scrape_counters(server.url, "chat.completions") if engine == "mlxchat" else None
         samples, seconds = run_workload(server, clients, workload["turns"], workload["system"],
                                         workload["document"] if documents else None, workload["max_tokens"])
@@ -388,8 +394,22 @@ def measure(engine: str, setup: Setup, clients: int, budget: int | None, workloa
     return result
 
 
-def label(engine: str, budget: int | None) -> str:
-    return engine if budget is None else f"{engine} b={budget}"
+SETTINGS = {"b": "--prefill-step-budget", "s": "--max-decode-slowdown"}
+"""mlxchat's settings a row may set, by the short name its label gives them."""
+
+
+def variants(budgets: Sequence[int | None], slowdowns: Sequence[float | None]) -> list[dict[str, float]]:
+    """mlxchat's rows: every budget with every slowdown (``None``: the server's default, left out of the row)."""
+    return [{name: value for name, value in (("b", budget), ("s", slowdown)) if value is not None}
+            for budget in budgets for slowdown in slowdowns]
+
+
+def flags_of(settings: dict[str, float]) -> list[str]:
+    return [part for name, value in settings.items() for part in (SETTINGS[name], f"{value:g}")]
+
+
+def label(engine: str, settings: dict[str, float]) -> str:
+    return " ".join([engine, *(f"{name}={value:g}" for name, value in settings.items())])
 
 
 def goals(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -447,8 +467,8 @@ def markdown(results: dict[str, Any]) -> str:
              "gap is the engine's solo step). ITL during documents: the chats' gaps that overlap a document's "
              "prefill (its request to its first token).", "",
              "| engine | clients | tok/s | chat TTFT p50 / p99 ms | chat ITL p50 / p99 ms | ITL p99 during documents "
-             "ms (x solo step) | document TTFT p50 / p99 ms | cached share | first turns' share of the system "
-             "prompt cached | /metrics = clients | server's peak RSS GB | errors |",
+             "ms (x solo step; x chats' p50 outside documents) | document TTFT p50 / p99 ms | cached share | "
+             "first turns' share of the system prompt cached | /metrics = clients | server's peak RSS GB | errors |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     solo = results["goals"]["solo_step_ms"]
     for row in results["rows"]:
@@ -459,7 +479,11 @@ def markdown(results: dict[str, Any]) -> str:
         r = row["result"]
         during = r["chat_itl_during_documents_ms"]
         step = solo.get(row["engine"])
-        times = f" ({during['p99'] / step:.1f}x)" if step and during["gaps"] else ""
+        times = f" ({during['p99'] / step:.1f}x" if step and during["gaps"] else ""
+        outside = r.get("chat_itl_outside_documents_ms", {})
+        if times and outside.get("gaps"):
+            times += f"; {during['p99'] / outside['p50']:.1f}x of {outside['p50']}"
+        times += ")" if times else ""
         shares = ", ".join(f"{s:.0%}" for s in r["first_turn_system_share"]) or "—"
         rss = "—" if r.get("peak_rss_bytes") is None else f"{r['peak_rss_bytes'] / 1e9:.2f}"
         metrics = ("—" if "metrics" not in r else "yes" if r["metrics"]["equal"] else
@@ -503,6 +527,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--clients", default="1,4,8,16")
     parser.add_argument("--budgets", default="", help="mlxchat's --prefill-step-budget values to run (a row each; "
                                                       "default: its default only)")
+    parser.add_argument("--slowdowns", default="", help="mlxchat's --max-decode-slowdown values to run (0: off; a "
+                                                        "row each, with each budget; default: its default only)")
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--system-tokens", type=int, default=2048)
     parser.add_argument("--document-tokens", type=int, default=4096)
@@ -527,10 +553,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     try:
         counts = [int(c) for c in args.clients.split(",") if c]
         budgets: list[int | None] = [int(b) for b in args.budgets.split(",") if b] or [None]
+        slowdowns: list[float | None] = [float(x) for x in args.slowdowns.split(",") if x] or [None]
     except ValueError:
-        parser.error("--clients and --budgets take comma-separated whole numbers")
+        parser.error("--clients and --budgets take comma-separated whole numbers, --slowdowns numbers")
     if not counts or min(counts) < 1 or any(b is not None and b < 1 for b in budgets):
         parser.error("--clients and --budgets must be at least 1")
+    if any(x is not None and x != 0 and not x > 1 for x in slowdowns):
+        parser.error("--slowdowns must be 0 (off) or above 1")
 
     from tokenizers import Tokenizer
 
@@ -549,13 +578,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="mlxchat-serve-bench-") as work:
         setup = Setup(folder, Path(work), runtime_info().get("blas_path"))
         for engine in [e for e in engines if e not in skipped]:
-            plan = [(1, None, False)] + [(clients, budget, True) for budget in (budgets if engine == "mlxchat"
-                                                                                 else [None]) for clients in counts]
-            for clients, budget, documents in plan:
-                row: dict[str, Any] = {"engine": engine, "label": label(engine, budget), "budget": budget,
+            rows_of = variants(budgets, slowdowns) if engine == "mlxchat" else [{}]
+            plan: list[tuple[int, dict[str, float], bool]] = [(1, {}, False)]
+            plan += [(clients, settings, True) for settings in rows_of for clients in counts]
+            for clients, settings, documents in plan:
+                row: dict[str, Any] = {"engine": engine, "label": label(engine, settings), **settings,
                                        "clients": clients, "solo": not documents}
                 try:
-                    row["result"] = measure(engine, setup, clients, budget, workload, documents)
+                    row["result"] = measure(engine, setup, clients, flags_of(settings), workload, documents)
                 except Exception as exc:  # noqa: BLE001 - one engine's failure is a row; the run goes on
                     row["error"] = f"{type(exc).__name__}: {exc}"
                 rows.append(row)

@@ -31,11 +31,13 @@ import mlx.core as mx
 from .architecture import ModelModule
 from .cache import RaggedRows, RowCaches
 from .constraints import fill_masks
+from .pacing import PACE_QUANTUM
 from .prompt_cache import Prefill, PromptCache, last_logits_of
 from .worker import Gathered, Together
 
 if TYPE_CHECKING:
     from .constraints import RowMatcher
+    from .pacing import StepPace
     from .sampling import LogitsAdjuster, Sampler
     from .worker import Cancelled
 
@@ -111,11 +113,17 @@ class StepItem(Together):
         if not getattr(module, "runs_ragged", False):
             if rows:
                 _failing(rows, DecodeRow.run_together, rows)
-            PrefillChunk.run_budget(prompts, merge=False, decoding=bool(rows))
+            PrefillChunk.run_budget(prompts, merge=False, rows=rows)
             return
-        spans = PrefillChunk.run_budget(prompts, merge=True, decoding=bool(rows))
+        spans = PrefillChunk.run_budget(prompts, merge=True, rows=rows)
         if rows or spans:
             _failing([*rows, *(span.item for span in spans)], DecodeRow.run_pass, rows, spans)
+
+
+def _keys(rows: Sequence[DecodeRow], spans: Sequence[PromptSpan]) -> int:
+    """Cached positions the query tokens of a pass attend over (each prompt token over the ones before it)."""
+    return sum(len(row.cache) + 1 for row in rows) + \
+        sum((span.end - span.start) * (2 * span.start + span.end - span.start + 1) // 2 for span in spans)
 
 
 def _failing(items: list[Any], run: Any, *args: Any) -> None:
@@ -133,9 +141,9 @@ class DecodeRow(StepItem):
     whose forward pass the next step runs."""
 
     def __init__(self, module: ModelModule, cache: PromptCache, sampler: Sampler, adjust: LogitsAdjuster | None,
-                 constraint: RowMatcher | None = None):
+                 constraint: RowMatcher | None = None, pace: StepPace | None = None):
         self.module, self.cache, self.sampler, self.adjust = module, cache, sampler, adjust
-        self.constraint = constraint
+        self.constraint, self.pace = constraint, pace
         self.current = mx.array([0])
         self.value = 0
 
@@ -159,7 +167,7 @@ class DecodeRow(StepItem):
         else:
             tokens = mx.concatenate([row.current for row in rows])
             logits = batched_last_logits(module, tokens, [row.cache for row in rows])
-        cls.advance(rows, logits)
+        cls.advance(rows, logits, load=(len(rows), _keys(rows, [])))
 
     @classmethod
     def run_pass(cls, rows: list[Any], spans: list[PromptSpan]) -> None:
@@ -174,19 +182,28 @@ class DecodeRow(StepItem):
                                     [row.cache for row in rows] + [span.item.prefill.cache for span in spans],
                                     rows=len(rows))
         filled = [array for span in spans for array in span.item.prefill.cache.arrays()]
+        load = (len(rows) + sum(span.end - span.start for span in spans), _keys(rows, spans))
         if rows:
-            cls.advance(rows, logits[: len(rows)], filled)
+            cls.advance(rows, logits[: len(rows)], filled, load)
         else:
+            pace = spans[0].item.pace
+            if pace is not None:
+                pace.queued(*load, ())
             mx.eval(filled)  # a pass of prompt chunks alone: waited for, as a prefill chunk is
+            if pace is not None:
+                pace.done(None)
         for j, span in enumerate(spans, start=len(rows)):
             span.item.prefill.took(span.start, span.end, logits[j : j + 1])
             span.item.ran = span.end - span.start
 
     @staticmethod
-    def advance(rows: list[Any], logits: mx.array, also: Sequence[mx.array] = ()) -> None:
+    def advance(rows: list[Any], logits: mx.array, also: Sequence[mx.array] = (),
+                load: tuple[int, int] = (0, 0)) -> None:
         """The rows' next tokens picked from their ``logits [rows, vocab]`` and evaluated asynchronously
         (with ``also``), then each row's ``current`` read into ``value`` and recorded in its cache (its
-        forward pass is queued already, so the device never waits on Python). A constrained row reads
+        forward pass is queued already, so the device never waits on Python). The rows' pace hears of the
+        step (``load``: its query tokens and attended keys) when it is queued, and of the step before when
+        reading ``current`` waited for it (:class:`~mlxchat.pacing.StepPace`). A constrained row reads
         ``current`` first, while the forward runs, so that its matcher takes it and gives the next mask
         (several rows' masks computed at once: :func:`~mlxchat.constraints.fill_masks`)."""
         constrained = [row for row in rows if row.constraint is not None]
@@ -198,24 +215,32 @@ class DecodeRow(StepItem):
             fill_masks([row.constraint for row in constrained])
         following = [row.pick(logits[i : i + 1]) for i, row in enumerate(rows)]
         mx.async_eval(following, *also)
-        for row, token in zip(rows, following, strict=True):
+        pace = next((row.pace for row in rows if row.pace is not None), None)
+        if pace is not None:
+            pace.queued(*load, rows)
+        for row in rows:
             if row.constraint is None:
                 row.value = int(row.current.item())  # type: ignore[arg-type]  # a token id array holds ints
+        if pace is not None:
+            pace.done(rows)
+        for row, token in zip(rows, following, strict=True):
             row.cache.feed([row.value])
             row.current = token
 
 
 def decode_steps(module: ModelModule, cache: PromptCache, pending: Sequence[int], sampler: Sampler,
                  max_tokens: int, *, adjust: LogitsAdjuster | None = None, stats: DecodeStats | None = None,
-                 logits: mx.array | None = None, constraint: RowMatcher | None = None) -> Iterator[int | DecodeRow]:
+                 logits: mx.array | None = None, constraint: RowMatcher | None = None,
+                 pace: StepPace | None = None) -> Iterator[int | DecodeRow]:
     """Up to ``max_tokens`` sampled ids, each announced by this sequence's :class:`DecodeRow` (the worker
     runs the step, alone or with others' rows, before resuming). The first token comes from ``logits`` (the
     last prefill chunk's, :class:`PrefillChunk`), or else from a first step that runs ``pending`` (the
-    prompt's tail :meth:`PromptCache.prefill` left) alone; it is the first token ``constraint`` masks."""
+    prompt's tail :meth:`PromptCache.prefill` left) alone; it is the first token ``constraint`` masks. Its
+    steps' times go to ``pace``."""
     stats = stats or DecodeStats()
     if not pending and logits is None:
         raise ValueError("decoding needs at least one prompt token to start from")
-    row = DecodeRow(module, cache, sampler, adjust, constraint)
+    row = DecodeRow(module, cache, sampler, adjust, constraint, pace)
     if logits is None:
         logits = last_logits_of(module)(mx.array(list(pending))[None], cache.layers)
         cache.feed(pending)
@@ -240,30 +265,47 @@ class PrefillChunk(StepItem):
     waiting for the step to run some of its chunks.
 
     A worker step runs, beside the decode rows (:class:`DecodeRow`), at most ``budget`` prompt tokens of the
-    waiting prefills, oldest job first (FIFO: a prefill runs its next whole chunks while they fit what the
-    ones before it left; the first always runs at least one, so a chunk larger than the budget, a whole
-    image, still goes). A long prompt thus enters a chunk a step while the running streams decode a token a
-    step, and no prompt waits for a later one: a later prompt takes only what an earlier one leaves of the
-    budget (when it stops where its cache snapshots, or before an image chunk). A chunk that runs in a pass
-    of its own fails its own generation only.
+    waiting prefills; with a ``pace`` (:class:`~mlxchat.pacing.StepPace`, on a model whose steps are one
+    pass) and rows decoding, at most what keeps the step within the pace's slowdown of the rows' own step.
+    The prompts with the fewest tokens left go first (a short chat turn is not queued behind a long
+    document), but each step a prompt waits without running anything counts as ``budget`` tokens fewer
+    (so a long one is never passed over for ever); on a tie, the oldest job first; and prompts sharing a
+    prefix (a system prompt) compute it once: one waits right behind another that computes its next chunk
+    (:meth:`in_turn`), and skips a step in which another computes at least a chunk of tokens it shares, to
+    copy them from the pool in the next (:mod:`mlxchat.prefix_cache`). A prefill runs its next
+    whole chunks while they fit what the ones before it left; the first always runs at least one, so a chunk
+    larger than the budget, a whole image, still goes. A later prompt takes only what an earlier one leaves
+    of the budget (when it stops where its cache snapshots, or before an image chunk). A chunk that runs in a
+    pass of its own fails its own generation only.
     """
 
-    def __init__(self, prefill: Prefill, budget: int, idle: int):
-        self.prefill, self.budget, self.idle = prefill, budget, idle
+    def __init__(self, prefill: Prefill, budget: int, idle: int, pace: StepPace | None = None, waited: int = 0):
+        self.prefill, self.budget, self.idle, self.pace, self.waited = prefill, budget, idle, pace, waited
         self.ran = 0
         """Prompt tokens the last step ran for this generation."""
 
     @classmethod
-    def run_budget(cls, items: list[Any], merge: bool, decoding: bool) -> list[PromptSpan]:
-        """Share the budget among ``items`` (FIFO, above): with ``merge``, the text chunks that fit are taken
-        as spans for the step's one pass (returned), and a step in which nothing is ``decoding`` takes up to
-        the ``idle`` budget (the prompt's own prefill step: a prompt alone goes in as fast as one prefill);
-        the others run here, each in passes of its own."""
+    def run_budget(cls, items: list[Any], merge: bool, rows: Sequence[DecodeRow]) -> list[PromptSpan]:
+        """Share the budget among ``items`` (above): with ``merge``, the text chunks that fit are taken as spans
+        for the step's one pass (returned), and a step with no ``rows`` decoding takes up to the ``idle``
+        budget (the prompt's own prefill step: a prompt alone goes in as fast as one prefill); the others run
+        here, each in passes of its own."""
         spans: list[PromptSpan] = []
         if not items:
             return spans
-        left = items[0].budget if decoding or not merge else max(items[0].budget, items[0].idle)
+        items = cls.in_turn(items)
+        budget = items[0].budget
+        left = budget if rows or not merge else max(budget, items[0].idle)
+        pace = items[0].pace
+        if rows and merge and pace is not None:
+            left = pace.allowance(len(rows), _keys(rows, []), len(items[0].prefill.cache), left)
+        computing: list[tuple[Prefill, int]] = []  # the prefills this step runs, from which position
         for position, item in enumerate(items):
+            prefill = item.prefill
+            if any(other.common_prefix(prefill.ids) - max(start, len(prefill.cache)) >= PACE_QUANTUM
+                   for other, start in computing):
+                continue  # another computes its next tokens in this step: it copies them in the next one
+            computing.append((prefill, len(prefill.cache)))
             allowance = left if position else max(left, item.prefill.next_chunk)
             try:
                 if merge and item.prefill.mergeable:
@@ -282,6 +324,22 @@ class PrefillChunk(StepItem):
                 # its cache snapshots, or before an image chunk, which runs first in the next step)
         return spans
 
+    @staticmethod
+    def in_turn(items: list[Any]) -> list[Any]:
+        """``items`` (the jobs' order) in the order they take the step's budget: fewest tokens left first, each
+        step waited counting as ``budget`` tokens fewer; a prompt whose next chunk an earlier one is about to
+        compute (the same tokens at the same positions: a shared system prompt) goes right behind that one,
+        to copy it from the pool instead of computing it too (:meth:`~mlxchat.prompt_cache.Prefill.take`)."""
+        ahead: dict[int, tuple[float, int]] = {}
+        for index, item in enumerate(items):
+            prefill = item.prefill
+            end = len(prefill.cache) + prefill.next_chunk
+            leader = next((j for j in range(index) if not items[j].prefill.done
+                           and items[j].prefill.starts_like(prefill.ids, end)), None)
+            ahead[index] = ahead[leader] if leader is not None else \
+                (prefill.left - item.waited * item.budget, index)
+        return [items[i] for i in sorted(ahead, key=lambda i: (*ahead[i], i))]
+
 
 class PromptSpan:
     """Prompt tokens ``[start, end)`` of a waiting prefill that a step's one pass runs beside the decode rows
@@ -292,13 +350,16 @@ class PromptSpan:
         self.tokens = list(item.prefill.ids[start:end])
 
 
-def prefill_steps(prefill: Prefill, budget: int, idle: int, cancel: Cancelled | None = None) -> Iterator[PrefillChunk]:
+def prefill_steps(prefill: Prefill, budget: int, idle: int, cancel: Cancelled | None = None,
+                  pace: StepPace | None = None) -> Iterator[PrefillChunk]:
     """Run ``prefill`` through the worker's steps, a budget of tokens at a time (``idle`` in a step that
-    decodes nothing; see :class:`PrefillChunk`); stops early when ``cancel`` is set."""
+    decodes nothing; fewer as ``pace`` says; see :class:`PrefillChunk`); stops early when ``cancel`` is set."""
+    waited = 0
     while not prefill.done and not (cancel is not None and cancel.check()):
-        chunk = PrefillChunk(prefill, budget, idle)
+        chunk = PrefillChunk(prefill, budget, idle, pace, waited)
         yield chunk
         chunk.check()
+        waited = 0 if chunk.ran else waited + 1
 
 
 def lockstep(generations: Sequence[Iterator[Any]]) -> Generator[Gathered, None, list[list[Any]]]:

@@ -10,6 +10,7 @@ import argparse
 import importlib
 import importlib.util
 import json
+import math
 import os
 import sys
 from collections.abc import Iterable, Sequence
@@ -23,6 +24,7 @@ from .constraints import format_grammar
 from .distributed.watchdog import DEFAULT_TIMEOUT
 from .errors import MlxchatError
 from .generation import GenerationConfig, GenerationReport
+from .pacing import DEFAULT_DECODE_SLOWDOWN
 from .runtime import package_version
 
 EPILOG = """examples:
@@ -80,6 +82,9 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-step-budget", type=int, default=DEFAULT_PREFILL_STEP_BUDGET, metavar="N",
                         help="most prompt tokens one step prefills beside a token of every running generation "
                              "(smaller: smoother streams while a long prompt arrives, slower prefill)")
+    parser.add_argument("--max-decode-slowdown", type=float, default=DEFAULT_DECODE_SLOWDOWN, metavar="X",
+                        help="while generations decode, a step prefills only as many prompt tokens as keep it "
+                             "within X times their own step, as measured (0: off, the budget alone bounds it)")
 
 
 def _sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -365,13 +370,16 @@ def _load(args: argparse.Namespace) -> Any:
 
     if args.prefill_step_budget < 1:
         raise UsageError(f"--prefill-step-budget must be at least 1, got {args.prefill_step_budget}")
+    slowdown = args.max_decode_slowdown or None
+    if slowdown is not None and not (1 < slowdown < math.inf):
+        raise UsageError(f"--max-decode-slowdown must be above 1 (or 0 for off), got {args.max_decode_slowdown}")
     if not args.distributed_timeout > 0:
         raise UsageError(f"--distributed-timeout must be a positive number of seconds, got {args.distributed_timeout}")
     print(dim(f"loading {args.model or 'the demo model'} ...", sys.stderr), file=sys.stderr)
     return load_model(args.model, dtype=args.dtype, context_length=args.context_length,
                       kv_bits=args.kv_bits, kv_group_size=args.kv_group_size, distributed=args.distributed,
                       distributed_timeout=args.distributed_timeout, prefill_step_budget=args.prefill_step_budget,
-                      adapter=args.adapter)
+                      max_decode_slowdown=slowdown, adapter=args.adapter)
 
 
 def _follows(model: Any) -> bool:

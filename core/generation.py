@@ -25,6 +25,7 @@ from .detokenizer import StreamingDetokenizer
 from .layers.parallel import from_rank_zero
 from .limits import check_depth, check_strings, check_text
 from .multimodal import MultimodalPrompt
+from .pacing import PACE_QUANTUM, StepPace
 from .prompt_cache import PromptCache
 from .sampling import LogitsAdjuster, Sampler, make_sampler
 from .speculative import Acceptance, Drafter, speculative_tokens
@@ -293,6 +294,7 @@ def stream_generation(
     cancel: Cancelled | None = None,
     drafter: Drafter | None = None,
     prefill_budget: int | None = None,
+    pace: StepPace | None = None,
     constraint: RowMatcher | None = None,
 ) -> Iterator[GenerationChunk | DecodeRow | PrefillChunk]:
     """Text chunks of one generation, one per token (its text may be empty while a character or a possible
@@ -303,8 +305,9 @@ def stream_generation(
     ``prefill_budget``: the prompt goes in through the worker's steps, at most this many tokens a step
     that also decodes (``config.prefill_step`` in one that does not; see
     :class:`~mlxchat.batching.PrefillChunk`), in chunks of at most the smaller of the two; ``None``
-    prefills it here at once. A generation that decodes alone (below)
-    always prefills at once.
+    prefills it here at once. With a ``pace`` (:mod:`mlxchat.pacing`) a text prompt is planned in
+    chunks of :data:`~mlxchat.pacing.PACE_QUANTUM` tokens, as many going in a step as the pace allows. A
+    generation that decodes alone (below) always prefills at once.
 
     With a ``drafter`` and ``config.draft_tokens`` set, tokens are decoded speculatively
     (:mod:`mlxchat.speculative`). A set ``cancel`` (checked between prefill chunks and after every token)
@@ -319,7 +322,7 @@ def stream_generation(
         if constraint is not None:
             drafter, config = None, config.model_copy(update={"reply_prefix": "", "reply_prefix_after": None})
         yield from _generation(module, tokenizer, prompt, cache, config, eos_ids, vocab_size, snapshot_at, cancel,
-                               drafter if config.draft_tokens else None, reply, prefill_budget, constraint)
+                               drafter if config.draft_tokens else None, reply, prefill_budget, pace, constraint)
     finally:
         profiling.end(reply, None)
 
@@ -328,7 +331,7 @@ def _generation(module: ModelModule, tokenizer: Tokenizer, prompt: Sequence[int]
                 cache: PromptCache, config: GenerationConfig, eos_ids: set[int], vocab_size: int,
                 snapshot_at: Sequence[int], cancel: Cancelled | None, drafter: Drafter | None,
                 reply: profiling.ReplyProfile | None,
-                prefill_budget: int | None,
+                prefill_budget: int | None, pace: StepPace | None,
                 constraint: RowMatcher | None) -> Iterator[GenerationChunk | DecodeRow | PrefillChunk]:
     mx.reset_peak_memory()
     stats = DecodeStats()
@@ -354,9 +357,10 @@ def _generation(module: ModelModule, tokenizer: Tokenizer, prompt: Sequence[int]
         reused, pending = cache.prefill(module, full, snapshot_at=snapshot_at, step=config.prefill_step,
                                         cancel=cancel, follow=follow)
     else:
-        plan = cache.start_prefill(module, full, snapshot_at=snapshot_at,
-                                   step=min(config.prefill_step, prefill_budget), logits=True)
-        yield from prefill_steps(plan, prefill_budget, config.prefill_step, cancel)
+        paced = pace is not None and not isinstance(full, MultimodalPrompt)
+        step = min(config.prefill_step, prefill_budget, PACE_QUANTUM if paced else prefill_budget)
+        plan = cache.start_prefill(module, full, snapshot_at=snapshot_at, step=step, logits=True)
+        yield from prefill_steps(plan, prefill_budget, config.prefill_step, cancel, pace)
         reused, pending, first = plan.reused, [], plan.logits
     stats.cached = min(reused, len(prompt))
     adjust = LogitsAdjuster(vocab_size, config.repetition_penalty, config.presence_penalty,
@@ -372,7 +376,7 @@ def _generation(module: ModelModule, tokenizer: Tokenizer, prompt: Sequence[int]
         if alone:
             return decode_alone(start, budget)
         return decode_steps(module, cache, start, sampler, budget, adjust=adjust, stats=stats, logits=first,
-                            constraint=constraint) if budget > 0 else iter(())
+                            constraint=constraint, pace=pace) if budget > 0 else iter(())
 
     def decode_alone(start: Sequence[int], budget: int) -> Iterator[int]:
         if budget <= 0:

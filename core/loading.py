@@ -38,6 +38,7 @@ from .layers.quantized import quantize
 from .layers.rope import context_limit
 from .model import GenerativeModel
 from .multimodal import VisionModule
+from .pacing import DEFAULT_DECODE_SLOWDOWN
 from .registry import registry
 from .runtime import default_dtype
 from .tokenizer import NoTokenizer, Tokenizer
@@ -65,6 +66,7 @@ def load_model(
     draft: str | os.PathLike[str] | GenerativeModel | None = None,
     draft_tokens: int = 4,
     prefill_step_budget: int = DEFAULT_PREFILL_STEP_BUDGET,
+    max_decode_slowdown: float | None = DEFAULT_DECODE_SLOWDOWN,
     kv_bits: int | None = None,
     kv_group_size: int = 64,
     adapter: str | os.PathLike[str] | None = None,
@@ -90,7 +92,10 @@ def load_model(
 
     ``prefill_step_budget``: the most prompt tokens one step of the worker prefills beside a decode token for
     every running generation, so a long prompt goes in a chunk a step while other streams keep decoding
-    (:class:`~mlxchat.batching.PrefillChunk`).
+    (:class:`~mlxchat.batching.PrefillChunk`). ``max_decode_slowdown``: while other streams decode, a step
+    takes fewer prompt tokens than the budget, as many as keep it within this many times the cost of the
+    streams' own step, a cost learnt from the worker's steps (:mod:`mlxchat.pacing`; ``None``: the budget
+    alone bounds a step).
 
     ``adapter``: a LoRA adapter folder (or Hub repo) in peft's layout, applied unfused
     (:meth:`GenerativeModel.load_adapter`; :meth:`GenerativeModel.fuse_adapter` bakes it in).
@@ -186,6 +191,7 @@ def load_model(
         context_length=context_length,
         image_processor=image_processor,
         prefill_step_budget=prefill_step_budget,
+        max_decode_slowdown=max_decode_slowdown,
         kv_bits=kv_bits,
         kv_group_size=kv_group_size,
     )

@@ -51,6 +51,7 @@ from .multimodal import (
     expand_images,
     split_image_parts,
 )
+from .pacing import DEFAULT_DECODE_SLOWDOWN, StepPace
 from .prefix_cache import PromptCachePool
 from .prompt_cache import DEFAULT_MAX_SNAPSHOTS, PromptCache
 from .speculative import Drafter, ModelDrafter, MtpDrafter
@@ -116,11 +117,12 @@ class GenerativeModel:
         kv_bits: int | None = None,
         kv_group_size: int = 64,
         prefill_step_budget: int = DEFAULT_PREFILL_STEP_BUDGET,
+        max_decode_slowdown: float | None = DEFAULT_DECODE_SLOWDOWN,
     ):
         """``context_length``: the most tokens (prompt and reply) a generation may hold; by default, and at
         most, the checkpoint's limit: ``max_position_embeddings``, stretched by a linear, dynamic or yarn RoPE
         scaling (:func:`~mlxchat.layers.rope.context_limit`); more is a :class:`ContextLengthError`.
-        ``prefill_step_budget``: see the attribute."""
+        ``prefill_step_budget`` and ``max_decode_slowdown``: see the attributes."""
         self.module = module
         self.config = config
         self.architecture = architecture
@@ -155,6 +157,11 @@ class GenerativeModel:
         """Most prompt tokens one worker step prefills (beside a decode token for every running generation): a
         long prompt goes in a chunk a step, so the streams already running wait at most about that many tokens'
         prefill for each of their tokens (:class:`~mlxchat.batching.PrefillChunk`)."""
+        self.step_pace = StepPace(max_decode_slowdown) \
+            if max_decode_slowdown is not None and getattr(module, "runs_ragged", False) else None
+        """What keeps a step that prefills beside running streams within ``max_decode_slowdown`` times the cost
+        of their own step, learnt from the worker's steps (:mod:`mlxchat.pacing`; ``None``: only the budget
+        bounds a step, or the model's steps are not one pass)."""
         self.prefix_cache: PromptCachePool | None = None
         """A pool every session :meth:`chat_session` makes shares its prompt prefixes through (``None``: each
         session keeps its own; see :mod:`mlxchat.prefix_cache`)."""
@@ -580,7 +587,7 @@ class GenerativeModel:
         try:
             yield from stream_generation(self.module, self.tokenizer, prompt, cache, config, self.eos_ids,
                                          self.config.vocab_size, snapshot_at=snapshot_at, cancel=cancel,
-                                         drafter=drafter, prefill_budget=self.prefill_step_budget,
+                                         drafter=drafter, prefill_budget=self.prefill_step_budget, pace=self.step_pace,
                                          constraint=matcher)
         except MlxchatError:
             cache.clear()

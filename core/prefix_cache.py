@@ -6,7 +6,8 @@ radix cache do).
 The pool holds no cache of its own: it knows the caches of the sessions that share it (weakly: a cache goes
 when its owner drops it) and, when a cache is about to prefill, copies into it the longest prefix any of
 them holds, when that is more than the cache can reuse itself; a prefill that waited for others' (the
-worker feeds prompts first come, first served) looks again before its first chunk, so conversations that
+worker feeds a prompt whose next chunk an earlier one computes right behind that one,
+:meth:`~mlxchat.batching.PrefillChunk.in_turn`) looks again before its first chunk, so conversations that
 arrive together with the same long prefix prefill it once. A copy never changes what the cache it reads
 holds (:meth:`~mlxchat.prompt_cache.PromptCache.copy_prefix`): another live conversation keeps its cache
 whole, and a long prefix of their KV layers is held once, read by both where it lies

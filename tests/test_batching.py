@@ -1,8 +1,9 @@
 """Sequences decode together: concurrent generations, several sessions driven from threads, server requests
 and ``generate_batch`` share each decode step (one pass over the weights), and every sequence gets exactly
 what it gets alone, whoever leaves early; a failed step fails only the generations in it. A long prompt goes in
-a budget of tokens a step while running streams decode a token a step; waiting prompts go in first come,
-first served. (That one batched
+a budget of tokens a step while running streams decode a token a step; waiting prompts go in fewest tokens
+left first, a long one never passed over for ever, one that shares an earlier one's prefix right behind it.
+(That one batched
 step equals each row alone, on every architecture, is in the conformance kit: ``batched_decoding_problems``.)"""
 
 from __future__ import annotations
@@ -307,7 +308,7 @@ def test_a_step_that_decodes_nothing_takes_a_whole_prefill_step_on_a_model_that_
     model.close()
 
 
-def test_waiting_prompts_go_in_first_come_first_served_within_the_budget(logged_steps) -> None:
+def test_waiting_prompts_go_in_fewest_tokens_left_first_within_the_budget(logged_steps) -> None:
     model = mlxchat.load_model(fixture_path("lfm2"), dtype="float32", prefill_step_budget=16)
     first, second = [(5 * i) % 200 + 10 for i in range(40)], [(3 * i) % 200 + 12 for i in range(30)]
     config = {**GREEDY, "max_tokens": 6, "prefill_step": 16}  # a step that decodes nothing takes a prefill step
@@ -324,7 +325,7 @@ def test_waiting_prompts_go_in_first_come_first_served_within_the_budget(logged_
     assert run.tokens == alone
     order = [name for step in logged_steps for kind, cache, n in step if kind == "prefill" and n
              for name in run.caches if run.caches[name] is cache]
-    assert order == sorted(order, key=["first", "second"].index)  # the second waits until the first is in
+    assert order == sorted(order, key=["second", "first"].index)  # the first, longer, waits until the second is in
     assert all(sum(n for kind, _, n in step if kind == "prefill") <= 16 for step in logged_steps)
     model.close()
 
@@ -344,4 +345,35 @@ def test_eight_sessions_sending_from_their_own_threads_at_once_decode_together_a
     assert together == alone
     assert steps[0] == len(sessions)  # all eight prompts went in in one step, then all eight rows decoded at once
     assert len(steps) < sum(len(t) for t in alone) - len(sessions)  # fewer passes than tokens: rows shared them
+    model.close()
+
+
+def _waiting(model: mlxchat.GenerativeModel, prompt: list[int], waited: int = 0) -> PrefillChunk:
+    plan = model.make_prompt_cache().start_prefill(model.module, prompt, step=16, logits=True)
+    return PrefillChunk(plan, budget=64, idle=512, waited=waited)
+
+
+def test_a_long_prompt_waits_behind_shorter_ones_only_a_bounded_number_of_steps() -> None:
+    model = mlxchat.load_model(fixture_path("qwen3"), dtype="float32")
+    document, chat = list(range(10, 1010)), list(range(400, 500))
+    assert [len(i.prefill.ids) for i in PrefillChunk.in_turn([_waiting(model, document), _waiting(model, chat)])] \
+        == [100, 1000]
+    # each step it waited counts as a step's budget (64) fewer: after 15 steps 1000 - 15 * 64 < 100
+    assert [len(i.prefill.ids) for i in PrefillChunk.in_turn([_waiting(model, document, 14), _waiting(model, chat)])] \
+        == [100, 1000]
+    assert [len(i.prefill.ids) for i in PrefillChunk.in_turn([_waiting(model, document, 15), _waiting(model, chat)])] \
+        == [1000, 100]
+    model.close()
+
+
+def test_a_prompt_whose_next_chunk_an_earlier_one_computes_goes_right_behind_it() -> None:
+    """Agents sharing a system prompt: the later one waits behind the one computing it, to copy it from the pool,
+    even when its own question is shorter than that one's; a shorter unrelated prompt still goes first."""
+    model = mlxchat.load_model(fixture_path("qwen3"), dtype="float32")
+    system = list(range(10, 110))
+    first, unrelated, second = _waiting(model, system + [7] * 50), _waiting(model, list(range(200, 260))), \
+        _waiting(model, system + [9] * 10)
+    assert first.prefill.common_prefix(second.prefill.ids) == 100 and unrelated.prefill.common_prefix(system) == 0
+    assert PrefillChunk.in_turn([first, unrelated, second]) == [unrelated, first, second]
+    assert PrefillChunk.in_turn([second, unrelated, first]) == [unrelated, second, first]
     model.close()

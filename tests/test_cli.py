@@ -78,6 +78,7 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
                                               (["--temperature", "-1"], "--temperature"),
                                               (["--context-length", "1"], "--context-length"),
                                               (["--prefill-step-budget", "0"], "--prefill-step-budget"),
+                                              (["--max-decode-slowdown", "0.5"], "--max-decode-slowdown"),
                                               (["--tools", "no_such_module:f"], "--tools"),
                                               (["--tools", "nonsense"], "--tools")])
 def test_bad_arguments_are_one_line_before_any_model_loads(capsys: pytest.CaptureFixture[str], tmp_path: Path,

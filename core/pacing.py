@@ -1,0 +1,118 @@
+"""How many prompt tokens a worker step may prefill beside running streams without slowing them more than a
+set factor (Sarathi-Serve's stall-free batching, whose token budget comes from a latency target).
+
+What a prompt token costs beside a decode step depends on the machine: on a GPU, hundreds of them ride along
+with the weights' read almost for free; on a 2-core CPU one 512-token chunk costs seconds where a decode step
+costs a tenth of one. So :class:`StepPace` learns it as the worker runs: each step's time, from the moment
+its pass is queued to the moment its results are ready (read when the next step waits for them, so an idle
+worker between steps is not counted), is fitted by weighted least squares, the newest steps weighing most, to
+
+    seconds = fixed + per_token * tokens + per_key * keys
+
+where ``tokens`` are the pass's query tokens (decode rows and prompt spans) and ``keys`` the cached positions
+they attend over. A step with streams running then takes the prompt tokens whose predicted cost is at most
+``slowdown - 1`` times the predicted cost of the rows alone.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+PACE_QUANTUM = 32
+"""Prompt tokens in the chunks a paced prefill is planned in (:meth:`StepPace.allowance` gives whole ones):
+small enough to fit beside a decode step on a CPU, and merged into one span a pass wherever more fit."""
+
+DEFAULT_DECODE_SLOWDOWN = 2.0
+"""A step that prefills beside running streams costs them at most this many times their own step by default
+(issue 25's goal: the chats' inter-token latency while a long prompt goes in within 2x)."""
+
+_KEPT = 64
+_DECAY = 0.95
+_FITTED_FROM = 8
+_WAITED = 1e-3
+
+
+class StepPace:
+    """The step-cost model of one model's worker (used on its thread only; see the module docstring).
+
+    ``slowdown``: the most a step that prefills beside running streams may cost, as a multiple of the step of
+    the streams alone."""
+
+    def __init__(self, slowdown: float):
+        if isinstance(slowdown, bool) or not isinstance(slowdown, int | float) or not slowdown > 1 \
+                or not math.isfinite(slowdown):
+            raise ValueError(f"the decode slowdown must be a number above 1, got {slowdown!r}")
+        self.slowdown = float(slowdown)
+        self._steps: collections.deque[tuple[float, float, float]] = collections.deque(maxlen=_KEPT)
+        self._queued: collections.deque[tuple[int, int, float, set[int]]] = collections.deque(maxlen=_KEPT)
+        self._done_at = 0.0
+        self._fit: tuple[float, float, float] | None = None
+
+    def queued(self, tokens: int, keys: int, rows: Sequence[object]) -> None:
+        """A step of ``tokens`` query tokens attending over ``keys`` cached positions, decoding ``rows``, was
+        just queued."""
+        self._queued.append((tokens, keys, time.perf_counter(), {id(row) for row in rows}))
+
+    def done(self, waited_on: Sequence[object] | None) -> None:
+        """The worker just waited for the tokens of the decode rows ``waited_on`` (``None``: for everything
+        queued; this is called right after the rows' wait, which began when the last step was queued). Steps run
+        in the order queued, so the last earlier step that decoded one of them, and every step before it, are
+        done; its time is an observation when no other step was queued ahead of it (it started when the one
+        before it was seen done, or when it was queued) and the worker did wait for it."""
+        now = time.perf_counter()
+        ready = {id(row) for row in waited_on} if waited_on is not None else None
+        candidates = len(self._queued) - (0 if ready is None else 1)
+        last = next((i for i in range(candidates - 1, -1, -1) if ready is None or self._queued[i][3] & ready), None)
+        if last is None:
+            return
+        # Only a real wait tells when the step ended: results that were ready when asked for ended earlier.
+        waited = ready is None or now - self._queued[-1][2] >= _WAITED
+        if last == 0 and waited:
+            tokens, keys, queued_at, _ = self._queued[0]
+            self.observe(tokens, keys, now - max(queued_at, self._done_at))
+        for _ in range(last + 1):
+            self._queued.popleft()
+        self._done_at = now
+
+    def observe(self, tokens: int, keys: int, seconds: float) -> None:
+        """Record a step of ``tokens`` query tokens over ``keys`` cached positions that took ``seconds``."""
+        self._steps.append((float(tokens), float(keys), seconds))
+        self._fit = None
+
+    def cost(self) -> tuple[float, float, float] | None:
+        """The fitted ``(fixed, per_token, per_key)`` seconds, or ``None`` while too few or too alike steps were
+        seen to tell a prompt token's cost apart (a per-key cost that fits as negative is left out)."""
+        if self._fit is None and len(self._steps) >= _FITTED_FROM:
+            steps = np.array(self._steps)
+            weights = np.sqrt(_DECAY ** np.arange(len(steps) - 1, -1, -1))
+            features = np.column_stack([np.ones(len(steps)), steps[:, 0], steps[:, 1]]) * weights[:, None]
+            seconds = steps[:, 2] * weights
+            for used in (3, 2):
+                if np.linalg.matrix_rank(features[:, :used]) < used:
+                    continue
+                fit = np.linalg.lstsq(features[:, :used], seconds, rcond=None)[0]
+                if fit[1] > 0 and (used == 2 or fit[2] >= 0):
+                    self._fit = (max(float(fit[0]), 0.0), float(fit[1]), float(fit[2]) if used == 3 else 0.0)
+                    break
+        return self._fit
+
+    def allowance(self, rows: int, row_keys: int, depth: int, budget: int) -> int:
+        """Prompt tokens (whole :data:`PACE_QUANTUM` chunks, at least one, at most ``budget``) a step of ``rows``
+        decode rows attending over ``row_keys`` cached positions may add for a prompt whose next token is at
+        position ``depth``; the whole budget until the cost is known (the worker's first steps, a prompt alone
+        and its decode steps, tell it)."""
+        fit = self.cost()
+        if fit is None:
+            return budget
+        fixed, per_token, per_key = fit
+        spare = (self.slowdown - 1) * (fixed + per_token * rows + per_key * row_keys)
+        # k prompt tokens cost per_token * k + per_key * k * (depth + (k + 1) / 2): the largest k within spare.
+        linear = per_token + per_key * (depth + 0.5)
+        tokens = spare / linear if per_key == 0 else \
+            (math.sqrt(linear * linear + 2 * per_key * spare) - linear) / per_key
+        return min(budget, max(PACE_QUANTUM, int(tokens) // PACE_QUANTUM * PACE_QUANTUM))

@@ -1,0 +1,126 @@
+"""A step that prefills beside running streams is kept within a slowdown of their own step: the step-cost fit
+(:class:`~mlxchat.pacing.StepPace`) on known costs, which steps' times it trusts, the prompt tokens it allows,
+and a long prompt that goes in the chunks it allows beside a decoding stream, each stream as alone."""
+
+from __future__ import annotations
+
+import itertools
+from types import SimpleNamespace
+
+import pytest
+from test_batching import Inline, logged_steps  # noqa: F401 - the fixture
+
+import mlxchat
+from mlxchat import pacing
+from mlxchat.pacing import PACE_QUANTUM, StepPace
+from mlxchat.testing import GREEDY
+
+from conftest import fixture_path
+
+
+def test_the_fit_recovers_a_steps_fixed_per_token_and_per_key_costs() -> None:
+    pace = StepPace(2.0)
+    for tokens, keys in itertools.product((1, 8, 40, 300), (100, 5_000, 90_000)):
+        pace.observe(tokens, keys, 0.2 + 0.003 * tokens + 1e-6 * keys)
+    assert pace.cost() == pytest.approx((0.2, 0.003, 1e-6), rel=1e-6)
+
+
+def test_until_prompt_tokens_cost_can_be_told_apart_a_step_takes_the_budget() -> None:
+    pace = StepPace(2.0)
+    for _ in range(7):
+        pace.observe(40, 1000, 0.5)
+    assert pace.cost() is None  # too few steps
+    pace.observe(40, 1000, 0.5)
+    assert pace.cost() is None  # eight alike steps: what a token costs cannot be told from the fixed part
+    assert pace.allowance(rows=4, row_keys=4000, depth=0, budget=512) == 512
+
+
+@pytest.mark.parametrize(("slowdown", "per_key"), [(2.0, 0.0), (2.0, 2e-7), (1.5, 2e-7), (4.0, 5e-7), (2.0, 2e-6)])
+def test_a_step_takes_the_most_whole_chunks_whose_predicted_cost_fits_the_slowdown(slowdown: float,
+                                                                                  per_key: float) -> None:
+    pace = StepPace(slowdown)
+    fixed, per_token = 0.6, 0.002
+    pace.cost = lambda: (fixed, per_token, per_key)  # type: ignore[method-assign]
+    rows, row_keys, depth = 8, 8 * 2000, 3000
+
+    def extra(k: int) -> float:  # k prompt tokens from position depth on, each attending over those before it
+        return per_token * k + per_key * sum(depth + i + 1 for i in range(k))
+
+    spare = (slowdown - 1) * (fixed + per_token * rows + per_key * row_keys)
+    fitting = [k for k in range(PACE_QUANTUM, 4097, PACE_QUANTUM) if extra(k) <= spare]
+    k = pace.allowance(rows, row_keys, depth, budget=4096)
+    assert k == max(fitting, default=PACE_QUANTUM)  # at least one chunk, so the prompt goes on
+    assert pace.allowance(rows, row_keys, depth, budget=64) == min(64, k)
+
+
+def test_a_steps_time_runs_from_when_it_can_start_until_a_wait_for_its_rows_tokens(monkeypatch) -> None:
+    now = [0.0]
+    monkeypatch.setattr(pacing, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    seen: list[tuple[int, int, float]] = []
+    pace = StepPace(2.0)
+    monkeypatch.setattr(pace, "observe", lambda t, k, s: seen.append((t, k, pytest.approx(s))))
+    a, b = object(), object()
+
+    def step(at: float, tokens: int, keys: int, rows: list[object], done_at: float) -> None:
+        """As the worker's decode step: queue a step, then wait for the rows' tokens of the step before."""
+        now[0] = at
+        pace.queued(tokens, keys, rows)
+        now[0] = done_at
+        pace.done(rows)
+
+    step(0.0, 1, 10, [a], 0.0)  # nothing before it, nothing waited for
+    step(0.05, 33, 500, [a], 0.30)  # waited for the first step: it ran from 0.0 to 0.30
+    step(0.35, 1, 12, [a], 0.80)  # the second started when the first was seen done (0.30), not at 0.05
+    assert seen == [(1, 10, 0.30), (33, 500, 0.50)]
+    step(0.85, 1, 12, [b], 1.0)  # b was not in a's last step: nothing is known done
+    step(1.0, 1, 13, [b], 1.3)  # b's first step is, and so a's before it, whose end is unknown: no observation
+    step(1.35, 1, 14, [b], 1.6)
+    assert seen[2:] == [(1, 13, 0.30)]
+    step(1.6, 1, 15, [b], 1.8)
+    # The worker idles (no reader wants a token) from 1.8 to 3.0: the step queued at 1.6 ended long before
+    # its tokens were asked for, so when is unknown, and the idle time is nobody's.
+    step(3.0, 1, 16, [b], 3.0003)
+    step(3.05, 1, 17, [b], 3.25)
+    assert seen[3:] == [(1, 14, 0.20), (1, 16, 0.2497)]  # from when the one before it was seen done
+    fresh = StepPace(2.0)
+    monkeypatch.setattr(fresh, "observe", lambda t, k, s: seen.append((t, k, pytest.approx(s))))
+    now[0] = 5.0
+    fresh.queued(64, 2000, [])
+    now[0] = 5.25
+    fresh.done(None)  # a pass of prompt chunks alone, waited for
+    assert seen[5:] == [(64, 2000, 0.25)]
+
+
+@pytest.mark.parametrize("slowdown", [1.0, 0.5, True, float("nan"), float("inf"), "2"])
+def test_a_slowdown_must_be_a_number_above_one(slowdown: object) -> None:
+    with pytest.raises(ValueError, match="slowdown"):
+        StepPace(slowdown)  # type: ignore[arg-type]
+
+
+def test_a_long_prompt_goes_in_the_chunks_the_pace_allows_beside_a_decoding_stream(logged_steps,  # noqa: F811
+                                                                                   monkeypatch) -> None:
+    model = mlxchat.load_model(fixture_path("qwen3"), dtype="float32")
+    assert model.step_pace is not None and model.step_pace.slowdown == 2.0
+    observed: list[tuple[int, int, float]] = []
+    monkeypatch.setattr(model.step_pace, "observe", lambda t, k, s: observed.append((t, k, s)))
+    monkeypatch.setattr(pacing, "_WAITED", 0.0)  # this tiny model's steps end before the next is built
+    # A decode step costs 1 s, a prompt token 0.01 s: the streams' step may grow by 1.01 s, 101 tokens: 96.
+    monkeypatch.setattr(model.step_pace, "cost", lambda: (1.0, 0.01, 0.0))
+    short, long = model.encode("Hello there"), [(7 * i) % 300 + 10 for i in range(300)]
+    config = {**GREEDY, "max_tokens": 30}
+    with mlxchat.load_model(fixture_path("qwen3"), dtype="float32", max_decode_slowdown=None) as unpaced:
+        assert unpaced.step_pace is None
+        alone = {name: unpaced.generate(prompt, config).tokens for name, prompt in (("short", short), ("long", long))}
+    logged_steps.clear()
+    run = Inline(model)
+    run.start("short", short, config, then={2: lambda: run.start("long", long, config)})
+    run.wait()
+    assert run.tokens == alone
+    a, b = run.caches["short"], run.caches["long"]
+    chunks = [(i, n) for i, step in enumerate(logged_steps) for kind, cache, n in step
+              if kind == "prefill" and cache is b and n]
+    # 268 tokens in whole chunks of 32 up to 96 a step, then the last 32 (the decode step's tail)
+    assert [n for _, n in chunks] == [96, 96, 76, 32]
+    assert all(("decode", a, 1) in logged_steps[i] for i, _ in chunks)
+    assert len(observed) > 20 and {t for t, _, _ in observed} >= {1, 97}  # decode steps, and steps beside a chunk
+    model.close()
