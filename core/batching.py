@@ -31,7 +31,6 @@ import mlx.core as mx
 from .architecture import ModelModule
 from .cache import RaggedRows, RowCaches
 from .constraints import fill_masks
-from .pacing import PACE_QUANTUM
 from .prompt_cache import Prefill, PromptCache, last_logits_of
 from .worker import Gathered, Together
 
@@ -50,6 +49,10 @@ Measured on a 2-core CPU (``benchmarks.serve``, Qwen3-0.6B shapes, 8 chat client
 documents): 64 cut the chats' inter-token p50 during a document from 3.1 s to 0.85 s, but each small chunk
 costs a pass over the weights, so throughput fell from 8.0 to 6.4 tok/s and a new chat's first token came
 after 35 s instead of 2.5 s (p50): 512 stays the default."""
+
+SHARED_WAIT = 64
+"""Tokens of its prompt another prompt must be computing for a prompt to wait for it and copy them (fewer
+cost about what a step's wait would)."""
 
 
 def batched_last_logits(module: ModelModule, tokens: Sequence[int] | mx.array,
@@ -161,13 +164,13 @@ class DecodeRow(StepItem):
     def run_together(cls, rows: list[Any]) -> None:
         """One step of these rows alone: the forward pass of each row's ``current`` token (one row: exactly
         the single-sequence step), then :meth:`advance`."""
-        module = rows[0].module
+        module, started = rows[0].module, time.perf_counter()
         if len(rows) == 1:
             logits = last_logits_of(module)(rows[0].current[None], rows[0].cache.layers)
         else:
             tokens = mx.concatenate([row.current for row in rows])
             logits = batched_last_logits(module, tokens, [row.cache for row in rows])
-        cls.advance(rows, logits, load=(len(rows), _keys(rows, [])))
+        cls.advance(rows, logits, load=(len(rows), _keys(rows, []), started))
 
     @classmethod
     def run_pass(cls, rows: list[Any], spans: list[PromptSpan]) -> None:
@@ -177,12 +180,12 @@ class DecodeRow(StepItem):
         if not spans:
             cls.run_together(rows)
             return
-        module = rows[0].module if rows else spans[0].item.prefill.module
+        module, started = rows[0].module if rows else spans[0].item.prefill.module, time.perf_counter()
         logits = ragged_last_logits(module, [row.current for row in rows] + [mx.array(span.tokens) for span in spans],
                                     [row.cache for row in rows] + [span.item.prefill.cache for span in spans],
                                     rows=len(rows))
         filled = [array for span in spans for array in span.item.prefill.cache.arrays()]
-        load = (len(rows) + sum(span.end - span.start for span in spans), _keys(rows, spans))
+        load = (len(rows) + sum(span.end - span.start for span in spans), _keys(rows, spans), started)
         if rows:
             cls.advance(rows, logits[: len(rows)], filled, load)
         else:
@@ -198,12 +201,13 @@ class DecodeRow(StepItem):
 
     @staticmethod
     def advance(rows: list[Any], logits: mx.array, also: Sequence[mx.array] = (),
-                load: tuple[int, int] = (0, 0)) -> None:
+                load: tuple[int, int, float] = (0, 0, 0.0)) -> None:
         """The rows' next tokens picked from their ``logits [rows, vocab]`` and evaluated asynchronously
         (with ``also``), then each row's ``current`` read into ``value`` and recorded in its cache (its
         forward pass is queued already, so the device never waits on Python). The rows' pace hears of the
-        step (``load``: its query tokens and attended keys) when it is queued, and of the step before when
-        reading ``current`` waited for it (:class:`~mlxchat.pacing.StepPace`). A constrained row reads
+        step (``load``: its query tokens, attended keys and when its building began) when it is queued, and
+        that the step before is done once ``current`` is read (:class:`~mlxchat.pacing.StepPace`). A
+        constrained row reads
         ``current`` first, while the forward runs, so that its matcher takes it and gives the next mask
         (several rows' masks computed at once: :func:`~mlxchat.constraints.fill_masks`)."""
         constrained = [row for row in rows if row.constraint is not None]
@@ -271,8 +275,8 @@ class PrefillChunk(StepItem):
     document), but each step a prompt waits without running anything counts as ``budget`` tokens fewer
     (so a long one is never passed over for ever); on a tie, the oldest job first; and prompts sharing a
     prefix (a system prompt) compute it once: one waits right behind another that computes its next chunk
-    (:meth:`in_turn`), and skips a step in which another computes at least a chunk of tokens it shares, to
-    copy them from the pool in the next (:mod:`mlxchat.prefix_cache`). A prefill runs its next
+    (:meth:`in_turn`), and skips a step in which another computes :data:`SHARED_WAIT` tokens or more it
+    shares, to copy them from the pool in the next (:mod:`mlxchat.prefix_cache`). A prefill runs its next
     whole chunks while they fit what the ones before it left; the first always runs at least one, so a chunk
     larger than the budget, a whole image, still goes. A later prompt takes only what an earlier one leaves
     of the budget (when it stops where its cache snapshots, or before an image chunk). A chunk that runs in a
@@ -302,7 +306,7 @@ class PrefillChunk(StepItem):
         computing: list[tuple[Prefill, int]] = []  # the prefills this step runs, from which position
         for position, item in enumerate(items):
             prefill = item.prefill
-            if any(other.common_prefix(prefill.ids) - max(start, len(prefill.cache)) >= PACE_QUANTUM
+            if any(other.common_prefix(prefill.ids) - max(start, len(prefill.cache)) >= SHARED_WAIT
                    for other, start in computing):
                 continue  # another computes its next tokens in this step: it copies them in the next one
             computing.append((prefill, len(prefill.cache)))
@@ -327,15 +331,15 @@ class PrefillChunk(StepItem):
     @staticmethod
     def in_turn(items: list[Any]) -> list[Any]:
         """``items`` (the jobs' order) in the order they take the step's budget: fewest tokens left first, each
-        step waited counting as ``budget`` tokens fewer; a prompt whose next chunk an earlier one is about to
-        compute (the same tokens at the same positions: a shared system prompt) goes right behind that one,
-        to copy it from the pool instead of computing it too (:meth:`~mlxchat.prompt_cache.Prefill.take`)."""
+        step waited counting as ``budget`` tokens fewer; a prompt whose next :data:`SHARED_WAIT` tokens or more
+        an earlier one computes too (the same tokens at the same positions: a shared system prompt) goes right
+        behind that one, to copy them from the pool instead (:meth:`~mlxchat.prompt_cache.Prefill.take`)."""
         ahead: dict[int, tuple[float, int]] = {}
         for index, item in enumerate(items):
             prefill = item.prefill
-            end = len(prefill.cache) + prefill.next_chunk
             leader = next((j for j in range(index) if not items[j].prefill.done
-                           and items[j].prefill.starts_like(prefill.ids, end)), None)
+                           and items[j].prefill.common_prefix(prefill.ids) - len(prefill.cache) >= SHARED_WAIT),
+                          None)
             ahead[index] = ahead[leader] if leader is not None else \
                 (prefill.left - item.waited * item.budget, index)
         return [items[i] for i in sorted(ahead, key=lambda i: (*ahead[i], i))]

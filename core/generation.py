@@ -357,8 +357,9 @@ def _generation(module: ModelModule, tokenizer: Tokenizer, prompt: Sequence[int]
         reused, pending = cache.prefill(module, full, snapshot_at=snapshot_at, step=config.prefill_step,
                                         cancel=cancel, follow=follow)
     else:
-        paced = pace is not None and not isinstance(full, MultimodalPrompt)
-        step = min(config.prefill_step, prefill_budget, PACE_QUANTUM if paced else prefill_budget)
+        step = min(config.prefill_step, prefill_budget)
+        if pace is not None and not isinstance(full, MultimodalPrompt):
+            step = min(step, PACE_QUANTUM)
         plan = cache.start_prefill(module, full, snapshot_at=snapshot_at, step=step, logits=True)
         yield from prefill_steps(plan, prefill_budget, config.prefill_step, cancel, pace)
         reused, pending, first = plan.reused, [], plan.logits

@@ -4,8 +4,9 @@ set factor (Sarathi-Serve's stall-free batching, whose token budget comes from a
 What a prompt token costs beside a decode step depends on the machine: on a GPU, hundreds of them ride along
 with the weights' read almost for free; on a 2-core CPU one 512-token chunk costs seconds where a decode step
 costs a tenth of one. So :class:`StepPace` learns it as the worker runs: each step's time, from the moment
-its pass is queued to the moment its results are ready (read when the next step waits for them, so an idle
-worker between steps is not counted), is fitted by weighted least squares, the newest steps weighing most, to
+its pass begins to be built to the moment its results are ready (when the next step waits for them, or when
+queueing it returned on a backend that computes while queueing; an idle worker between steps is not
+counted), is fitted by weighted least squares, the newest steps weighing most, to
 
     seconds = fixed + per_token * tokens + per_key * keys
 
@@ -20,12 +21,14 @@ import collections
 import math
 import time
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 
-PACE_QUANTUM = 32
+PACE_QUANTUM = 8
 """Prompt tokens in the chunks a paced prefill is planned in (:meth:`StepPace.allowance` gives whole ones):
-small enough to fit beside a decode step on a CPU, and merged into one span a pass wherever more fit."""
+small enough to fit beside a decode step on a CPU (where a prompt token deep in a long context costs about a
+tenth of a one-row decode step), and merged into one span a pass wherever more fit."""
 
 DEFAULT_DECODE_SLOWDOWN = 2.0
 """A step that prefills beside running streams costs them at most this many times their own step by default
@@ -37,6 +40,14 @@ _FITTED_FROM = 8
 _WAITED = 1e-3
 
 
+class _Step(NamedTuple):
+    tokens: int
+    keys: int
+    started: float
+    queued: float
+    rows: set[int]
+
+
 class StepPace:
     """The step-cost model of one model's worker (used on its thread only; see the module docstring).
 
@@ -46,38 +57,41 @@ class StepPace:
     def __init__(self, slowdown: float):
         if isinstance(slowdown, bool) or not isinstance(slowdown, int | float) or not slowdown > 1 \
                 or not math.isfinite(slowdown):
-            raise ValueError(f"the decode slowdown must be a number above 1, got {slowdown!r}")
+            raise ValueError(f"max_decode_slowdown must be a number above 1 (or None for off), got {slowdown!r}")
         self.slowdown = float(slowdown)
         self._steps: collections.deque[tuple[float, float, float]] = collections.deque(maxlen=_KEPT)
-        self._queued: collections.deque[tuple[int, int, float, set[int]]] = collections.deque(maxlen=_KEPT)
+        self._queued: collections.deque[_Step] = collections.deque(maxlen=_KEPT)
         self._done_at = 0.0
         self._fit: tuple[float, float, float] | None = None
+        self.known: tuple[float, float, float] | None = None
+        """The last costs fitted (:meth:`cost`), for any thread to read (the worker's own fit may be newer)."""
 
-    def queued(self, tokens: int, keys: int, rows: Sequence[object]) -> None:
-        """A step of ``tokens`` query tokens attending over ``keys`` cached positions, decoding ``rows``, was
-        just queued."""
-        self._queued.append((tokens, keys, time.perf_counter(), {id(row) for row in rows}))
+    def queued(self, tokens: int, keys: int, started: float, rows: Sequence[object]) -> None:
+        """A step of ``tokens`` query tokens attending over ``keys`` cached positions, decoding ``rows``, whose
+        building began at ``started`` (``time.perf_counter``), was just queued."""
+        self._queued.append(_Step(tokens, keys, started, time.perf_counter(), {id(row) for row in rows}))
 
     def done(self, waited_on: Sequence[object] | None) -> None:
         """The worker just waited for the tokens of the decode rows ``waited_on`` (``None``: for everything
-        queued; this is called right after the rows' wait, which began when the last step was queued). Steps run
-        in the order queued, so the last earlier step that decoded one of them, and every step before it, are
-        done; its time is an observation when no other step was queued ahead of it (it started when the one
-        before it was seen done, or when it was queued) and the worker did wait for it."""
+        queued), right after queueing its last step. Steps run in the order queued, so the last earlier step
+        that decoded one of them, and every step before it, are done: when the wait was real, now; when the
+        tokens were ready at once, when queueing it returned (a backend that computes while queueing, as MLX's
+        CPU one does). Its time, from when its building began (or the step before it ended) to then, is an
+        observation when no other step was queued ahead of it."""
         now = time.perf_counter()
         ready = {id(row) for row in waited_on} if waited_on is not None else None
         candidates = len(self._queued) - (0 if ready is None else 1)
-        last = next((i for i in range(candidates - 1, -1, -1) if ready is None or self._queued[i][3] & ready), None)
+        last = next((i for i in range(candidates - 1, -1, -1) if ready is None or self._queued[i].rows & ready),
+                    None)
         if last is None:
             return
-        # Only a real wait tells when the step ended: results that were ready when asked for ended earlier.
-        waited = ready is None or now - self._queued[-1][2] >= _WAITED
-        if last == 0 and waited:
-            tokens, keys, queued_at, _ = self._queued[0]
-            self.observe(tokens, keys, now - max(queued_at, self._done_at))
+        ended = now if ready is None or now - self._queued[-1].queued >= _WAITED else self._queued[last].queued
+        began = max(self._queued[0].started, self._done_at)
+        if last == 0 and ended > began:
+            self.observe(self._queued[0].tokens, self._queued[0].keys, ended - began)
         for _ in range(last + 1):
             self._queued.popleft()
-        self._done_at = now
+        self._done_at = ended
 
     def observe(self, tokens: int, keys: int, seconds: float) -> None:
         """Record a step of ``tokens`` query tokens over ``keys`` cached positions that took ``seconds``."""
@@ -98,6 +112,7 @@ class StepPace:
                 fit = np.linalg.lstsq(features[:, :used], seconds, rcond=None)[0]
                 if fit[1] > 0 and (used == 2 or fit[2] >= 0):
                     self._fit = (max(float(fit[0]), 0.0), float(fit[1]), float(fit[2]) if used == 3 else 0.0)
+                    self.known = self._fit
                     break
         return self._fit
 

@@ -366,7 +366,7 @@ def test_a_long_prompt_waits_behind_shorter_ones_only_a_bounded_number_of_steps(
     model.close()
 
 
-def test_a_prompt_whose_next_chunk_an_earlier_one_computes_goes_right_behind_it() -> None:
+def test_a_prompt_whose_next_tokens_an_earlier_one_computes_goes_right_behind_it() -> None:
     """Agents sharing a system prompt: the later one waits behind the one computing it, to copy it from the pool,
     even when its own question is shorter than that one's; a shorter unrelated prompt still goes first."""
     model = mlxchat.load_model(fixture_path("qwen3"), dtype="float32")

@@ -53,42 +53,58 @@ def test_a_step_takes_the_most_whole_chunks_whose_predicted_cost_fits_the_slowdo
     assert pace.allowance(rows, row_keys, depth, budget=64) == min(64, k)
 
 
-def test_a_steps_time_runs_from_when_it_can_start_until_a_wait_for_its_rows_tokens(monkeypatch) -> None:
-    now = [0.0]
-    monkeypatch.setattr(pacing, "time", SimpleNamespace(perf_counter=lambda: now[0]))
-    seen: list[tuple[int, int, float]] = []
-    pace = StepPace(2.0)
-    monkeypatch.setattr(pace, "observe", lambda t, k, s: seen.append((t, k, pytest.approx(s))))
-    a, b = object(), object()
+class Clock:
+    """``time.perf_counter`` for the pace, set by hand; ``step`` plays one decode step of the worker."""
 
-    def step(at: float, tokens: int, keys: int, rows: list[object], done_at: float) -> None:
-        """As the worker's decode step: queue a step, then wait for the rows' tokens of the step before."""
-        now[0] = at
-        pace.queued(tokens, keys, rows)
-        now[0] = done_at
+    def __init__(self, monkeypatch) -> None:
+        self.now = 0.0
+        monkeypatch.setattr(pacing, "time", SimpleNamespace(perf_counter=lambda: self.now))
+        self.seen: list[tuple[int, int, float]] = []
+
+    def pace(self, monkeypatch) -> StepPace:
+        pace = StepPace(2.0)
+        monkeypatch.setattr(pace, "observe", lambda t, k, s: self.seen.append((t, k, pytest.approx(s))))
+        return pace
+
+    def step(self, pace: StepPace, started: float, queued: float, rows: list[object], ready: float,
+             tokens: int = 1, keys: int = 10) -> None:
+        """A step whose building began at ``started``, queued at ``queued``; then reading its rows' tokens of the
+        step before returned at ``ready``."""
+        self.now = queued
+        pace.queued(tokens, keys, started, rows)
+        self.now = ready
         pace.done(rows)
 
-    step(0.0, 1, 10, [a], 0.0)  # nothing before it, nothing waited for
-    step(0.05, 33, 500, [a], 0.30)  # waited for the first step: it ran from 0.0 to 0.30
-    step(0.35, 1, 12, [a], 0.80)  # the second started when the first was seen done (0.30), not at 0.05
-    assert seen == [(1, 10, 0.30), (33, 500, 0.50)]
-    step(0.85, 1, 12, [b], 1.0)  # b was not in a's last step: nothing is known done
-    step(1.0, 1, 13, [b], 1.3)  # b's first step is, and so a's before it, whose end is unknown: no observation
-    step(1.35, 1, 14, [b], 1.6)
-    assert seen[2:] == [(1, 13, 0.30)]
-    step(1.6, 1, 15, [b], 1.8)
-    # The worker idles (no reader wants a token) from 1.8 to 3.0: the step queued at 1.6 ended long before
-    # its tokens were asked for, so when is unknown, and the idle time is nobody's.
-    step(3.0, 1, 16, [b], 3.0003)
-    step(3.05, 1, 17, [b], 3.25)
-    assert seen[3:] == [(1, 14, 0.20), (1, 16, 0.2497)]  # from when the one before it was seen done
-    fresh = StepPace(2.0)
-    monkeypatch.setattr(fresh, "observe", lambda t, k, s: seen.append((t, k, pytest.approx(s))))
-    now[0] = 5.0
-    fresh.queued(64, 2000, [])
-    now[0] = 5.25
+
+def test_a_steps_time_on_a_backend_that_computes_while_the_next_step_is_built(monkeypatch) -> None:
+    clock, a, b = Clock(monkeypatch), object(), object()
+    pace = clock.pace(monkeypatch)
+    clock.step(pace, 0.0, 0.01, [a], 0.011)  # nothing before it
+    clock.step(pace, 0.05, 0.06, [a], 0.30)  # waited for the first step: it ran from 0.0 to 0.30
+    clock.step(pace, 0.32, 0.33, [a], 0.80)  # the second began when the first was seen done (0.30), not at 0.05
+    assert clock.seen == [(1, 10, 0.30), (1, 10, 0.50)]
+    clock.step(pace, 0.85, 0.86, [b], 1.0)  # b was not in a's last step: nothing is known done
+    clock.step(pace, 1.05, 1.06, [b], 1.3)  # b's first step is, and so a's before it, whose end is unknown
+    clock.step(pace, 1.35, 1.36, [b], 1.6)
+    assert clock.seen[2:] == [(1, 10, 0.30)]  # b's first step: from a's (1.3) to 1.6
+    fresh = clock.pace(monkeypatch)
+    clock.now = 5.0
+    fresh.queued(64, 2000, 4.9, [])
+    clock.now = 5.25
     fresh.done(None)  # a pass of prompt chunks alone, waited for
-    assert seen[5:] == [(64, 2000, 0.25)]
+    assert clock.seen[3:] == [(64, 2000, 0.35)]
+
+
+def test_a_steps_time_on_a_backend_that_computes_while_queueing(monkeypatch) -> None:
+    """MLX's CPU backend: queueing a step returns when it is computed, so its tokens are ready when asked for."""
+    clock, a = Clock(monkeypatch), object()
+    pace = clock.pace(monkeypatch)
+    clock.step(pace, 0.0, 0.14, [a], 0.1401)
+    clock.step(pace, 0.15, 0.29, [a], 0.2901)  # the first step: built and computed from 0.0 to 0.14
+    clock.step(pace, 0.30, 0.50, [a], 0.5001)
+    clock.step(pace, 3.0, 3.2, [a], 3.2001)  # the worker idled from 0.5 to 3.0 (no reader wanted a token)
+    clock.step(pace, 3.25, 3.45, [a], 3.4501)
+    assert clock.seen == [(1, 10, 0.14), (1, 10, 0.14), (1, 10, 0.20), (1, 10, 0.20)]
 
 
 @pytest.mark.parametrize("slowdown", [1.0, 0.5, True, float("nan"), float("inf"), "2"])
@@ -119,8 +135,8 @@ def test_a_long_prompt_goes_in_the_chunks_the_pace_allows_beside_a_decoding_stre
     a, b = run.caches["short"], run.caches["long"]
     chunks = [(i, n) for i, step in enumerate(logged_steps) for kind, cache, n in step
               if kind == "prefill" and cache is b and n]
-    # 268 tokens in whole chunks of 32 up to 96 a step, then the last 32 (the decode step's tail)
-    assert [n for _, n in chunks] == [96, 96, 76, 32]
+    # whole chunks of 8, up to 96 a step; the last 8 are the decode step's tail
+    assert [n for _, n in chunks] == [96, 96, 96, 12]
     assert all(("decode", a, 1) in logged_steps[i] for i, _ in chunks)
     assert len(observed) > 20 and {t for t, _, _ in observed} >= {1, 97}  # decode steps, and steps beside a chunk
     model.close()

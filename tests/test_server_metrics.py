@@ -6,6 +6,8 @@ the memory the running ones give back."""
 from __future__ import annotations
 
 import asyncio
+import itertools
+import math
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -86,6 +88,15 @@ def test_the_counters_add_up_to_what_the_clients_saw() -> None:
         assert value(samples, "mlxchat_pool_bytes") == served.state.pool.nbytes > 0
         assert value(samples, "mlxchat_kv_reserved_bytes") == 0 and value(samples, "mlxchat_kv_live_bytes") == 0
         assert value(samples, "mlxchat_kv_limit_bytes") == served.state.kv.limit
+        pace = served.state.model.step_pace
+        assert pace is not None and (pace.known is None) == math.isnan(value(samples, "mlxchat_step_cost_seconds",
+                                                                             part="fixed"))
+        for tokens, keys in itertools.product((1, 4, 64, 512), (10, 1000)):
+            pace.observe(tokens, keys, 0.05 + 0.001 * tokens + 1e-6 * keys)
+        assert pace.cost() == pytest.approx((0.05, 0.001, 1e-6))
+        samples = scrape(served)
+        assert [value(samples, "mlxchat_step_cost_seconds", part=part) for part in ("fixed", "per_token", "per_key")] \
+            == pytest.approx([0.05, 0.001, 1e-6])
         health = httpx.get(url + "/health", timeout=10).json()
         assert health["status"] == "ok" and health["queued"] == 0 and health["kv_limit_bytes"] == served.state.kv.limit
 

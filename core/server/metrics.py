@@ -7,12 +7,15 @@ the gaps between its events (inter-token latency). A request the guard refuses b
 Each step of the model's worker is observed: the generations it decoded together (rows of one decode
 pass) and the prompt tokens it prefilled. What the server holds is read when scraped: the requests
 admitted (running or waiting for the model), the generations running, the bytes their caches hold now and
-may grow to, the idle caches and their bytes, and the caches spilled to disk. Each app has a registry of
+may grow to, the idle caches and their bytes, the caches spilled to disk, and what the model's steps cost
+as its worker fitted it (:mod:`mlxchat.pacing`). Each app has a registry of
 its own, so two servers in one process never mix their counts.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -68,6 +71,11 @@ class Metrics:
         ]
         for name, description, read in held:
             Gauge(name, description, registry=registry).set_function(read)
+        cost = Gauge("mlxchat_step_cost_seconds", "What the model's steps cost, as the worker fitted it from their "
+                     "times (see --max-decode-slowdown; NaN until known or when off): fixed a pass, per query "
+                     "token, per attended key", ["part"], registry=registry)
+        for index, part in enumerate(("fixed", "per_token", "per_key")):
+            cost.labels(part).set_function(functools.partial(_step_cost, state.model, index))
 
     def count(self, endpoint: str, status: int, turn: Any) -> None:
         """Count one request that has ended (``turn``: its :class:`~mlxchat.server.turns.Turn`, if any)."""
@@ -96,3 +104,9 @@ class Metrics:
     def page(self) -> tuple[bytes, str]:
         """The text a scraper reads, and its content type."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+def _step_cost(model: Any, part: int) -> float:
+    pace = getattr(model, "step_pace", None)
+    known = pace.known if pace is not None else None
+    return known[part] if known is not None else math.nan
