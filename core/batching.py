@@ -12,8 +12,10 @@ tokens.
 
 A prompt goes in through the same steps (chunked prefill, as in vLLM and Sarathi-Serve): a generation
 yields a :class:`PrefillChunk` while its prompt is going in, and each step runs, beside the decode rows, at
-most the model's ``prefill_step_budget`` prompt tokens of the waiting prompts, oldest first. So a step
-costs the running streams one decode token plus a bounded chunk, however long the prompt that arrives. On
+most the model's ``prefill_step_budget`` prompt tokens of the waiting prompts (fewest left first), and no
+more than keep the step within the model's ``max_decode_slowdown`` of the rows' own
+(:mod:`mlxchat.pacing`). So a step costs the running streams one decode token plus a bounded chunk,
+however long the prompt that arrives. On
 a model whose layers take :class:`~mlxchat.cache.RaggedRows` (``runs_ragged``), the step is one forward pass:
 the decode rows' tokens and the prompt chunks lie end to end, each attending over its own cache, so the
 weights are read once a step however many sequences it carries (:meth:`StepItem.run_together`); on the
@@ -44,7 +46,9 @@ DEFAULT_PREFILL_STEP_BUDGET = 512
 """Prompt tokens a worker step prefills at most by default: the default prefill chunk
 (``GenerationConfig.prefill_step``, and mlx-lm's ``prefill_step_size``), so a prompt that arrives alone goes
 in exactly as one prefill would (same chunks, same speed), and a step with streams running costs them at
-most one such chunk (vLLM's and Sarathi-Serve's chunked prefill pick budgets of this order on GPUs).
+most one such chunk (vLLM's and Sarathi-Serve's chunked prefill pick budgets of this order on GPUs); the
+model's pace (:mod:`mlxchat.pacing`) takes fewer where one chunk would slow the streams more than its
+``max_decode_slowdown``.
 Measured on a 2-core CPU (``benchmarks.serve``, Qwen3-0.6B shapes, 8 chat clients and one sending 4k-token
 documents): 64 cut the chats' inter-token p50 during a document from 3.1 s to 0.85 s, but each small chunk
 costs a pass over the weights, so throughput fell from 8.0 to 6.4 tok/s and a new chat's first token came
