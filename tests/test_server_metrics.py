@@ -17,6 +17,7 @@ import pytest
 httpx = pytest.importorskip("httpx")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
+from mlxchat.pacing import StepPace  # noqa: E402
 from mlxchat.server.admission import Footprint, KvBudget, Reservation  # noqa: E402
 
 from conftest import loaded  # noqa: E402
@@ -91,6 +92,7 @@ def test_the_counters_add_up_to_what_the_clients_saw() -> None:
         pace = served.state.model.step_pace
         assert pace is not None and (pace.known is None) == math.isnan(value(samples, "mlxchat_step_cost_seconds",
                                                                              part="fixed"))
+        served.state.model.step_pace = pace = StepPace(2.0)  # a pace that saw only these steps
         for tokens, keys in itertools.product((1, 4, 64, 512), (10, 1000)):
             pace.observe(tokens, keys, 0.05 + 0.001 * tokens + 1e-6 * keys)
         assert pace.cost() == pytest.approx((0.05, 0.001, 1e-6))
