@@ -310,7 +310,7 @@ class PrefillChunk(StepItem):
         computing: list[tuple[Prefill, int]] = []  # the prefills this step runs, from which position
         for position, item in enumerate(items):
             prefill = item.prefill
-            if any(other.common_prefix(prefill.ids) - max(start, len(prefill.cache)) >= SHARED_WAIT
+            if any(other.starts_like(prefill.ids, max(start, len(prefill.cache)) + SHARED_WAIT)
                    for other, start in computing):
                 continue  # another computes its next tokens in this step: it copies them in the next one
             computing.append((prefill, len(prefill.cache)))
@@ -341,9 +341,9 @@ class PrefillChunk(StepItem):
         ahead: dict[int, tuple[float, int]] = {}
         for index, item in enumerate(items):
             prefill = item.prefill
+            end = len(prefill.cache) + SHARED_WAIT
             leader = next((j for j in range(index) if not items[j].prefill.done
-                           and items[j].prefill.common_prefix(prefill.ids) - len(prefill.cache) >= SHARED_WAIT),
-                          None)
+                           and items[j].prefill.starts_like(prefill.ids, end)), None)
             ahead[index] = ahead[leader] if leader is not None else \
                 (prefill.left - item.waited * item.budget, index)
         return [items[i] for i in sorted(ahead, key=lambda i: (*ahead[i], i))]

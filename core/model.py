@@ -157,8 +157,8 @@ class GenerativeModel:
         """Most prompt tokens one worker step prefills (beside a decode token for every running generation): a
         long prompt goes in a chunk a step, so the streams already running wait at most about that many tokens'
         prefill for each of their tokens (:class:`~mlxchat.batching.PrefillChunk`)."""
-        self.step_pace = StepPace(max_decode_slowdown) \
-            if max_decode_slowdown is not None and getattr(module, "runs_ragged", False) else None
+        pace = StepPace(max_decode_slowdown) if max_decode_slowdown is not None else None  # checked on any model
+        self.step_pace = pace if getattr(module, "runs_ragged", False) else None
         """What keeps a step that prefills beside running streams within ``max_decode_slowdown`` times the cost
         of their own step, learnt from the worker's steps (:mod:`mlxchat.pacing`; ``None``: only the budget
         bounds a step, or the model's steps are not one pass)."""

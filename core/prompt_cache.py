@@ -409,14 +409,6 @@ class Prefill:
         """Whether this prompt starts with another prompt's first ``end`` tokens ``ids``."""
         return len(self.ids) >= end and list(self.ids[:end]) == list(ids[:end])
 
-    def common_prefix(self, ids: Sequence[int]) -> int:
-        """How many first tokens this prompt and ``ids`` have in common."""
-        low, high = 0, min(len(self.ids), len(ids))
-        while low < high:  # slices compare in C: a few of them, not a loop over the tokens
-            middle = (low + high + 1) // 2
-            low, high = (middle, high) if self.starts_like(ids, middle) else (low, middle - 1)
-        return low
-
     @property
     def pending(self) -> list[int]:
         """The prompt's tokens the cache does not hold yet."""

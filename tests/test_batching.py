@@ -373,7 +373,8 @@ def test_a_prompt_whose_next_tokens_an_earlier_one_computes_goes_right_behind_it
     system = list(range(10, 110))
     first, unrelated, second = _waiting(model, system + [7] * 50), _waiting(model, list(range(200, 260))), \
         _waiting(model, system + [9] * 10)
-    assert first.prefill.common_prefix(second.prefill.ids) == 100 and unrelated.prefill.common_prefix(system) == 0
+    assert first.prefill.starts_like(second.prefill.ids, 100) and not first.prefill.starts_like(second.prefill.ids, 101)
+    assert not unrelated.prefill.starts_like(system, 1)
     assert PrefillChunk.in_turn([first, unrelated, second]) == [unrelated, first, second]
     assert PrefillChunk.in_turn([second, unrelated, first]) == [unrelated, second, first]
     model.close()
