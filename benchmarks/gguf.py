@@ -43,6 +43,8 @@ TYPES = ("f32", "f16", "q8_0", "q4_0")
 CONVERTED = ("f32", "f16", "q8_0")
 """Types the converter writes; the others are quantized from the F32 file."""
 LLAMA_FTYPES = {"q4_0": 2}
+LLAMA_CPP_PYTHON_VERSION = "0.3.36"
+"""The release ``build_llama_cpp.sh`` builds by default."""
 """llama_ftype values (llama.h: LLAMA_FTYPE_MOSTLY_Q4_0 = 2)."""
 
 # Runs the converter as its own script would run, first declaring the pre-tokenizer when asked to.
@@ -68,15 +70,21 @@ def available() -> str | None:
     return None
 
 
-def converter() -> Path | None:
-    candidates = [os.environ.get("LLAMA_CPP_CONVERT")]
-    if os.environ.get("LLAMA_CPP_DIR"):
-        candidates.append(str(Path(os.environ["LLAMA_CPP_DIR"]) / "convert_hf_to_gguf.py"))
+def llama_cpp_dirs() -> list[Path]:
+    """Where llama.cpp's converter and ``bin/llama-server`` may be: ``LLAMA_CPP_DIR``, then the folder
+    ``build_llama_cpp.sh`` keeps beside its wheels, named for the installed llama-cpp-python (or, without it,
+    the script's default release)."""
+    dirs = [Path(os.environ["LLAMA_CPP_DIR"])] if os.environ.get("LLAMA_CPP_DIR") else []
     try:
-        wheels = Path(os.environ.get("MLXCHAT_WHEELS", Path.home() / ".cache" / "mlxchat" / "wheels"))
-        candidates.append(str(wheels / f"llama.cpp-{version('llama-cpp-python')}" / "convert_hf_to_gguf.py"))
+        release = version("llama-cpp-python")
     except PackageNotFoundError:
-        pass
+        release = LLAMA_CPP_PYTHON_VERSION
+    wheels = Path(os.environ.get("MLXCHAT_WHEELS", Path.home() / ".cache" / "mlxchat" / "wheels"))
+    return [*dirs, wheels / f"llama.cpp-{release}"]
+
+
+def converter() -> Path | None:
+    candidates = [os.environ.get("LLAMA_CPP_CONVERT"), *(str(d / "convert_hf_to_gguf.py") for d in llama_cpp_dirs())]
     for candidate in candidates:
         if candidate and Path(candidate).is_file():
             return Path(candidate)

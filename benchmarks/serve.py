@@ -18,6 +18,10 @@ Engines, each a server in its own process on the same checkpoint, one after anot
   ``build_llama_cpp.sh``) on the F32 GGUF conversion of the same checkpoint (:mod:`benchmarks.gguf`, made
   on first use), every core, its RAM prompt cache on (4 GB), and ``--interrupt_requests false`` (by
   default a new request ends the running stream early). It serves one request at a time.
+- ``llama-server``: llama.cpp's own server, built from the same sources by ``build_llama_cpp.sh`` (or
+  ``LLAMA_SERVER``), on the same F32 GGUF: a slot per client and one for the documents (``--parallel``),
+  continuous batching, its unified KV cache (F16, its default) sized for every slot's longest conversation,
+  its RAM prompt cache at the same 4 GB, every core.
 
 An engine that is not installed is listed as skipped; one that fails to start or run is listed with its
 error, and the run goes on.
@@ -68,13 +72,13 @@ from .host import describe
 from .load import counters_check, percentile, scrape_counters
 
 RESULTS = Path(__file__).resolve().parent / "results"
-ENGINES = ("mlxchat", "mlx-lm", "llama.cpp")
+ENGINES = ("mlxchat", "mlx-lm", "llama.cpp", "llama-server")
 CACHE_GB = 4
 """Memory each engine's idle prompt caches may hold (mlxchat's default)."""
 GOAL_ITL_RATIO = 2.0
 GOAL_CLIENTS = 8
 GOAL_CACHED_SHARE, GOAL_CACHED_CHATS = 0.95, 7
-GOAL_VS = {"mlx-lm": 1.5, "llama.cpp": 1.0}
+GOAL_VS = {"mlx-lm": 1.5, "llama.cpp": 1.0, "llama-server": 1.0}
 WORDS = ("the", "river", "system", "answer", "tool", "careful", "number", "report", "city", "always", "cite",
          "source", "brief", "user", "format", "table", "check", "value", "step", "plan")
 
@@ -89,12 +93,15 @@ class Sample:
     sent: float = 0.0
     stamps: list[float] = field(default_factory=list)
     """When each streamed piece arrived."""
+    ended: float = 0.0
     prompt_tokens: int = 0
     cached_tokens: int = 0
     generated_tokens: int = 0
     """As the server's usage says (0: not reported)."""
     text: str = ""
     error: str | None = None
+    cut: bool = False
+    """Still running when the row's time ran out (its pieces count, its times and usage do not)."""
 
     @property
     def ttft(self) -> float:
@@ -143,6 +150,9 @@ class Setup:
     folder: Path
     work: Path
     blas_path: str | None
+    chat_tokens: int
+    document_tokens: int
+    """The most tokens one chat and one document request reach (what llama-server's KV cache must hold)."""
 
 
 class Server:
@@ -153,10 +163,11 @@ class Server:
         self.engine, self.setup, self.clients, self.flags = engine, setup, clients, list(flags)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.model = {"mlxchat": "bench", "mlx-lm": "default_model", "llama.cpp": "bench"}[engine]
+        self.model = "default_model" if engine == "mlx-lm" else "bench"
         self.work = Path(tempfile.mkdtemp(prefix=f"{engine}-{clients}-", dir=setup.work))
         self.log = self.work / "server.log"
         self.process: subprocess.Popen[bytes] | None = None
+        self.stopped_rss: int | None = None
 
     def __enter__(self) -> Server:
         command = self._command()  # may convert or copy the weights first
@@ -189,10 +200,18 @@ class Server:
                     "--prompt-cache-size", caches, "--prompt-cache-bytes", f"{CACHE_GB}GB", "--log-level", "WARNING"]
         from .gguf import convert
 
+        cores = str(os.cpu_count() or 1)
+        if self.engine == "llama-server":
+            slots = self.clients + 1
+            context = -(-(self.clients * self.setup.chat_tokens + self.setup.document_tokens) // 1024) * 1024
+            return [str(llama_server()), "--model", str(convert(folder, "f32")), "--host", "127.0.0.1", "--port",
+                    port, "--alias", self.model, "--threads", cores, "--threads-batch", cores, "--parallel",
+                    str(slots), "--ctx-size", str(context), "--cont-batching", "--kv-unified", "--cache-ram",
+                    str(CACHE_GB * 1024), "--no-webui"]
         return [sys.executable, "-m", "llama_cpp.server", "--model", str(convert(folder, "f32")), "--port", port,
-                "--model_alias", self.model, "--n_ctx", "16384", "--n_threads", str(os.cpu_count() or 1),
-                "--n_threads_batch", str(os.cpu_count() or 1), "--cache", "true", "--cache_size", str(CACHE_GB * 10**9),
-                "--interrupt_requests", "false", "--verbose", "false"]
+                "--model_alias", self.model, "--n_ctx", "16384", "--n_threads", cores, "--n_threads_batch", cores,
+                "--cache", "true", "--cache_size", str(CACHE_GB * 10**9), "--interrupt_requests", "false",
+                "--verbose", "false"]
 
     def _wait_ready(self, timeout: float = 900.0) -> None:
         import httpx
@@ -211,8 +230,10 @@ class Server:
         raise RuntimeError(f"{self.engine} did not start within {timeout:.0f} s; see {self.log}")
 
     def peak_rss(self) -> int | None:
-        """The server process's peak resident bytes so far (Linux's VmHWM; ``None`` elsewhere)."""
-        assert self.process is not None
+        """The server process's peak resident bytes so far, or when it was stopped (Linux's VmHWM; ``None``
+        elsewhere)."""
+        if self.process is None:
+            return self.stopped_rss
         try:
             status = Path(f"/proc/{self.process.pid}/status").read_text()
         except OSError:
@@ -223,6 +244,7 @@ class Server:
     def stop(self) -> None:
         if self.process is None:
             return
+        self.stopped_rss = self.peak_rss()
         self.process.terminate()
         try:
             self.process.wait(30)
@@ -257,8 +279,10 @@ def float32_copy(folder: Path, work: Path) -> Path:
     return target
 
 
-def stream(http: Any, server: Server, messages: list[dict[str, str]], max_tokens: int, sample: Sample) -> Sample:
-    """Send one streamed chat request and time its pieces."""
+def stream(http: Any, server: Server, messages: list[dict[str, str]], max_tokens: int, sample: Sample,
+           stop: threading.Event | None = None) -> Sample:
+    """Send one streamed chat request and time its pieces (``stop`` set: the row's time ran out, and the
+    server was stopped under it)."""
     body = {"model": server.model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}}
     pieces: list[str] = []
@@ -282,27 +306,34 @@ def stream(http: Any, server: Server, messages: list[dict[str, str]], max_tokens
                         sample.stamps.append(time.perf_counter())
                         pieces.append(piece)
     except Exception as exc:  # noqa: BLE001 - counted and reported
-        sample.error = f"{type(exc).__name__}: {exc}"
-    sample.text = "".join(pieces)
+        if stop is not None and stop.is_set():
+            sample.cut = True
+        else:
+            sample.error = f"{type(exc).__name__}: {exc}"
+    sample.text, sample.ended = "".join(pieces), time.perf_counter()
     return sample
 
 
 def run_workload(server: Server, clients: int, turns: int, system: str, document: str | None,
-                 max_tokens: int) -> tuple[list[Sample], float]:
-    """The chats (and, with a ``document``, the document client beside them); the samples and wall seconds."""
+                 max_tokens: int, limit: float | None = None) -> tuple[list[Sample], float]:
+    """The chats (and, with a ``document``, the document client beside them); the samples and wall seconds.
+    After ``limit`` seconds the server is stopped: no request is sent after that, and the running ones are
+    cut."""
     import httpx
 
     samples: list[Sample] = []
     lock = threading.Lock()
-    chats_done = threading.Event()
+    chats_done, stop = threading.Event(), threading.Event()
 
     def chat(index: int) -> None:
         messages = [{"role": "system", "content": system}]
         with httpx.Client(timeout=3600) as http:
             for turn in range(turns):
+                if stop.is_set():
+                    return
                 messages.append({"role": "user", "content": f"Client {index}, question {turn}: what is "
                                                             f"{index + 3} times {turn + 2}?"})
-                sample = stream(http, server, messages, max_tokens, Sample("chat", turn))
+                sample = stream(http, server, messages, max_tokens, Sample("chat", turn), stop)
                 with lock:
                     samples.append(sample)
                 messages.append({"role": "assistant", "content": sample.text or "(no reply)"})
@@ -310,9 +341,9 @@ def run_workload(server: Server, clients: int, turns: int, system: str, document
     def documents() -> None:
         with httpx.Client(timeout=3600) as http:
             turn = 0
-            while not chats_done.is_set() or turn == 0:
+            while not stop.is_set() and (not chats_done.is_set() or turn == 0):
                 messages = [{"role": "user", "content": f"Summarize this document ({turn}):\n\n{document}"}]
-                sample = stream(http, server, messages, max_tokens, Sample("document", turn))
+                sample = stream(http, server, messages, max_tokens, Sample("document", turn), stop)
                 with lock:
                     samples.append(sample)
                 turn += 1
@@ -324,17 +355,21 @@ def run_workload(server: Server, clients: int, turns: int, system: str, document
     for thread in threads:
         thread.start()
     for thread in threads[:clients]:
-        thread.join()
+        thread.join(None if limit is None else max(0.0, started + limit - time.perf_counter()))
+    ended = time.perf_counter()
+    if any(thread.is_alive() for thread in threads[:clients]):
+        stop.set()
+        server.stop()
     chats_done.set()
-    for thread in threads[clients:]:
+    for thread in threads:
         thread.join()
-    return samples, time.perf_counter() - started
+    return samples, ended - started
 
 
 def during_documents(samples: list[Sample]) -> tuple[list[float], list[float]]:
     """The chats' gaps between pieces that overlap a document's prefill (from its request to its first piece,
     or to its end when it streamed nothing), and the others (the chats' own step under the same load)."""
-    windows = [(s.sent, s.stamps[0] if s.stamps else s.sent + s.ttft) for s in samples if s.kind == "document"]
+    windows = [(s.sent, s.stamps[0] if s.stamps else s.ended) for s in samples if s.kind == "document"]
     during: list[float] = []
     outside: list[float] = []
     for start, end in (gap for s in samples if s.kind == "chat" for gap in s.gaps):
@@ -344,13 +379,15 @@ def during_documents(samples: list[Sample]) -> tuple[list[float], list[float]]:
 
 
 def summary(samples: list[Sample], seconds: float, system_tokens: int) -> dict[str, Any]:
+    """The row's figures; requests cut when its time ran out count by their pieces and gaps only."""
     ok = [s for s in samples if s.error is None]
-    chats = [s for s in ok if s.kind == "chat"]
-    docs = [s for s in ok if s.kind == "document"]
-    gaps = [end - start for s in chats for start, end in s.gaps]
+    whole = [s for s in ok if not s.cut]
+    chats = [s for s in whole if s.kind == "chat"]
+    docs = [s for s in whole if s.kind == "document"]
+    gaps = [end - start for s in ok if s.kind == "chat" for start, end in s.gaps]
     overlapping, outside = during_documents(ok)
-    prompt = sum(s.prompt_tokens for s in ok)
-    cached = sum(s.cached_tokens for s in ok)
+    prompt = sum(s.prompt_tokens for s in whole)
+    cached = sum(s.cached_tokens for s in whole)
     firsts = [s for s in chats if s.turn == 0]
 
     def ms(values: list[float], q: float) -> float:
@@ -358,6 +395,7 @@ def summary(samples: list[Sample], seconds: float, system_tokens: int) -> dict[s
 
     return {
         "requests": len(samples), "errors": [s.error for s in samples if s.error is not None],
+        "cut": len(ok) - len(whole),
         "seconds": round(seconds, 2),
         "tokens_per_second": round(sum(s.tokens for s in ok) / seconds, 2) if seconds else 0.0,
         "chat_ttft_ms": {"p50": ms([s.ttft for s in chats], 0.5), "p99": ms([s.ttft for s in chats], 0.99)},
@@ -368,7 +406,7 @@ def summary(samples: list[Sample], seconds: float, system_tokens: int) -> dict[s
         "chat_itl_outside_documents_ms": {"p50": ms(outside, 0.5), "p99": ms(outside, 0.99), "gaps": len(outside)},
         "documents": len(docs),
         "prompt_tokens": prompt, "cached_tokens": cached,
-        "generated_tokens": sum(s.generated_tokens for s in ok),
+        "generated_tokens": sum(s.generated_tokens for s in whole),
         "cached_share": round(cached / prompt, 3) if prompt else 0.0,
         "first_turn_cached": sorted(s.cached_tokens for s in firsts),
         "first_turn_system_share": sorted(round(min(1.0, s.cached_tokens / system_tokens), 3) for s in firsts)
@@ -382,10 +420,11 @@ def measure(engine: str, setup: Setup, clients: int, flags: Sequence[str], workl
     with Server(engine, setup, clients, flags) as server:
         before = scrape_counters(server.url, "chat.completions") if engine == "mlxchat" else None
         samples, seconds = run_workload(server, clients, workload["turns"], workload["system"],
-                                        workload["document"] if documents else None, workload["max_tokens"])
+                                        workload["document"] if documents else None, workload["max_tokens"],
+                                        workload["limit"])
         result = summary(samples, seconds, workload["system_tokens"])
         result["peak_rss_bytes"] = server.peak_rss()
-        if before is not None:
+        if before is not None and server.process is not None:
             ok = [s for s in samples if s.error is None]
             seen = {"requests": len(samples), "prompt_tokens": sum(s.prompt_tokens for s in ok),
                     "cached_tokens": sum(s.cached_tokens for s in ok),
@@ -442,6 +481,15 @@ def goals(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "throughput_at_8": throughput}
 
 
+def llama_server() -> Path | None:
+    """llama.cpp's ``llama-server``: ``LLAMA_SERVER``, else where ``build_llama_cpp.sh`` puts it, else on PATH."""
+    from .gguf import llama_cpp_dirs
+
+    candidates = [os.environ.get("LLAMA_SERVER"), *(str(d / "bin" / "llama-server") for d in llama_cpp_dirs()),
+                  shutil.which("llama-server")]
+    return next((Path(c) for c in candidates if c and os.access(c, os.X_OK)), None)
+
+
 def available(engine: str) -> str | None:
     """Why ``engine`` cannot run here (``None``: it can)."""
     import importlib.util
@@ -454,6 +502,13 @@ def available(engine: str) -> str | None:
         if importlib.util.find_spec("llama_cpp") is None or importlib.util.find_spec("llama_cpp.server") is None:
             return "llama-cpp-python[server] is not installed (benchmarks/build_llama_cpp.sh)"
         return gguf.available()
+    if engine == "llama-server":
+        from . import gguf
+
+        if llama_server() is None:
+            return "llama-server not found (LLAMA_CPP_PARTS=server benchmarks/build_llama_cpp.sh, or LLAMA_SERVER)"
+        if gguf.converter() is None:
+            return "llama.cpp's convert_hf_to_gguf.py not found (benchmarks/build_llama_cpp.sh, or LLAMA_CPP_DIR)"
     return None
 
 
@@ -465,7 +520,9 @@ def markdown(results: dict[str, Any]) -> str:
              f"system prompt, plus one client sending {setup['document_tokens']}-token documents; greedy, "
              f"{setup['max_tokens']} tokens at most a reply. `solo`: one chat alone, no documents (its median "
              "gap is the engine's solo step). ITL during documents: the chats' gaps that overlap a document's "
-             "prefill (its request to its first token).", "",
+             "prefill (its request to its first token)." + (
+                 f" Each row stopped after {setup['row_minutes']:g} minutes: tok/s over that time, requests still "
+                 "running then counted by their pieces and gaps only." if setup.get("row_minutes") else ""), "",
              "| engine | clients | tok/s | chat TTFT p50 / p99 ms | chat ITL p50 / p99 ms | ITL p99 during documents "
              "ms (x solo step; x chats' p50 outside documents) | document TTFT p50 / p99 ms | cached share | "
              "first turns' share of the system prompt cached | /metrics = clients | server's peak RSS GB | errors |",
@@ -486,13 +543,14 @@ def markdown(results: dict[str, Any]) -> str:
         times += ")" if times else ""
         shares = ", ".join(f"{s:.0%}" for s in r["first_turn_system_share"]) or "—"
         rss = "—" if r.get("peak_rss_bytes") is None else f"{r['peak_rss_bytes'] / 1e9:.2f}"
+        cut = f" ({r['cut']} cut at {setup['row_minutes']:g} min)" if r.get("cut") else ""
         metrics = ("—" if "metrics" not in r else "yes" if r["metrics"]["equal"] else
                    f"no: {json.dumps(r['metrics']['server'])} vs {json.dumps(r['metrics']['clients'])}")
         lines.append(f"| {row['label']} | {clients} | {r['tokens_per_second']} | {r['chat_ttft_ms']['p50']} / "
                      f"{r['chat_ttft_ms']['p99']} | {r['chat_itl_ms']['p50']} / {r['chat_itl_ms']['p99']} | "
                      f"{during['p99'] if during['gaps'] else '—'}{times} | "
                      f"{r['document_ttft_ms']['p50']} / {r['document_ttft_ms']['p99']} | {r['cached_share']:.0%} | "
-                     f"{shares} | {metrics} | {rss} | {len(r['errors'])} |")
+                     f"{shares} | {metrics} | {rss} | {len(r['errors'])}{cut} |")
     for engine, why in results["skipped"].items():
         lines.append(f"\nSkipped {engine}: {why}.")
     lines += ["", "## Goals (issue 25)", ""]
@@ -533,6 +591,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--system-tokens", type=int, default=2048)
     parser.add_argument("--document-tokens", type=int, default=4096)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--row-minutes", type=float, help="stop each row's workload after this long (its running "
+                                                          "requests are cut; tok/s over that window)")
     parser.add_argument("--quick", action="store_true", help="smoke test: the demo model, tiny sizes")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
@@ -560,6 +620,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         parser.error("--clients and --budgets must be at least 1")
     if any(x is not None and x != 0 and not x > 1 for x in slowdowns):
         parser.error("--slowdowns must be 0 (off) or above 1")
+    if args.row_minutes is not None and not args.row_minutes > 0:
+        parser.error("--row-minutes must be above 0")
 
     from tokenizers import Tokenizer
 
@@ -568,7 +630,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
     system, document = text_of(args.system_tokens, tokenizer, 1), text_of(args.document_tokens, tokenizer, 2)
     workload = {"turns": args.turns, "system": system, "document": document, "max_tokens": args.max_tokens,
-                "system_tokens": len(tokenizer.encode(system).ids)}
+                "system_tokens": len(tokenizer.encode(system).ids),
+                "limit": None if args.row_minutes is None else 60 * args.row_minutes}
     engines = [e for e in args.engines.split(",") if e]
     unknown = sorted(set(engines) - set(ENGINES))
     if unknown:
@@ -576,7 +639,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     skipped = {e: why for e in engines if (why := available(e)) is not None}
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="mlxchat-serve-bench-") as work:
-        setup = Setup(folder, Path(work), runtime_info().get("blas_path"))
+        chat_tokens = workload["system_tokens"] + args.turns * (args.max_tokens + 64) + 256
+        setup = Setup(folder, Path(work), runtime_info().get("blas_path"), chat_tokens,
+                      args.document_tokens + args.max_tokens + 256)
         for engine in [e for e in engines if e not in skipped]:
             rows_of = variants(budgets, slowdowns) if engine == "mlxchat" else [{}]
             plan: list[tuple[int, dict[str, float], bool]] = [(1, {}, False)]
@@ -594,7 +659,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results = {"when": time.strftime("%Y-%m-%d %H:%M"), "host": describe(),
                "setup": {"model": str(args.model if not args.quick else "demo"), "turns": args.turns,
                          "system_tokens": workload["system_tokens"], "document_tokens": args.document_tokens,
-                         "max_tokens": args.max_tokens, "quick": args.quick},
+                         "max_tokens": args.max_tokens, "row_minutes": args.row_minutes, "quick": args.quick},
                "rows": rows, "skipped": skipped}
     results["goals"] = goals(rows)
     out.parent.mkdir(parents=True, exist_ok=True)
