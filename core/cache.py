@@ -244,6 +244,10 @@ class KVCache(KeysValues):
         self.shifts = _shifts(fields, offset)
         self.shared, self.base = None, 0
 
+    def can_copy_from(self, source: LayerCache) -> bool:
+        """Whether :meth:`copy_from` takes ``source`` (a cache of this kind and format)."""
+        return type(source) is type(self)
+
     def copy_from(self, source: KVCache, length: int) -> None:
         """Become a copy of ``source``'s first ``length`` tokens. A copy of :attr:`share_from` tokens or more reads
         them where they lie: in ``source``'s shared prefix, what it takes beyond that copied, or, where ``source``
@@ -322,6 +326,24 @@ def check_kv_format(bits: Any, group_size: Any) -> None:
                                 f"got {group_size!r}")
 
 
+@dataclass(frozen=True, eq=False)
+class SharedPackedPrefix:
+    """The packed keys and values of a prompt prefix that several quantized KV caches read where they lie
+    (:meth:`QuantizedKVCache.copy_from`): stored once, never written to, kept while a cache reads it."""
+
+    keys: Quantized
+    values: Quantized
+
+    def span(self, length: int) -> tuple[Quantized, Quantized]:
+        """Its first ``length`` tokens (views)."""
+        return _rows(self.keys, 0, length), _rows(self.values, 0, length)
+
+
+def _rows(packed: Quantized, start: int, stop: int) -> Quantized:
+    """Tokens ``start`` to ``stop`` of packed keys or values (views)."""
+    return packed[0][..., start:stop, :], packed[1][..., start:stop, :], packed[2][..., start:stop, :]
+
+
 class QuantizedKVCache(KVCache):
     """Keys and values of a full-attention layer stored group-wise quantized (affine, ``mx.quantize``'s
     layout: each token's head vector in groups of ``group_size`` features, zero-padded to whole groups,
@@ -334,16 +356,20 @@ class QuantizedKVCache(KVCache):
     (:meth:`update_and_fetch_quantized`; no float copy of the cache); :meth:`update_and_fetch` gives float
     keys and values for layers that attend otherwise (a float copy per call, the stored cache staying
     quantized). It cuts back to any position like a float cache
-    (tokens cut from the quantized part are simply dropped; later tokens gather in the tail again).
+    (tokens cut from the quantized part are simply dropped; later tokens gather in the tail again). A copy of
+    a long prefix of another (:meth:`copy_from`) reads its packed tokens where they lie, in a
+    :class:`SharedPackedPrefix`, as a float cache does.
     """
 
     def __init__(self, bits: int = 8, group_size: int = 64) -> None:
         super().__init__()
         check_kv_format(bits, group_size)
         self.bits, self.group_size = bits, group_size
+        self.packed_prefix: SharedPackedPrefix | None = None
+        """Holds the first :attr:`base` tokens (read in place; none without one)."""
         self.quantized: tuple[Quantized, Quantized] | None = None
-        """Buffers of the quantized keys and values (grown in steps); the first :attr:`held_quantized` tokens
-        are valid."""
+        """Buffers of the quantized keys and values after :attr:`base` (grown in steps); tokens up to
+        :attr:`held_quantized` are valid."""
         self.held_quantized = 0
         self.tail: tuple[mx.array, mx.array] | None = None
         """Float keys and values of the tokens after the quantized ones."""
@@ -359,38 +385,103 @@ class QuantizedKVCache(KVCache):
         if self.tail is not None:
             keys = mx.concatenate([self.tail[0], keys], axis=2)
             values = mx.concatenate([self.tail[1], values], axis=2)
-        prefix = None if not self.held_quantized or self.quantized is None else tuple(
-            tuple(a[..., : self.held_quantized, :] for a in part) for part in self.quantized)
+        own = self.held_quantized - self.base
+        prefix = None if not own or self.quantized is None else (_rows(self.quantized[0], 0, own),
+                                                                 _rows(self.quantized[1], 0, own))
+        shared = None if self.packed_prefix is None or not self.base else self.packed_prefix.span(self.base)
         self.offset = self.held_quantized + keys.shape[2]
         full = keys.shape[2] // self.group_size * self.group_size
         self.tail = (keys, values)
         if full:
             self._store(keys[..., :full, :], values[..., :full, :])
             self.tail = (keys[..., full:, :], values[..., full:, :]) if full < keys.shape[2] else None
-        return QuantizedKeysValues(prefix, keys, values, self.bits, self.group_size)  # type: ignore[arg-type]
+        return QuantizedKeysValues(prefix, keys, values, self.bits, self.group_size, shared)
 
     def _store(self, keys: mx.array, values: mx.array) -> None:
         """Quantize ``keys``/``values`` into the buffers after the tokens held there (a head size that is not
         a multiple of the group size padded with zeros, which add nothing to a score and are cut from an
         output)."""
-        start, length = self.held_quantized, keys.shape[2]
         new = [mx.quantize(padded(x, self.group_size), group_size=self.group_size, bits=self.bits)
                for x in (keys, values)]
+        self._write((new[0], new[1]))  # type: ignore[arg-type]
+
+    def _write(self, packed: tuple[Quantized, Quantized]) -> None:
+        """Put packed keys and values into the buffers after the tokens held there."""
+        start, length = self.held_quantized - self.base, packed[0][0].shape[2]
         if self.quantized is None or start + length > self.quantized[0][0].shape[2]:
             grow = -(-length // self.step) * self.step
-            room = [tuple(mx.zeros((*a.shape[:2], grow, a.shape[3]), a.dtype) for a in part) for part in new]
+            room = [tuple(mx.zeros((*a.shape[:2], grow, a.shape[3]), a.dtype) for a in part) for part in packed]
             if self.quantized is not None:
                 room = [tuple(mx.concatenate([old[..., :start, :], fresh], axis=2) for old, fresh in
                               zip(held, part, strict=True)) for held, part in zip(self.quantized, room, strict=True)]
             self.quantized = (room[0], room[1])  # type: ignore[assignment]
         assert self.quantized is not None
-        for buffers, part in zip(self.quantized, new, strict=True):
+        for buffers, part in zip(self.quantized, packed, strict=True):
             for buffer, array in zip(buffers, part, strict=True):
                 buffer[..., start : start + length, :] = array
-        self.held_quantized = start + length
+        self.held_quantized += length
+
+    def can_copy_from(self, source: LayerCache) -> bool:
+        return super().can_copy_from(source) and (source.bits, source.group_size) == (  # type: ignore[attr-defined]
+            self.bits, self.group_size)
+
+    def packed_span(self, start: int, stop: int) -> tuple[Quantized, Quantized]:
+        """Packed keys and values of tokens ``start`` to ``stop`` of the quantized ones (views where they lie in
+        one part, else joined)."""
+        parts = []
+        if self.packed_prefix is not None and start < self.base:
+            end = min(stop, self.base)
+            parts.append((_rows(self.packed_prefix.keys, start, end), _rows(self.packed_prefix.values, start, end)))
+        if stop > self.base:
+            assert self.quantized is not None
+            first, last = max(start, self.base) - self.base, stop - self.base
+            parts.append((_rows(self.quantized[0], first, last), _rows(self.quantized[1], first, last)))
+        if len(parts) == 1:
+            return parts[0]
+        joined = [tuple(mx.concatenate([a, b], axis=2) for a, b in zip(x, y, strict=True))
+                  for x, y in zip(parts[0], parts[1], strict=True)]
+        return joined[0], joined[1]  # type: ignore[return-value]
+
+    def copy_from(self, source: KVCache, length: int) -> None:
+        """Become a copy of ``source``'s (a quantized cache of this format) first ``length`` tokens, as
+        :meth:`KVCache.copy_from` does: a long prefix of its packed tokens is read where it lies."""
+        if not self.can_copy_from(source):
+            raise ValueError(f"a {self.bits}-bit KV cache (groups of {self.group_size}) copies only one of its format")
+        assert isinstance(source, QuantizedKVCache)
+        if not 0 < length <= source.offset:
+            raise ValueError(f"a KV cache at {source.offset} has no first {length} tokens to copy")
+        packed = min(length, source.held_quantized)
+        if packed - source.base >= max(self.share_from, source.base):
+            source._share(packed)
+        self.quantized = self.tail = None
+        self.base = min(packed, source.base)
+        self.packed_prefix = source.packed_prefix if self.base else None
+        self.held_quantized = self.offset = self.base
+        self.shifts = [shift for shift in source.shifts if shift[0] <= length]
+        if packed > self.base:
+            self._write(source.packed_span(self.base, packed))
+        if length > packed:
+            assert source.tail is not None
+            kept = length - packed
+            self.tail = (source.tail[0][..., :kept, :], source.tail[1][..., :kept, :])
+        self.offset = length
+
+    def _share(self, length: int) -> None:
+        """Move the first ``length`` packed tokens into a new shared prefix, the rest into new buffers."""
+        shared = self.packed_span(0, length)
+        rest = self.packed_span(length, self.held_quantized) if length < self.held_quantized else None
+        self.packed_prefix = SharedPackedPrefix(*(tuple(mx.contiguous(a) for a in part)  # type: ignore[arg-type]
+                                                  for part in shared))
+        self.quantized = None
+        self.base = self.held_quantized = length
+        if rest is not None:
+            self._write(rest)
+        mx.eval(self.state)
 
     def trim_to(self, position: int) -> None:
         super().trim_to(position)
+        if not self.base:
+            self.packed_prefix = None
         if position >= self.held_quantized:
             kept = position - self.held_quantized
             self.tail = None if self.tail is None or not kept else tuple(  # type: ignore[assignment]
@@ -400,15 +491,16 @@ class QuantizedKVCache(KVCache):
 
     @property
     def state(self) -> list[mx.array | None]:
-        buffers = [a for part in self.quantized for a in part] if self.quantized is not None else []
-        return [*buffers, *(self.tail or ())]
+        parts = [*((self.packed_prefix.keys, self.packed_prefix.values) if self.packed_prefix else ()),
+                 *(self.quantized or ())]
+        return [*(a for part in parts for a in part), *(self.tail or ())]
 
     def state_dict(self) -> tuple[Arrays, dict[str, Any]]:
         arrays: Arrays = {}
-        if self.quantized is not None and self.held_quantized:
-            for name, part in zip(("keys", "values"), self.quantized, strict=True):
-                arrays.update({f"{name}.{field}": a[..., : self.held_quantized, :]
-                               for field, a in zip(("packed", "scales", "biases"), part, strict=True)})
+        if self.held_quantized:
+            for name, part in zip(("keys", "values"), self.packed_span(0, self.held_quantized), strict=True):
+                arrays.update({f"{name}.{field}": a for field, a in zip(("packed", "scales", "biases"), part,
+                                                                         strict=True)})
         if self.tail is not None:
             arrays.update({"keys": self.tail[0], "values": self.tail[1]})
         return arrays, {"offset": self.offset, "shifts": [list(s) for s in self.shifts], "bits": self.bits,
@@ -438,6 +530,7 @@ class QuantizedKVCache(KVCache):
         self.offset, self.shifts = offset, _shifts(fields, offset)
         self.tail = None if tail[0] is None else tail  # type: ignore[assignment]
         self.held_quantized = held
+        self.packed_prefix, self.base = None, 0
         if not held:
             self.quantized = None
             return
@@ -447,27 +540,34 @@ class QuantizedKVCache(KVCache):
 @dataclass(frozen=True)
 class QuantizedKeysValues:
     """What a chunk's queries attend over in a :class:`QuantizedKVCache`: the packed keys and values held
-    before it (``None`` while there are none; ``mx.quantize``'s arrays, head size padded to whole groups) and
-    the float ones after them (the tail, which ends with the chunk)."""
+    before it (``None`` while there are none; ``mx.quantize``'s arrays, head size padded to whole groups), after
+    the packed ones of a shared prefix it reads (``shared``, where it lies), and the float ones after them (the
+    tail, which ends with the chunk)."""
 
     prefix: tuple[Quantized, Quantized] | None
     keys: mx.array
     values: mx.array
     bits: int
     group_size: int
+    shared: tuple[Quantized, Quantized] | None = None
+
+    @property
+    def packed(self) -> list[tuple[Quantized, Quantized]]:
+        """The packed parts in order: the shared prefix's, then the cache's own."""
+        return [part for part in (self.shared, self.prefix) if part is not None]
 
     @property
     def length(self) -> int:
         """Keys attended over."""
-        return (0 if self.prefix is None else self.prefix[0][0].shape[2]) + self.keys.shape[2]
+        return sum(part[0][0].shape[2] for part in self.packed) + self.keys.shape[2]
 
     def dequantized(self) -> tuple[mx.array, mx.array]:
         """Every key and value in float: a float copy of the packed ones (for attention that cannot read them)."""
-        if self.prefix is None:
+        if not self.packed:
             return self.keys, self.values
-        whole = [mx.concatenate([mx.dequantize(*part, group_size=self.group_size, bits=self.bits)[..., : x.shape[-1]]
-                                 .astype(x.dtype), x], axis=2) for part, x in zip(self.prefix, (self.keys, self.values),
-                                                                                strict=True)]
+        whole = [mx.concatenate([*(mx.dequantize(*part[i], group_size=self.group_size, bits=self.bits)
+                                   [..., : x.shape[-1]].astype(x.dtype) for part in self.packed), x], axis=2)
+                 for i, x in enumerate((self.keys, self.values))]
         return whole[0], whole[1]
 
 

@@ -163,15 +163,15 @@ def attention_parts(queries: mx.array, keys: mx.array, values: mx.array, scale: 
 def quantized_attention(queries: mx.array, held: QuantizedKeysValues, scale: float,
                         window: int | None = None) -> mx.array | None:
     """:func:`attention` over a quantized cache's keys and values: its packed ones (4 or 8 bits, float32
-    scales and biases) read and dequantized a block at a time where they lie, then its float tail. ``None``
-    where the kernel does not apply."""
-    if held.prefix is None:
+    scales and biases; a shared prefix's, then its own) read and dequantized a block at a time where they lie,
+    then its float tail. ``None`` where the kernel does not apply."""
+    if not held.packed:
         return attention(queries, held.keys, held.values, scale, window)
-    (packed_keys, key_scales, key_biases), (packed_values, value_scales, value_biases) = held.prefix
-    module = _applies(queries, held.keys, held.values, key_scales, key_biases, value_scales, value_biases)
+    *shared, ((packed_keys, key_scales, key_biases), (packed_values, value_scales, value_biases)) = held.packed
+    module = _applies(queries, held.keys, held.values, *(a for part in held.packed for x in part for a in x[1:]))
     if held.bits not in (4, 8) or not _attends(module, queries, held.keys, held.values):
         return None
     assert module is not None
     return module.quantized_attention(  # type: ignore[no-any-return]
         queries, packed_keys, key_scales, key_biases, packed_values, value_scales, value_biases, held.keys,
-        held.values, scale, window or 0, held.bits, held.group_size)
+        held.values, scale, window or 0, held.bits, held.group_size, [a for part in shared for x in part for a in x])

@@ -260,8 +260,8 @@ class PromptCache:
         saved = None if trim else source._snapshots[position]
         self.clear()
         for i, (mine, theirs) in enumerate(zip(self.layers, source.layers, strict=True)):
-            if type(mine) is KVCache and type(theirs) is KVCache:
-                mine.copy_from(theirs, position)  # a long prefix read where it lies
+            if isinstance(mine, KVCache) and mine.can_copy_from(theirs):
+                mine.copy_from(theirs, position)  # type: ignore[arg-type]  # a long prefix read where it lies
                 continue
             shadow = copy.copy(theirs)
             if saved is not None and saved[i] is not None:

@@ -62,8 +62,8 @@ def held(cache: KVCache) -> tuple[mx.array, mx.array]:
     parts = []
     for i, tail in enumerate(cache.tail or (None, None)):
         whole = []
-        if cache.quantized is not None and cache.held_quantized:
-            packed = [a[..., : cache.held_quantized, :] for a in cache.quantized[i]]
+        if cache.held_quantized:
+            packed = cache.packed_span(0, cache.held_quantized)[i]
             whole.append(mx.dequantize(*packed, group_size=cache.group_size, bits=cache.bits))
         if tail is not None:
             whole.append(padded(tail, cache.group_size))

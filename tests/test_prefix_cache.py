@@ -54,6 +54,35 @@ def test_new_conversations_at_once_copy_the_system_prompt_another_conversation_p
     model.close()
 
 
+def test_quantized_kv_conversations_read_a_copied_system_prompt_where_it_lies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With 8-bit KV the copies read the first conversation's packed system prompt where it lies (one prefix for
+    every layer of every conversation), and reply exactly as when each holds a copy of its own."""
+    from mlxchat.cache import QuantizedKVCache
+
+    model = mlxchat.load_model(fixture_path("qwen3"), dtype="float32", kv_bits=8, kv_group_size=32)
+    config = {**GREEDY, "max_tokens": 8}
+
+    def conversations() -> tuple[list[list[int]], list[mlxchat.ChatSession]]:
+        pool = PromptCachePool()
+        first = model.chat_session(system=SYSTEM, prefix_cache=pool)
+        first.send("Hello", config=config)
+        sessions = [model.chat_session(system=SYSTEM, prefix_cache=pool) for _ in QUESTIONS]
+        replies = [s.send(q, config=config) for s, q in zip(sessions, QUESTIONS, strict=True)]
+        assert all(r.report.cached_prompt_tokens >= user_start(model) for r in replies)
+        return [r.tokens for r in replies], [first, *sessions]
+
+    shared, sessions = conversations()
+    for i in range(len(sessions[0].cache.layers)):
+        prefixes = {id(s.cache.layers[i].packed_prefix) for s in sessions}
+        assert len(prefixes) == 1 and sessions[0].cache.layers[i].packed_prefix is not None
+    with monkeypatch.context() as patch:
+        patch.setattr(QuantizedKVCache, "can_copy_from", lambda self, source: False)  # a copy each, as before
+        copied, sessions = conversations()
+        assert all(layer.packed_prefix is None for s in sessions for layer in s.cache.layers)
+    assert shared == copied
+    model.close()
+
+
 def test_a_conversation_copies_a_prefix_from_a_busy_one_and_a_closed_one_drops_out() -> None:
     model = mlxchat.load_model(fixture_path("qwen3_5"), dtype="float32")
     model.prefix_cache = PromptCachePool()  # every session of the model shares it

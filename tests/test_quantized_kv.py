@@ -14,7 +14,7 @@ import pytest
 
 import mlxchat
 from mlxchat import kernels
-from mlxchat.cache import KVCache, QuantizedKVCache, padded
+from mlxchat.cache import KVCache, QuantizedKVCache, distinct_nbytes, padded
 from mlxchat.cli import build_parser
 from mlxchat.layers import attend
 from mlxchat.testing import batched_decoding_problems, fixture_folders, greedy_tokens, load_fixture, reference
@@ -49,8 +49,8 @@ def dequantized_reference(queries: mx.array, cache: QuantizedKVCache, keys: mx.a
                           scale: float) -> mx.array:
     """Float attention over what the cache holds, dequantized, plus this chunk (before it is added)."""
     held_k, held_v = keys, values
-    if cache.quantized is not None and cache.held_quantized:
-        parts = [tuple(a[..., : cache.held_quantized, :] for a in part) for part in cache.quantized]
+    if cache.held_quantized:
+        parts = cache.packed_span(0, cache.held_quantized)
         deq = [mx.dequantize(*p, group_size=cache.group_size, bits=cache.bits)[..., : keys.shape[-1]] for p in parts]
         held_k, held_v = mx.concatenate([deq[0], keys], 2), mx.concatenate([deq[1], values], 2)
     if cache.tail is not None:
@@ -77,6 +77,66 @@ def test_attention_on_packed_keys_equals_attention_on_their_dequantized_values(
         assert float(mx.abs(got - expected).max()) < 1e-5
     assert (cache.offset, cache.held_quantized, cache.tail[0].shape[2] if cache.tail else 0) in (
         (181, 160, 21), (181, 128, 53))
+
+
+def contents(cache: QuantizedKVCache) -> list[mx.array]:
+    """The keys and values a quantized cache holds (heads of whole groups), its packed ones dequantized."""
+    parts: list[list[mx.array]] = [[], []]
+    if cache.held_quantized:
+        for i, packed in enumerate(cache.packed_span(0, cache.held_quantized)):
+            parts[i].append(mx.dequantize(*packed, group_size=cache.group_size, bits=cache.bits))
+    for i, tail in enumerate(cache.tail or ()):
+        parts[i].append(tail)
+    return [mx.concatenate(part, axis=2) for part in parts]
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_copy_reads_a_long_packed_prefix_where_it_lies_and_attends_as_over_its_own(
+        fused: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    if not fused:  # MLX's quantized products
+        monkeypatch.setattr(kernels, "quantized_attention", lambda *args: None)
+    rng = np.random.default_rng(5)
+
+    def kv(length: int) -> list[mx.array]:
+        return [mx.array(rng.standard_normal((1, 2, length, 64)).astype(np.float32)) for _ in range(2)]
+
+    source = QuantizedKVCache(8, 32)
+    for length in (300, 100):
+        source.update_and_fetch_quantized(*kv(length))
+    assert (source.held_quantized, source.offset) == (384, 400)
+    whole = [mx.array(a) for a in contents(source)]
+
+    def same(cache: QuantizedKVCache, length: int) -> bool:
+        return cache.offset == length and all(mx.array_equal(a, b[..., :length, :]).item()
+                                              for a, b in zip(contents(cache), whole, strict=True))
+
+    short = QuantizedKVCache(8, 32)
+    short.copy_from(source, 200)  # too short to share: copied
+    assert short.packed_prefix is None and source.packed_prefix is None and same(short, 200)
+    first = QuantizedKVCache(8, 32)
+    first.copy_from(source, 300)  # the source's first 300 packed tokens move into a shared prefix, both read it
+    assert source.packed_prefix is first.packed_prefix is not None and (source.base, first.base) == (300, 300)
+    assert same(source, 400) and same(first, 300)
+    second = QuantizedKVCache(8, 32)
+    second.copy_from(source, 390)  # the prefix read; 84 packed tokens and 6 float ones after it copied
+    assert second.packed_prefix is source.packed_prefix and second.base == 300 and same(second, 390)
+    assert (second.held_quantized, second.tail[0].shape[2] if second.tail else 0) == (384, 6)
+    assert distinct_nbytes([c.state for c in (source, first, second)]) < 2 * source.nbytes  # the prefix counts once
+    for length in (37, 1):  # a chunk, then a decode token, over the three parts
+        q, (k, v) = mx.array(rng.standard_normal((1, 4, length, 64)).astype(np.float32)), kv(length)
+        expected = dequantized_reference(q, second, k, v, 0.125)
+        assert float(mx.abs(attend(q, k, v, second, 0.125) - expected).max()) < 1e-5
+    kept = [mx.array(a) for a in contents(second)]
+    saved, fields = second.state_dict()  # saved whole; loaded back as a cache of its own
+    second.load_state(saved, fields)
+    assert second.packed_prefix is None and second.base == 0 and second.offset == 428
+    assert all(mx.array_equal(a, b).item() for a, b in zip(contents(second), kept, strict=True))
+    first.trim_to(250)  # cut back into the prefix: reads less of it
+    assert first.base == 250 and same(first, 250)
+    first.trim_to(0)
+    assert first.packed_prefix is None
+    with pytest.raises(ValueError, match="copies only one of its format"):
+        QuantizedKVCache(4, 32).copy_from(source, 300)
 
 
 def softmax(logits: np.ndarray) -> np.ndarray:

@@ -169,20 +169,21 @@ def quantized_attend(queries: mx.array, held: QuantizedKeysValues, scale: float)
     batch, heads, length, dims = queries.shape
     kv_heads, dims_v = held.keys.shape[1], held.values.shape[-1]
     grouped = (queries * scale).reshape(batch, kv_heads, heads // kv_heads * length, dims)  # heads of a KV head
-    scores = grouped @ held.keys.swapaxes(-1, -2)
-    if held.prefix is not None:
-        scores = mx.concatenate([mx.quantized_matmul(padded(grouped, held.group_size), *held.prefix[0], transpose=True,
-                                                     group_size=held.group_size, bits=held.bits), scores], -1)
+    scores = mx.concatenate([*(mx.quantized_matmul(padded(grouped, held.group_size), *part[0], transpose=True,
+                                                   group_size=held.group_size, bits=held.bits) for part in held.packed),
+                             grouped @ held.keys.swapaxes(-1, -2)], -1)
     total = scores.shape[-1]
     if length > 1:
         last = mx.arange(heads // kv_heads * length)[:, None] % length + total - length
         scores = mx.where(mx.arange(total)[None] <= last, scores, -mx.inf)
     probs = mx.softmax(scores.astype(mx.float32), axis=-1, precise=True).astype(scores.dtype)
-    held_count = total - held.keys.shape[2]
-    out = probs[..., held_count:] @ held.values
-    if held.prefix is not None:
-        out = out + mx.quantized_matmul(probs[..., :held_count], *held.prefix[1], transpose=False,
+    start = total - held.keys.shape[2]
+    out = probs[..., start:] @ held.values
+    for part in reversed(held.packed):
+        count = part[1][0].shape[2]
+        out = out + mx.quantized_matmul(probs[..., start - count : start], *part[1], transpose=False,
                                         group_size=held.group_size, bits=held.bits)[..., :dims_v]
+        start -= count
     return out.reshape(batch, heads, length, dims_v)
 
 

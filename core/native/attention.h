@@ -50,7 +50,7 @@ struct Problem {
   int batch = 0, heads = 0, kv_heads = 0, length = 0, dims = 0, value_dims = 0;
   float scale = 1.0f;
   int64_t window = 0;
-  Segment segments[2];
+  Segment segments[3];  // at most: a shared prefix's packed rows, a quantized cache's own, its float tail
   int count = 0;
   float* out = nullptr;
   /* With `lse`, each output row holds value_dims + 1 floats, the last the log-sum-exp of the row's scaled

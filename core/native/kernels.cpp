@@ -25,6 +25,7 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/fast.h"
@@ -458,15 +459,16 @@ class Rope : public Kernel {
  * Causal attention of queries [B, heads, L, D] over keys and values read in place (mlxchat_attention::attend):
  * float32 keys and values [B, kv_heads, T, D|Dv], or (bits 4 or 8) mx.quantize's packed keys and values with
  * their scales and biases followed by float32 ones (a quantized cache's float tail). Inputs: q, k, v; q, a prefix's
- * keys and values (a shared prefix, read where it lies), k, v; or q,
- * packed keys, scales, biases, packed values, scales, biases, tail keys, tail values. The output is
+ * keys and values (a shared prefix, read where it lies), k, v; or q, then for each packed segment (a shared
+ * prefix's, then the cache's own) packed keys, scales, biases, packed values, scales, biases, then tail keys, tail
+ * values. The output is
  * [B, heads, L, Dv], or with `lse` [B, heads, L, Dv + 1]: each row's log-sum-exp of its scaled scores last (to
  * merge it with attention over other keys).
  */
 class Attention : public Kernel {
  public:
-  Attention(mx::Stream stream, float scale, int window, int bits, int group, bool lse = false)
-      : Kernel(stream), scale_(scale), window_(window), bits_(bits), group_(group), lse_(lse) {}
+  Attention(mx::Stream stream, float scale, int window, int bits, int group, bool lse = false, int packed = 1)
+      : Kernel(stream), scale_(scale), window_(window), bits_(bits), group_(group), lse_(lse), packed_(packed) {}
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
     return {{in[0].shape(0), in[0].shape(1), in[0].shape(2), in.back().shape(3) + (lse_ ? 1 : 0)}};
@@ -496,13 +498,17 @@ class Attention : public Kernel {
         p.segments[0] = floats(1, 2), p.count = 1;
         if (held.size() == 5) p.segments[1] = floats(3, 4), p.count = 2;  // a prefix, then the rest
       } else {
-        att::Segment& seg = p.segments[0];
-        seg.count = held[1].shape(2);
-        for (auto [rows, at] : {std::pair{&seg.keys, size_t(1)}, std::pair{&seg.values, size_t(4)}}) {
-          rows->bits = bits, rows->group = group, rows->dims = held[at].shape(3) * 32 / bits;
-          rows->data = views[at], rows->scales = views[at + 1], rows->biases = views[at + 2];
+        const int packed = int(held.size() - 3) / 6;
+        for (int i = 0; i < packed; ++i) {
+          att::Segment& seg = p.segments[i];
+          const size_t first = 1 + 6 * size_t(i);
+          seg.count = held[first].shape(2);
+          for (auto [rows, at] : {std::pair{&seg.keys, first}, std::pair{&seg.values, first + 3}}) {
+            rows->bits = bits, rows->group = group, rows->dims = held[at].shape(3) * 32 / bits;
+            rows->data = views[at], rows->scales = views[at + 1], rows->biases = views[at + 2];
+          }
         }
-        p.segments[1] = floats(7, 8), p.count = 2;
+        p.segments[packed] = floats(held.size() - 2, held.size() - 1), p.count = packed + 1;
       }
       att::attend(p);
     });
@@ -514,12 +520,13 @@ class Attention : public Kernel {
 
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const Attention&>(other);
-    return scale_ == o.scale_ && window_ == o.window_ && bits_ == o.bits_ && group_ == o.group_ && lse_ == o.lse_;
+    return scale_ == o.scale_ && window_ == o.window_ && bits_ == o.bits_ && group_ == o.group_ && lse_ == o.lse_ &&
+           packed_ == o.packed_;
   }
 
  protected:
   bool differentiable(int input) const override {
-    return bits_ == 0 || input == 0 || input >= 7;
+    return bits_ == 0 || input == 0 || input > 6 * packed_;
   }
 
   mx::array reference(const std::vector<mx::array>& in) override {
@@ -529,12 +536,16 @@ class Attention : public Kernel {
       keys = mx::concatenate({keys, in[3]}, 2, s), values = mx::concatenate({values, in[4]}, 2, s);
     if (bits_ != 0) {
       auto whole = [&](size_t at, const mx::array& tail) {
-        const auto held = mx::dequantize(in[at], in[at + 1], in[at + 2], group_, bits_, "affine", std::nullopt,
-                                         std::nullopt, s);
-        const auto cut = mx::slice(held, {0, 0, 0, 0}, {held.shape(0), held.shape(1), held.shape(2), tail.shape(3)}, s);
-        return mx::concatenate({cut, tail}, 2, s);
+        std::vector<mx::array> parts;
+        for (int i = 0; i < packed_; ++i, at += 6) {
+          const auto held = mx::dequantize(in[at], in[at + 1], in[at + 2], group_, bits_, "affine", std::nullopt,
+                                           std::nullopt, s);
+          parts.push_back(mx::slice(held, {0, 0, 0, 0}, {held.shape(0), held.shape(1), held.shape(2), tail.shape(3)}, s));
+        }
+        parts.push_back(tail);
+        return mx::concatenate(parts, 2, s);
       };
-      keys = whole(1, in[7]), values = whole(4, in[8]);
+      keys = whole(1, in[in.size() - 2]), values = whole(4, in.back());
     }
     const auto& q = in[0];
     const int batch = q.shape(0), heads = q.shape(1), length = q.shape(2), kv_heads = keys.shape(1);
@@ -568,6 +579,7 @@ class Attention : public Kernel {
   float scale_;
   int window_, bits_, group_;
   bool lse_;
+  int packed_;  // packed segments (bits > 0): the cache's own, after a shared prefix's when there is one
 };
 
 /* Sets flush-to-zero and denormals-are-zero on the thread that evaluates it (the stream's): a denormal operand
@@ -699,16 +711,28 @@ void check_packed(const mx::array& packed, const mx::array& scales, const mx::ar
 
 mx::array quantized_attention(const mx::array& q, const mx::array& kp, const mx::array& ks, const mx::array& kb,
                               const mx::array& vp, const mx::array& vs, const mx::array& vb, const mx::array& k,
-                              const mx::array& v, float scale, int window, int bits, int group) {
+                              const mx::array& v, float scale, int window, int bits, int group,
+                              const std::vector<mx::array>& shared) {
   if (bits != 4 && bits != 8) throw std::invalid_argument("bits must be 4 or 8");
   if (group != 32 && group != 64 && group != 128) throw std::invalid_argument("group_size must be 32, 64 or 128");
+  if (!shared.empty() && shared.size() != 6)
+    throw std::invalid_argument("a shared prefix is its packed keys, scales, biases, packed values, scales, biases");
   check_attention(q, k, v, window);
-  check_packed(kp, ks, kb, k, bits, group, "packed keys");
-  check_packed(vp, vs, vb, v, bits, group, "packed values");
-  if (vp.shape(2) != kp.shape(2)) throw std::invalid_argument("packed keys and values must hold as many positions");
+  const std::vector<mx::array> own = {kp, ks, kb, vp, vs, vb};
+  std::vector<mx::array> inputs = {q};
+  for (const auto* part : {&shared, &own}) {
+    if (part->empty()) continue;
+    const auto& a = *part;
+    check_packed(a[0], a[1], a[2], k, bits, group, "packed keys");
+    check_packed(a[3], a[4], a[5], v, bits, group, "packed values");
+    if (a[3].shape(2) != a[0].shape(2)) throw std::invalid_argument("packed keys and values must hold as many positions");
+    inputs.insert(inputs.end(), a.begin(), a.end());
+  }
+  inputs.insert(inputs.end(), {k, v});
   if (q.shape(2) > k.shape(2)) throw std::invalid_argument("the queries' own keys must be among the float ones");
+  const int packed = int(inputs.size() - 3) / 6;
   return mx::array({q.shape(0), q.shape(1), q.shape(2), v.shape(3)}, mx::float32,
-                   std::make_shared<Attention>(cpu_stream(), scale, window, bits, group), {q, kp, ks, kb, vp, vs, vb, k, v});
+                   std::make_shared<Attention>(cpu_stream(), scale, window, bits, group, false, packed), inputs);
 }
 
 }  // namespace
@@ -731,8 +755,10 @@ NB_MODULE(_kernels, m) {
   m.def("quantized_attention", &quantized_attention, nb::arg("queries"), nb::arg("packed_keys"),
         nb::arg("key_scales"), nb::arg("key_biases"), nb::arg("packed_values"), nb::arg("value_scales"),
         nb::arg("value_biases"), nb::arg("keys"), nb::arg("values"), nb::arg("scale"), nb::arg("window"),
-        nb::arg("bits"), nb::arg("group_size"),
-        "attention over mx.quantize's packed keys and values (4 or 8 bits) followed by float ones.");
+        nb::arg("bits"), nb::arg("group_size"), nb::arg("shared") = std::vector<mx::array>{},
+        "attention over mx.quantize's packed keys and values (4 or 8 bits) followed by float ones, after a shared "
+        "prefix's packed keys, scales, biases, packed values, scales, biases when they are given (read where they "
+        "lie too).");
   m.def("flush_denormals", [] {
     return mx::array(mx::Shape{}, mx::bool_, std::make_shared<FlushDenormals>(cpu_stream()), {});
   }, "An array whose evaluation sets flush-to-zero / denormals-are-zero on the CPU stream's thread.");

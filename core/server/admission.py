@@ -54,7 +54,7 @@ class LayerCost:
     step: int  # the allocation granularity in tokens
     fixed: int  # a state that does not grow
     copies: int = 1  # the layer's tokens kept again by snapshots (a sliding window)
-    shares: bool = False  # reads a long prompt prefix another cache holds where it lies (a float KV layer)
+    shares: bool = False  # reads a long prompt prefix another cache holds where it lies (a KV layer)
 
 
 class Footprint:
@@ -77,7 +77,8 @@ class Footprint:
                                            shares=type(layer) is KVCache))
                 elif isinstance(layer, KeysValues):  # another format (quantized): what a step of tokens added
                     costs.append(LayerCost((layer.nbytes - held) / KVCache.step, window, 1, held,
-                                           1 if window is None else 1 + DEFAULT_MAX_SNAPSHOTS))
+                                           1 if window is None else 1 + DEFAULT_MAX_SNAPSHOTS,
+                                           shares=isinstance(layer, KVCache)))
                 else:  # a state of fixed size, kept again by each snapshot
                     costs.append(LayerCost(0.0, None, 1, layer.nbytes * (1 + DEFAULT_MAX_SNAPSHOTS)))
             return costs
