@@ -43,9 +43,9 @@ TYPES = ("f32", "f16", "q8_0", "q4_0")
 CONVERTED = ("f32", "f16", "q8_0")
 """Types the converter writes; the others are quantized from the F32 file."""
 LLAMA_FTYPES = {"q4_0": 2}
+"""llama_ftype values (llama.h: LLAMA_FTYPE_MOSTLY_Q4_0 = 2)."""
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 """The release ``build_llama_cpp.sh`` builds by default."""
-"""llama_ftype values (llama.h: LLAMA_FTYPE_MOSTLY_Q4_0 = 2)."""
 
 # Runs the converter as its own script would run, first declaring the pre-tokenizer when asked to.
 _BOOTSTRAP = """

@@ -94,6 +94,7 @@ class Sample:
     stamps: list[float] = field(default_factory=list)
     """When each streamed piece arrived."""
     ended: float = 0.0
+    """When the request ended (finished, failed or cut)."""
     prompt_tokens: int = 0
     cached_tokens: int = 0
     generated_tokens: int = 0
@@ -310,8 +311,8 @@ def stream(http: Any, server: Server, messages: list[dict[str, str]], max_tokens
     except Exception as exc:  # noqa: BLE001 - counted and reported
         if stop is None or not stop.is_set():
             sample.error = f"{type(exc).__name__}: {exc}"
-    sample.cut = not finished and sample.error is None and stop is not None and stop.is_set()  # ended by the stop
-    # (an error, or a stream that just ended short)
+    # The row's stop ends a stream with an error or by closing it early: either way it did not finish.
+    sample.cut = not finished and sample.error is None and stop is not None and stop.is_set()
     sample.text, sample.ended = "".join(pieces), time.perf_counter()
     return sample
 

@@ -334,10 +334,6 @@ class SharedPackedPrefix:
     keys: Quantized
     values: Quantized
 
-    def span(self, length: int) -> tuple[Quantized, Quantized]:
-        """Its first ``length`` tokens (views)."""
-        return _rows(self.keys, 0, length), _rows(self.values, 0, length)
-
 
 def _rows(packed: Quantized, start: int, stop: int) -> Quantized:
     """Tokens ``start`` to ``stop`` of packed keys or values (views)."""
@@ -385,10 +381,8 @@ class QuantizedKVCache(KVCache):
         if self.tail is not None:
             keys = mx.concatenate([self.tail[0], keys], axis=2)
             values = mx.concatenate([self.tail[1], values], axis=2)
-        own = self.held_quantized - self.base
-        prefix = None if not own or self.quantized is None else (_rows(self.quantized[0], 0, own),
-                                                                 _rows(self.quantized[1], 0, own))
-        shared = None if self.packed_prefix is None or not self.base else self.packed_prefix.span(self.base)
+        shared = self.packed_span(0, self.base) if self.base else None
+        prefix = self.packed_span(self.base, self.held_quantized) if self.held_quantized > self.base else None
         self.offset = self.held_quantized + keys.shape[2]
         full = keys.shape[2] // self.group_size * self.group_size
         self.tail = (keys, values)
