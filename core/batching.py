@@ -19,7 +19,8 @@ however long the prompt that arrives. On
 a model whose layers take :class:`~mlxchat.cache.RaggedRows` (``runs_ragged``), the step is one forward pass:
 the decode rows' tokens and the prompt chunks lie end to end, each attending over its own cache, so the
 weights are read once a step however many sequences it carries (:meth:`StepItem.run_together`); on the
-others each prompt's chunks are a pass of their own after the decode rows' pass.
+others each prompt's chunks are a pass of their own after the decode rows' pass. A generation whose cache
+may not grow yet (a server's memory admission) sits the steps out (:class:`MemoryWait`).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import mlx.core as mx
 from .architecture import ModelModule
 from .cache import RaggedRows, RowCaches
 from .constraints import fill_masks
-from .prompt_cache import Prefill, PromptCache, last_logits_of
+from .prompt_cache import Growth, Prefill, PromptCache, last_logits_of
 from .worker import Gathered, Together
 
 if TYPE_CHECKING:
@@ -53,6 +54,9 @@ Measured on a 2-core CPU (``benchmarks.serve``, Qwen3-0.6B shapes, 8 chat client
 documents): 64 cut the chats' inter-token p50 during a document from 3.1 s to 0.85 s, but each small chunk
 costs a pass over the weights, so throughput fell from 8.0 to 6.4 tok/s and a new chat's first token came
 after 35 s instead of 2.5 s (p50): 512 stays the default."""
+
+MEMORY_WAIT = 0.05
+"""Seconds a worker step in which every generation waits for memory sleeps at most (a release wakes it)."""
 
 SHARED_WAIT = 64
 """Tokens of its prompt another prompt must be computing for a prompt to wait for it and copy them (fewer
@@ -116,6 +120,9 @@ class StepItem(Together):
         first and each prefill's chunks are passes of their own."""
         rows = [item for item in items if isinstance(item, DecodeRow)]
         prompts = [item for item in items if isinstance(item, PrefillChunk)]
+        if not rows and not prompts:  # every generation of the step waits for memory
+            items[0].growth.wait(MEMORY_WAIT)
+            return
         module = rows[0].module if rows else prompts[0].prefill.module
         if not getattr(module, "runs_ragged", False):
             if rows:
@@ -347,6 +354,26 @@ class PrefillChunk(StepItem):
             ahead[index] = ahead[leader] if leader is not None else \
                 (prefill.left - item.waited * item.budget, index)
         return [items[i] for i in sorted(ahead, key=lambda i: (*ahead[i], i))]
+
+
+class MemoryWait(StepItem):
+    """A generation whose cache may not grow yet (:class:`~mlxchat.prompt_cache.Growth` refused it: the memory
+    it would take is held by others) sits out a step; a step with nothing else to run waits up to
+    :data:`MEMORY_WAIT` seconds for memory to be given back instead of spinning."""
+
+    def __init__(self, growth: Growth):
+        self.growth = growth
+
+
+def room(cache: PromptCache, tokens: int, cancel: Cancelled | None = None) -> Generator[MemoryWait, None, bool]:
+    """Sit out the worker's steps until ``cache``'s owner lets it hold ``tokens`` tokens (at once when it sets
+    no bound); False when ``cancel`` was set meanwhile."""
+    growth = cache.growth
+    while growth is not None and not growth.allow(tokens):
+        if cancel is not None and cancel.check():
+            return False
+        yield MemoryWait(growth)
+    return True
 
 
 class PromptSpan:

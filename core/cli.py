@@ -169,8 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-cache-gb", type=float, default=4.0, help="memory the idle prompt caches may hold")
     serve.add_argument("--max-body-mb", type=float, default=16.0, help="largest request body accepted")
     serve.add_argument("--max-kv-gb", type=float, default=None,
-                       help="memory the caches of admitted requests may grow to (prompt + max_tokens each); more "
-                            "waits, a request that can never fit gets 503 (default: half the machine's memory)")
+                       help="memory the caches of admitted requests hold, each reserved as its reply grows up to "
+                            "prompt + max_tokens; more waits, a request that can never fit gets 503 (default: half "
+                            "the machine's memory)")
     serve.add_argument("--metrics-open", action="store_true",
                        help="serve GET /metrics without the API key to loopback clients (a local scraper)")
     serve.add_argument("--max-queue", type=int, default=64,

@@ -19,7 +19,17 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from . import profiling
 from .architecture import ModelModule
-from .batching import DecodeRow, DecodeStats, PrefillChunk, decode_steps, last_logits_of, masked, prefill_steps
+from .batching import (
+    DecodeRow,
+    DecodeStats,
+    MemoryWait,
+    PrefillChunk,
+    decode_steps,
+    last_logits_of,
+    masked,
+    prefill_steps,
+    room,
+)
 from .constraints import DEFAULT_REASONING_BUDGET, RowMatcher, check_response_format
 from .detokenizer import StreamingDetokenizer
 from .layers.parallel import from_rank_zero
@@ -296,7 +306,7 @@ def stream_generation(
     prefill_budget: int | None = None,
     pace: StepPace | None = None,
     constraint: RowMatcher | None = None,
-) -> Iterator[GenerationChunk | DecodeRow | PrefillChunk]:
+) -> Iterator[GenerationChunk | DecodeRow | PrefillChunk | MemoryWait]:
     """Text chunks of one generation, one per token (its text may be empty while a character or a possible
     stop string is incomplete); the last chunk carries ``finish_reason`` and the report. Its
     :class:`~mlxchat.batching.DecodeRow` and :class:`~mlxchat.batching.PrefillChunk` items are decode steps
@@ -312,6 +322,10 @@ def stream_generation(
     With a ``drafter`` and ``config.draft_tokens`` set, tokens are decoded speculatively
     (:mod:`mlxchat.speculative`). A set ``cancel`` (checked between prefill chunks and after every token)
     ends it with ``finish_reason="cancelled"``. The cache stays consistent however it ends.
+
+    A cache whose owner bounds its growth (``cache.growth``, a server's memory admission) is asked before the
+    prompt and before every step that adds tokens; while refused, the generation yields
+    :class:`~mlxchat.batching.MemoryWait` items (it sits out the worker's steps, its cache kept).
 
     A ``constraint`` masks every token (:mod:`mlxchat.constraints`); a constrained reply is never decoded
     speculatively (a draft would have to be checked against the mask token by token, which costs what it
@@ -332,7 +346,7 @@ def _generation(module: ModelModule, tokenizer: Tokenizer, prompt: Sequence[int]
                 snapshot_at: Sequence[int], cancel: Cancelled | None, drafter: Drafter | None,
                 reply: profiling.ReplyProfile | None,
                 prefill_budget: int | None, pace: StepPace | None,
-                constraint: RowMatcher | None) -> Iterator[GenerationChunk | DecodeRow | PrefillChunk]:
+                constraint: RowMatcher | None) -> Iterator[GenerationChunk | DecodeRow | PrefillChunk | MemoryWait]:
     mx.reset_peak_memory()
     stats = DecodeStats()
     detok = StreamingDetokenizer(tokenizer)
@@ -352,6 +366,8 @@ def _generation(module: ModelModule, tokenizer: Tokenizer, prompt: Sequence[int]
     # speculative decoding (several tokens a pass) and a prefix after the reasoning (decoded in parts).
     alone = group is not None or reply is not None or drafter is not None or bool(forced and after is not None)
     first: mx.array | None = None
+    ahead = 1 + len(forced) + (config.draft_tokens if drafter is not None else 0)  # tokens a step adds at most
+    yield from room(cache, len(ids) + ahead, cancel)  # the prompt's memory (a server reserved it before)
     if alone or prefill_budget is None:
         follow = drafter.begin(cache, ids) if drafter is not None else None
         reused, pending = cache.prefill(module, full, snapshot_at=snapshot_at, step=config.prefill_step,
@@ -400,7 +416,7 @@ def _generation(module: ModelModule, tokenizer: Tokenizer, prompt: Sequence[int]
         tokens = _prefixed_after(decode_alone, tokenizer, pending, forced, after, config.max_tokens)
     produced = 0
     try:
-        for token in tokens:
+        while (yield from room(cache, len(cache) + ahead, cancel)) and (token := next(tokens, None)) is not None:
             if isinstance(token, DecodeRow):  # a step the worker runs, with other generations' when it can
                 yield token
                 continue

@@ -45,6 +45,20 @@ class PrefixSource(Protocol):
                 excluding: PromptCache | None = None) -> tuple[PromptCache | None, int]: ...
 
 
+class Growth(Protocol):
+    """What a cache's owner lets it grow to (a server reserves its requests' cache memory as they decode:
+    :mod:`mlxchat.server.admission`). A generation asks before every step that adds tokens; while refused,
+    it sits out the worker's steps (:class:`~mlxchat.batching.MemoryWait`)."""
+
+    def allow(self, tokens: int) -> bool:
+        """Whether the cache may hold ``tokens`` tokens; asked on the model's worker thread, never blocks."""
+        ...
+
+    def wait(self, seconds: float) -> None:
+        """Block at most ``seconds``, or until memory may have been given back (a step with nothing else to run)."""
+        ...
+
+
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
     n = min(len(a), len(b))
     for i in range(n):
@@ -85,6 +99,8 @@ class PromptCache:
         """The speculative drafter's own state over the same conversation (a draft model's prompt cache, an
         MTP head's cache), kept here so that it travels with the session; made and kept in step by
         :mod:`mlxchat.speculative`. Its ``held()`` counts in :attr:`nbytes`."""
+        self.growth: Growth | None = None
+        """What this cache may grow to, while its owner bounds it (a server's request: :class:`Growth`)."""
 
     def __len__(self) -> int:
         return len(self.tokens)

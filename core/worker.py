@@ -187,7 +187,7 @@ class Worker:
                     else:
                         self._later.append(job)
                 # A profiled reply is timed on this thread as a whole: replies then run one at a time.
-                while self._later and ((self.side_by_side and not profiling.enabled) or not self._tasks):
+                while self._later and (self.runs_side_by_side or not self._tasks):
                     self._start_job(*self._later.popleft())
                 if not self._advance() and self._tasks:
                     self._wake.wait(_IDLE_WAIT)
@@ -282,6 +282,12 @@ class Worker:
                 task.handoff.put_last(_Failure(error))
             task.handoff.put_last(END)
             task.future.set_result(None)
+
+    @property
+    def runs_side_by_side(self) -> bool:
+        """Whether stream jobs start as they come and advance together now (not while :mod:`mlxchat.profiling`
+        is on, nor on a worker made with ``side_by_side=False``): only then may a job wait for another's."""
+        return self.side_by_side and not profiling.enabled
 
     @property
     def on_worker(self) -> bool:

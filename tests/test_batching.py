@@ -378,3 +378,61 @@ def test_a_prompt_whose_next_tokens_an_earlier_one_computes_goes_right_behind_it
     assert PrefillChunk.in_turn([first, unrelated, second]) == [unrelated, first, second]
     assert PrefillChunk.in_turn([second, unrelated, first]) == [unrelated, second, first]
     model.close()
+
+
+class Bound:
+    """A cache's growth bound (:class:`~mlxchat.prompt_cache.Growth`, what a server's admission gives each
+    request): ``tokens`` at most until opened; it notes that a request past it was refused."""
+
+    def __init__(self, tokens: int):
+        self.tokens, self.opened, self.refused = tokens, threading.Event(), threading.Event()
+
+    def allow(self, tokens: int) -> bool:
+        if tokens <= self.tokens or self.opened.is_set():
+            return True
+        self.refused.set()
+        return False
+
+    def wait(self, seconds: float) -> None:
+        self.opened.wait(seconds)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_5"])
+def test_a_reply_whose_cache_may_not_grow_sits_out_the_steps_and_goes_on_as_alone(name: str) -> None:
+    """A generation whose cache's bound refuses to grow waits where it is, its cache kept, while other
+    generations run; once let go it ends as it would have alone. Cancelled while it waits, it ends there and
+    the session goes on as if the reply had been cut there."""
+    model = mlxchat.load_model(fixture_path(name), dtype="float32")
+    config = {**GREEDY, "max_tokens": 24, "logit_bias": {e: -100.0 for e in model.eos_ids}}
+    expected = model.chat_session().send(PROMPTS[0], config=config)
+    prompt = expected.report.prompt_tokens
+    other = model.generate(PROMPTS[1], config)
+
+    session = model.chat_session()
+    bound = session.cache.growth = Bound(prompt + 10)
+    results: list[mlxchat.ChatResult] = []
+    sending = threading.Thread(target=lambda: results.append(session.send(PROMPTS[0], config=config)))
+    sending.start()
+    assert bound.refused.wait(60)
+    assert len(session.cache) == prompt + 10 and not results  # it waits, holding what it was let hold
+    assert model.generate(PROMPTS[1], config).tokens == other.tokens  # the model goes on meanwhile
+    bound.opened.set()
+    sending.join(60)
+    assert results[0].tokens == expected.tokens and results[0].finish_reason == "length"
+
+    session = model.chat_session()
+    bound = session.cache.growth = Bound(prompt + 10)
+    stream = session.send_stream(PROMPTS[0], config=config)
+    reading = threading.Thread(target=lambda: list(stream))
+    reading.start()
+    assert bound.refused.wait(60)
+    stream.cancel()
+    reading.join(60)
+    cut = stream.result
+    assert cut is not None and cut.finish_reason == "cancelled" and cut.tokens == expected.tokens[: len(cut.tokens)]
+    session.cache.growth = None
+    follow = session.send(PROMPTS[1], config=config)
+    fresh = model.chat_session()
+    fresh.prime_history(session.messages[:-1])
+    assert fresh.start_from_history(config=config).tokens == follow.tokens
+    model.close()

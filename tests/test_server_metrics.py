@@ -18,7 +18,7 @@ httpx = pytest.importorskip("httpx")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from mlxchat.pacing import StepPace  # noqa: E402
-from mlxchat.server.admission import Footprint, KvBudget, Reservation  # noqa: E402
+from mlxchat.server.admission import Footprint, Hold, KvBudget, Reservation  # noqa: E402
 
 from conftest import loaded  # noqa: E402
 from server_support import DEMO, Served, held_mid_stream, serving  # noqa: E402
@@ -121,31 +121,27 @@ def test_metrics_can_be_left_open_to_a_loopback_scraper() -> None:
 
 
 def test_a_request_whose_cache_could_never_fit_is_a_503_and_one_that_fits_waits() -> None:
-    chat = {"model": DEMO, "messages": [{"role": "user", "content": "Hi!"}], "temperature": 0}
-    with serving("demo") as served:
+    model = loaded("qwen3")
+    with serving("qwen3", model) as served:
         kv = served.state.kv
-        small = {**chat, "max_tokens": 4}
-        first = httpx.post(served.url + "/v1/chat/completions", json=small, timeout=60)
-        prompt = first.json()["usage"]["prompt_tokens"]
-        kv.limit = held = kv.footprint.nbytes(prompt + 4)  # room for this request alone
-        refused = httpx.post(served.url + "/v1/chat/completions", json={**chat, "max_tokens": 600}, timeout=60)
+        chat = {"model": "tiny", "messages": [{"role": "user", "content": "Hello"}], "temperature": 0}
+        prompt = httpx.post(served.url + "/v1/chat/completions", json={**chat, "max_tokens": 2},
+                            timeout=60).json()["usage"]["prompt_tokens"]
+        kv.limit = kv.footprint.nbytes(prompt + kv.growth_step)  # room for one request's first hold
+        refused = httpx.post(served.url + "/v1/chat/completions", json={**chat, "max_tokens": 3000}, timeout=60)
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "kv_memory_exceeded"
         assert "--max-kv-gb" in refused.json()["error"]["message"]
-        # a request that fits waits while the memory is held, and runs once it is given back
-        kv.reserved = held
+        # a request that fits waits while a running one holds the memory, and runs once it is given back
         answers: list[httpx.Response] = []
         waiting = threading.Thread(target=lambda: answers.append(
-            httpx.post(served.url + "/v1/chat/completions", json=small, timeout=60)))
-        waiting.start()
-        try:
+            httpx.post(served.url + "/v1/chat/completions", json={**chat, "max_tokens": 4}, timeout=60)))
+        with held_mid_stream(served, model, max_tokens=kv.growth_step):  # its reservation: the limit
+            assert kv.reserved == kv.limit
+            waiting.start()
             while kv.waiting == 0 and not answers:
                 waiting.join(0.01)
-            assert not answers and served.state.queued == 1
-        finally:
-            (_, ticket), = kv._queue
-            loop = ticket.get_loop()  # the server's loop, on which the waiting request sleeps
-            asyncio.run_coroutine_threadsafe(kv.release(Reservation(0, held)), loop).result(10)
-            waiting.join(60)
+            assert not answers and served.state.queued == 2
+        waiting.join(60)  # the stream's client left: its memory went back
         assert answers and answers[0].status_code == 200
         assert kv.reserved == 0 and served.state.queued == 0
 
@@ -153,36 +149,160 @@ def test_a_request_whose_cache_could_never_fit_is_a_503_and_one_that_fits_waits(
 def test_requests_waiting_for_memory_are_served_in_arrival_order() -> None:
     """A small request that would fit at once waits behind a large one that came first (no overtaking, so a
     large request is never starved), and each is granted as soon as what is given back lets it fit."""
-    kv = KvBudget(loaded("qwen3"), limit=100)
+    kv = KvBudget(loaded("qwen3"), limit=0)
+    unit = kv.footprint.nbytes(256)  # what 256 tokens hold
+    kv.limit = 10 * unit
 
     async def run() -> list[str]:
         granted: list[str] = []
+        holds: dict[str, Hold] = {}
 
-        async def reserve(name: str, nbytes: int) -> None:
-            await kv.reserve(Reservation(0, nbytes))
+        async def reserve(name: str, units: int) -> None:  # prompts that hold all they may need at once
+            holds[name] = await kv.reserve(Reservation(256 * units, 256 * units))
             granted.append(name)
 
-        await reserve("held", 60)
-        large = asyncio.ensure_future(reserve("large", 80))
+        await reserve("held", 6)
+        large = asyncio.ensure_future(reserve("large", 8))
         while kv.waiting < 1:
             await asyncio.sleep(0)
-        small = asyncio.ensure_future(reserve("small", 30))  # 60 + 30 fits, but "large" came first
-        leaving = asyncio.ensure_future(reserve("leaving", 10))
+        small = asyncio.ensure_future(reserve("small", 3))  # 6 + 3 fits, but "large" came first
+        leaving = asyncio.ensure_future(reserve("leaving", 1))
         while kv.waiting < 3:
             await asyncio.sleep(0)
         leaving.cancel()  # a request whose client left while it waited gives its place up
         await asyncio.gather(leaving, return_exceptions=True)
-        assert granted == ["held"] and kv.waiting == 2 and kv.reserved == 60
-        await kv.release(Reservation(0, 60))
+        assert granted == ["held"] and kv.waiting == 2 and kv.reserved == 6 * unit
+        await kv.release(holds["held"])
         await large
-        assert granted == ["held", "large"] and not small.done() and kv.reserved == 80
-        await kv.release(Reservation(0, 80))
+        assert granted == ["held", "large"] and not small.done() and kv.reserved == 8 * unit
+        await kv.release(holds["large"])
         await small
-        await kv.release(Reservation(0, 30))
+        await kv.release(holds["small"])
         return granted
 
     assert asyncio.run(run()) == ["held", "large", "small"]
     assert kv.reserved == 0 and kv.waiting == 0
+
+
+def test_a_reply_holds_its_prompt_and_grows_as_it_decodes(monkeypatch) -> None:
+    """A request is admitted holding its prompt and the first ``growth_step`` tokens of reply, not its whole
+    ``max_tokens``, and grows a step at a time as it asks; where generations cannot wait for each other
+    (profiling runs them one at a time) it holds the whole at once."""
+    from mlxchat import profiling
+
+    kv = KvBudget(loaded("qwen3"), limit=10**12)
+    nbytes = kv.footprint.nbytes
+    large = Reservation(300 + 4096, 300)
+
+    async def run() -> None:
+        hold = await kv.reserve(large)
+        assert hold.tokens == 300 + kv.growth_step and kv.reserved == nbytes(hold.tokens)
+        assert hold.allow(hold.tokens) and hold.tokens == 812
+        assert hold.allow(813) and hold.tokens == 812 + kv.growth_step and kv.reserved == nbytes(1324)
+        assert hold.allow(4396) and hold.need == 0 and kv.reserved == kv.nbytes(large)
+        await kv.release(hold)
+        assert kv.reserved == 0
+        monkeypatch.setattr(profiling, "enabled", True)
+        whole = await kv.reserve(large)
+        assert whole.tokens == 4396 and whole.need == 0 and kv.reserved == kv.nbytes(large)
+        await kv.release(whole)
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_growing_replies_all_reach_their_end_and_never_hold_more_than_the_limit(seed: int) -> None:
+    """Requests with large ``max_tokens`` under a tight limit, each growing a token at a time in a random
+    order of turns (as the worker's steps ask): the budget never holds more than its limit, never refuses
+    every running request at once (a paused one waits for one that can go on, never for ever), runs more of
+    them side by side than whole reservations would, and every request reaches its end."""
+    import random
+
+    rng = random.Random(seed)
+    kv = KvBudget(loaded("qwen3"), limit=0)
+    kv.growth_step = 64
+    kv.limit = kv.footprint.nbytes(3000)
+    reservations = [Reservation(prompt + rng.randrange(100, 2600), prompt)
+                    for prompt in (rng.randrange(10, 400) for _ in range(12))]
+
+    async def run() -> tuple[int, int]:
+        held: dict[int, int] = {}  # request -> tokens its cache holds
+        holds: dict[int, Hold] = {}
+
+        async def admit(index: int) -> None:
+            holds[index] = await kv.reserve(reservations[index])
+            held[index] = reservations[index].prompt
+
+        waiting = [asyncio.ensure_future(admit(i)) for i in range(len(reservations))]
+        most = pauses = 0
+        while len(holds) < len(reservations) or held:
+            await asyncio.sleep(0)
+            running = [i for i in held if holds.get(i) is not None]
+            most = max(most, len(running))
+            moved = False
+            for index in rng.sample(running, len(running)):
+                if holds[index].allow(held[index] + 1):
+                    held[index] += 1
+                    moved = True
+                else:
+                    pauses += 1
+                assert kv.reserved <= kv.limit
+                if held[index] == reservations[index].tokens:
+                    del held[index]
+                    await kv.release(holds[index])
+            assert moved or not running, "every running request waits for memory"
+        await asyncio.gather(*waiting)
+        return most, pauses
+
+    most, pauses = asyncio.run(run())
+    whole = max(i for i in range(1, 13) if sum(sorted(kv.nbytes(r) for r in reservations)[:i]) <= kv.limit)
+    assert most > whole and pauses > 0
+    assert kv.reserved == 0 and kv.waiting == 0 and kv.paused == 0
+
+
+def test_replies_too_long_to_hold_together_run_side_by_side_and_one_waits_to_grow(monkeypatch) -> None:
+    """Behind the server: two requests whose whole ``max_tokens`` could not be held together are admitted
+    together, each holding its prompt and a growth step; once one reply has grown, the other waits to grow
+    (its cache kept) until the first has ended, then goes on. Both replies equal each alone, and the budget
+    never held more than its limit."""
+    import mlxchat
+
+    from conftest import fixture_path, hold_worker_until_queued
+
+    model = mlxchat.load_model(fixture_path("qwen3"), dtype="float32")
+    questions = ["Hello there", "Tell me a number"]
+
+    def ask(question: str) -> Any:
+        return httpx.post(served.url + "/v1/chat/completions", timeout=120, json={
+            "model": "tiny", "messages": [{"role": "user", "content": question}], "max_tokens": 400,
+            "temperature": 0, "logit_bias": {str(e): -100.0 for e in model.eos_ids}}).json()
+
+    with serving("qwen3", model) as served:
+        kv = served.state.kv
+        alone = [ask(q) for q in questions]
+        assert max(a["usage"]["prompt_tokens"] for a in alone) + 400 <= 512
+        kv.growth_step = 64
+        kv.limit = kv.footprint.nbytes(512) + kv.footprint.nbytes(256)  # one whole reply and another's start
+        refused: list[int] = []
+        reserved: list[int] = []
+        grow = kv.grow
+
+        def watched(hold: Hold, tokens: int) -> bool:
+            granted = grow(hold, tokens)
+            refused.extend([tokens] * (not granted))
+            reserved.append(kv.reserved)
+            return granted
+
+        monkeypatch.setattr(kv, "grow", watched)
+        hold_worker_until_queued(model, len(questions), monkeypatch)  # both admitted before either grows
+        with ThreadPoolExecutor(len(questions)) as threads:
+            together = list(threads.map(ask, questions))
+        assert [a["choices"][0]["message"]["content"] for a in together] == \
+            [a["choices"][0]["message"]["content"] for a in alone]
+        assert [a["usage"]["completion_tokens"] for a in together] == [400, 400]
+        assert refused and max(reserved) <= kv.limit
+        assert kv.reserved == 0 and kv.paused == 0 and served.state.held()["paused_for_memory"] == 0
+    model.close()
 
 
 @pytest.mark.parametrize("name", ["qwen3", "qwen3_5", "gemma4", "lfm2"])
@@ -241,23 +361,23 @@ def test_requests_that_will_read_one_cached_system_prompt_reserve_it_once() -> N
         kv = served.state.kv
         config = mlxchat.GenerationConfig(max_tokens=4, temperature=0.0)
         cold = asyncio.run(kv.estimate(chat("Hi"), None, config))
-        assert cold.prefix is None and cold.own == kv.footprint.nbytes(cold.tokens)
-        assert cold.tokens == len(model.render_prompt(chat("Hi"))[1]) + 4  # the whole prompt and the reply
+        assert cold.prefix is None and cold.shared == 0 and kv.nbytes(cold) == kv.footprint.nbytes(cold.tokens)
+        assert cold.prompt == len(model.render_prompt(chat("Hi"))[1]) == cold.tokens - 4  # the prompt and the reply
         answer = httpx.post(served.url + "/v1/chat/completions", timeout=60, json={
             "model": "tiny", "messages": chat("Hi"), "max_tokens": 4, "temperature": 0})
         assert answer.status_code == 200
         reservations = [asyncio.run(kv.estimate(chat(q), None, config)) for q in questions]
         assert len({r.prefix for r in reservations}) == 1 and reservations[0].prefix is not None
-        assert all(r.own < kv.footprint.nbytes(r.tokens) for r in reservations)
-        kv.limit = sum(r.own for r in reservations) + reservations[0].prefix_bytes
+        own = [kv.footprint.nbytes(r.tokens, r.shared) for r in reservations]
+        assert all(o < kv.footprint.nbytes(r.tokens) for o, r in zip(own, reservations, strict=True))
+        kv.limit = sum(own) + kv.footprint.prefix_nbytes(reservations[0].shared)
         assert kv.limit < sum(kv.footprint.nbytes(r.tokens) for r in reservations)
 
         async def hold_all() -> tuple[int, int]:
-            for r in reservations:
-                await asyncio.wait_for(kv.reserve(r), 5)  # each granted at once: none waits
+            holds = [await asyncio.wait_for(kv.reserve(r), 5) for r in reservations]  # each granted at once
             held = kv.reserved
-            for r in reservations:
-                await kv.release(r)
+            for hold in holds:
+                await kv.release(hold)
             return held, kv.reserved
 
         assert asyncio.run(hold_all()) == (kv.limit, 0)

@@ -1,8 +1,18 @@
-"""Memory-aware admission: before a request's turn takes a cache, what that cache may grow to (its prompt
-and ``max_tokens`` of reply, per layer kind, at the dtype the model computes in) is reserved against
-``--max-kv-gb``. A request that fits waits until the requests before it have given enough back, in
-arrival order (a small request never overtakes a large one that came first, so none waits for ever); one
-that could never fit is refused with a 503 that says so, instead of the process being killed for memory.
+"""Memory-aware admission: what a request's cache may grow to (its prompt and ``max_tokens`` of reply, per
+layer kind, at the dtype the model computes in) is held against ``--max-kv-gb`` as it grows. A request is
+admitted holding its prompt and the first ``growth_step`` (512) tokens of reply, and its generation asks for
+more as it decodes (:class:`Hold`, the cache's :class:`~mlxchat.prompt_cache.Growth`); while the memory is
+not there it sits out the worker's steps, its cache kept, and goes on once others give memory back. So a
+client asking for ``max_tokens`` of 32k holds what its reply has reached, not its whole context, and requests
+with large limits but short replies run side by side. Every grant, an admission or a growth, keeps the state
+*safe* (the banker's algorithm, :meth:`KvBudget.safe`): the running requests can all still reach their
+``max_tokens``, one after another as those before them finish, so the paused ones never wait for ever.
+
+A request that fits waits until the requests before it have given enough back, in arrival order (a small
+request never overtakes a large one that came first, so none waits for ever); one that could never fit is
+refused with a 503 that says so, instead of the process being killed for memory. Where generations cannot
+wait for each other (a worker that runs one at a time: a split model, profiling), a request holds its whole
+reservation from the start.
 
 A conversation that starts with a long prefix a cache of the pool already holds (the same system prompt and
 tools) will read that prefix's keys and values where they lie (:meth:`~mlxchat.cache.KVCache.copy_from`):
@@ -29,6 +39,8 @@ import asyncio
 import collections
 import hashlib
 import os
+import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -119,30 +131,70 @@ def default_limit() -> int:
     return int(machine_memory() * DEFAULT_SHARE) or 8 * 10**9
 
 
+GROWTH_STEP = 512
+"""Tokens of reply a running request's reservation grows by at a time (its prompt and the first of these are
+reserved when it is admitted)."""
+
+
 @dataclass(frozen=True)
 class Reservation:
-    """What a turn's cache may grow to (``tokens`` in all): ``own`` bytes for it alone, and the bytes of a
-    shared ``prefix`` (a digest of its tokens), reserved once among the running turns that read it."""
+    """What a turn's cache may grow to: ``tokens`` in all (its prompt and ``max_tokens`` of reply), the first
+    ``prompt`` of them its prompt, of which the first ``shared`` are a prefix another cache holds, read where
+    it lies (``prefix``: a digest of its tokens; its bytes reserved once among the running turns that read it)."""
 
     tokens: int
-    own: int
+    prompt: int = 0
+    shared: int = 0
     prefix: bytes | None = None
-    prefix_bytes: int = 0
 
-    @property
-    def nbytes(self) -> int:
-        return self.own + self.prefix_bytes
+
+class Hold:
+    """A running turn's part of the budget: the tokens its cache may hold now (:attr:`tokens`), grown
+    the budget's ``growth_step`` at a time as it decodes (:meth:`allow`: it is the cache's
+    :class:`~mlxchat.prompt_cache.Growth`) towards what its reservation may need."""
+
+    def __init__(self, budget: KvBudget, reservation: Reservation, tokens: int, waits: bool = True):
+        self.budget, self.reservation = budget, reservation
+        self.waits = waits
+        """Whether its generation may wait for memory (beside others'); one that may not holds its whole
+        reservation from the start, and is let grow past it (an estimate too low) whatever the limit."""
+        self.paused = False
+        """Whether its last request to grow was refused (its generation waits for memory)."""
+        self.tokens = self.own = self.need = 0
+        self.hold(tokens)
+
+    def hold(self, tokens: int) -> None:
+        """Hold ``tokens``: ``own`` bytes now, ``need`` bytes more at most (the prefix apart)."""
+        footprint, shared = self.budget.footprint, self.reservation.shared
+        self.tokens, self.own = tokens, footprint.nbytes(tokens, shared)
+        self.need = footprint.nbytes(max(tokens, self.reservation.tokens), shared) - self.own
+
+    def allow(self, tokens: int) -> bool:
+        return tokens <= self.tokens or self.budget.grow(self, tokens)
+
+    def wait(self, seconds: float) -> None:
+        self.budget.wait(seconds)
 
 
 class KvBudget:
-    """The cache bytes the admitted requests may grow to, against a limit (see the module)."""
+    """The cache bytes the admitted requests hold and may grow to, against a limit (see the module).
+
+    Admission (on the event loop) and growth (asked by the generations on the model's worker thread) change it
+    under one lock. Each grant keeps the state *safe* (:meth:`safe`): the holds can all still reach what they may
+    need, one after another as those before them finish, so at least one running request can always grow and the
+    ones paused for memory never wait for ever."""
 
     def __init__(self, model: GenerativeModel, limit: int, prefixes: PromptCachePool | None = None):
         self.model, self.limit, self.prefixes = model, limit, prefixes
         self.footprint = Footprint(model)
         self.reserved = 0
-        self._queue: collections.deque[tuple[Reservation, asyncio.Future[None]]] = collections.deque()
+        """Bytes held by the running requests (a shared prefix once)."""
+        self.growth_step = GROWTH_STEP
+        """Tokens of reply a running request's reservation grows by at a time."""
+        self._lock = threading.Condition()
+        self._queue: collections.deque[tuple[Reservation, asyncio.Future[Hold]]] = collections.deque()
         """The reservations waiting for memory, in arrival order."""
+        self._holds: set[Hold] = set()
         self._readers: dict[bytes, int] = {}
         """The shared prefixes reserved, with how many running turns read each."""
 
@@ -150,6 +202,11 @@ class KvBudget:
     def waiting(self) -> int:
         """Requests admitted to the queue that wait for memory."""
         return len(self._queue)
+
+    @property
+    def paused(self) -> int:
+        """Running requests whose generation waits for memory to grow."""
+        return sum(hold.paused for hold in list(self._holds))
 
     async def estimate(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                        config: GenerationConfig) -> Reservation:
@@ -170,15 +227,16 @@ class KvBudget:
         try:
             ids, held = await asyncio.to_thread(prompt_tokens)
         except Exception:  # noqa: BLE001 - the session refuses this prompt itself, with its own message
-            return Reservation(0, 0)
-        reply = config.max_tokens if config.max_tokens is not None else model.context_length
-        tokens = min(len(ids) + reply, model.context_length)
+            return Reservation(0)
+        prompt = min(len(ids), model.context_length)
+        tokens = min(len(ids) + config.max_tokens + config.draft_tokens, model.context_length)  # (drafts are
+        # checked past the reply's last token)
         shared = self.footprint.shareable(held // KVCache.step * KVCache.step)  # one key for prompts that go
         # on alike a few tokens more or less past a system prompt (the tokens cut off count as their own)
         if not shared:
-            return Reservation(tokens, self.footprint.nbytes(tokens))
+            return Reservation(tokens, prompt)
         digest = hashlib.blake2b(array.array("q", ids[:shared]).tobytes(), digest_size=16).digest()
-        return Reservation(tokens, self.footprint.nbytes(tokens, shared), digest, self.footprint.prefix_nbytes(shared))
+        return Reservation(tokens, prompt, shared, digest)
 
     def _held_prefix(self, ids: list[int]) -> int:
         """The longest prefix of ``ids`` a cache of the pool holds, read while the worker may be changing them
@@ -190,53 +248,108 @@ class KvBudget:
         except (IndexError, RuntimeError):  # a list shortened, a dict resized, while they were read
             return 0
 
-    async def reserve(self, reservation: Reservation) -> None:
-        """Hold a turn's reservation, waiting behind those that came before it until the memory is there;
-        503 when it could never fit."""
-        nbytes, tokens = reservation.nbytes, reservation.tokens
+    def nbytes(self, reservation: Reservation) -> int:
+        """What a turn's cache may grow to in all, its prefix included."""
+        return self.footprint.nbytes(reservation.tokens, reservation.shared) + \
+            self.footprint.prefix_nbytes(reservation.shared)
+
+    async def reserve(self, reservation: Reservation) -> Hold:
+        """Hold a turn's memory (its prompt and the first ``growth_step`` tokens of reply where its
+        generations may wait for more, else the whole), waiting behind those that came before it until it is
+        there; 503 when it could never fit."""
+        nbytes, tokens = self.nbytes(reservation), reservation.tokens
         if nbytes > self.limit:
             raise ApiError(503, f"this request's cache could grow to {nbytes / 1e9:.2f} GB ({tokens} tokens of "
                                 f"prompt and reply), more than the server's limit of {self.limit / 1e9:.2f} GB "
                                 "(--max-kv-gb); send a shorter conversation or a lower max_tokens",
                            "server_busy", code="kv_memory_exceeded")
-        ticket: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        ticket: asyncio.Future[Hold] = asyncio.get_running_loop().create_future()
         self._queue.append((reservation, ticket))
         self._grant()
         try:
-            await ticket
+            return await ticket
         except BaseException:  # the request went while it waited (or just as its turn came)
             if ticket.done() and not ticket.cancelled():
-                self._give_back(reservation)
+                self._give_back(ticket.result())
             else:
                 self._queue.remove((reservation, ticket))
             self._grant()
             raise
 
-    async def release(self, reservation: Reservation) -> None:
-        """Give back what a turn held; the reservations waiting are granted in order while they fit."""
-        self._give_back(reservation)
+    async def release(self, hold: Hold | None) -> None:
+        """Give back what a turn held; the reservations waiting are granted in order while they fit, and the
+        generations waiting to grow are woken."""
+        if hold is not None:
+            self._give_back(hold)
         self._grant()
 
-    def _cost(self, reservation: Reservation) -> int:
-        """What granting ``reservation`` adds (its prefix only when no running turn reads it yet)."""
+    def grow(self, hold: Hold, tokens: int) -> bool:
+        """Let ``hold`` hold ``tokens`` (and up to ``growth_step`` more, within what it may need) when that
+        fits and keeps the state safe; whether it does. Called on the model's worker thread."""
+        with self._lock:
+            if tokens <= hold.tokens or hold not in self._holds:  # (a hold given back bounds nothing)
+                return True
+            before = (hold.tokens, hold.own, hold.need)
+            hold.hold(max(tokens, min(hold.tokens + self.growth_step, hold.reservation.tokens)))
+            reserved = self.reserved + hold.own - before[1]
+            hold.paused = hold.waits and not (reserved <= self.limit and self.safe(reserved, self._holds))
+            if hold.paused:
+                hold.tokens, hold.own, hold.need = before
+                return False
+            self.reserved = reserved
+            return True
+
+    def wait(self, seconds: float) -> None:
+        """Block at most ``seconds``, or until a turn gives memory back."""
+        with self._lock:
+            self._lock.wait(seconds)
+
+    def safe(self, reserved: int, holds: Iterable[Hold]) -> bool:
+        """Whether, with ``reserved`` bytes held, ``holds`` can all still grow to what they may need, one after
+        another as those before them finish and give back what they hold: the banker's algorithm for one
+        resource, the smallest need first (a shared prefix counts as held to the end)."""
+        free = self.limit - reserved
+        for need, own in sorted((hold.need, hold.own) for hold in holds):
+            if need > free:
+                return False
+            free += own
+        return True
+
+    def _cost(self, hold: Hold) -> int:
+        """What granting ``hold`` adds (its prefix only when no running turn reads it yet)."""
+        reservation = hold.reservation
         new_prefix = reservation.prefix is not None and reservation.prefix not in self._readers
-        return reservation.own + (reservation.prefix_bytes if new_prefix else 0)
+        return hold.own + (self.footprint.prefix_nbytes(reservation.shared) if new_prefix else 0)
 
-    def _take(self, reservation: Reservation) -> None:
-        self.reserved += self._cost(reservation)
-        if reservation.prefix is not None:
-            self._readers[reservation.prefix] = self._readers.get(reservation.prefix, 0) + 1
-
-    def _give_back(self, reservation: Reservation) -> None:
-        self.reserved -= reservation.own
-        if reservation.prefix is not None:
-            self._readers[reservation.prefix] -= 1
-            if not self._readers[reservation.prefix]:
-                del self._readers[reservation.prefix]
-                self.reserved -= reservation.prefix_bytes
+    def _give_back(self, hold: Hold) -> None:
+        with self._lock:
+            if hold not in self._holds:
+                return
+            self._holds.discard(hold)
+            self.reserved -= hold.own
+            prefix = hold.reservation.prefix
+            if prefix is not None:
+                self._readers[prefix] -= 1
+                if not self._readers[prefix]:
+                    del self._readers[prefix]
+                    self.reserved -= self.footprint.prefix_nbytes(hold.reservation.shared)
+            self._lock.notify_all()
 
     def _grant(self) -> None:
-        while self._queue and self.reserved + self._cost(self._queue[0][0]) <= self.limit:
-            reservation, ticket = self._queue.popleft()
-            self._take(reservation)
-            ticket.set_result(None)
+        """Admit the reservations waiting, in order, while each fits and keeps the state safe (on the loop)."""
+        grows = self.model.worker.runs_side_by_side  # a generation may wait for memory only beside others
+        with self._lock:
+            while self._queue:
+                reservation, ticket = self._queue[0]
+                whole = reservation.tokens
+                hold = Hold(self, reservation, min(reservation.prompt + self.growth_step, whole) if grows else whole,
+                            grows)
+                reserved = self.reserved + self._cost(hold)
+                if reserved > self.limit or not self.safe(reserved, [*self._holds, hold]):
+                    return
+                self._queue.popleft()
+                self.reserved = reserved
+                self._holds.add(hold)
+                if reservation.prefix is not None:
+                    self._readers[reservation.prefix] = self._readers.get(reservation.prefix, 0) + 1
+                ticket.set_result(hold)

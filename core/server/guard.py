@@ -63,9 +63,10 @@ class ServerSettings(BaseModel):
     max_body_mb: float = Field(16.0, gt=0)
     """Largest request body accepted (413 beyond)."""
     max_kv_gb: float | None = Field(None, gt=0)
-    """Most memory the caches of the admitted requests may grow to together (prompt and ``max_tokens``
-    each); a request waits while the ones before it hold too much, and one that could never fit gets 503
-    (``None``: half the machine's memory)."""
+    """Most memory the caches of the admitted requests hold together, each reserved as its reply grows up to its
+    prompt and ``max_tokens`` (:mod:`mlxchat.server.admission`); a request waits while the ones before it hold
+    too much, a reply that cannot grow waits, and one that could never fit gets 503 (``None``: half the
+    machine's memory)."""
     metrics_open: bool = False
     """Serve ``GET /metrics`` without the API key to clients on a loopback address (a local scraper)."""
     max_queue: int = Field(64, ge=1)

@@ -60,12 +60,15 @@ class Metrics:
             ("mlxchat_running_generations", "Generations running", lambda: state.running),
             ("mlxchat_waiting_for_memory", "Requests admitted that wait for cache memory (see --max-kv-gb)",
              lambda: state.kv.waiting),
+            ("mlxchat_paused_for_memory", "Running generations waiting for cache memory to grow (see --max-kv-gb)",
+             lambda: state.kv.paused),
             ("mlxchat_pool_caches", "Idle prompt caches kept in memory", lambda: len(state.pool)),
             ("mlxchat_pool_bytes", "Bytes the idle prompt caches hold", lambda: state.pool.nbytes),
             ("mlxchat_spilled_caches", "Prompt caches spilled to disk", lambda: state.pool.spilled),
             ("mlxchat_kv_live_bytes", "Bytes the caches of the running generations hold now",
              lambda: state.kv_live),
-            ("mlxchat_kv_reserved_bytes", "Cache bytes the admitted requests may grow to (see --max-kv-gb)",
+            ("mlxchat_kv_reserved_bytes", "Cache bytes reserved for the admitted requests, grown as they decode "
+             "(see --max-kv-gb)",
              lambda: state.kv_reserved),
             ("mlxchat_kv_limit_bytes", "The limit on the admitted requests' cache bytes", lambda: state.kv_limit),
         ]

@@ -80,9 +80,9 @@ class ServerState:
     def held(self) -> dict[str, int]:
         """What the server holds now (``GET /health`` shows it)."""
         return {"queued": self.queued, "running": self.running, "waiting_for_memory": self.kv.waiting,
-                "kv_live_bytes": self.kv_live, "kv_reserved_bytes": self.kv.reserved,
-                "kv_limit_bytes": self.kv.limit, "pool_caches": len(self.pool), "pool_bytes": self.pool.nbytes,
-                "spilled_caches": self.pool.spilled}
+                "paused_for_memory": self.kv.paused, "kv_live_bytes": self.kv_live,
+                "kv_reserved_bytes": self.kv.reserved, "kv_limit_bytes": self.kv.limit, "pool_caches": len(self.pool),
+                "pool_bytes": self.pool.nbytes, "spilled_caches": self.pool.spilled}
 
     def admit(self) -> None:
         """Count a generation request in, or refuse it (429) when the queue is full."""

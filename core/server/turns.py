@@ -24,7 +24,7 @@ from ..model import GenerativeModel
 from ..prompt_cache import PromptCache
 from ..reply import TextDelta, ThinkingDelta, ToolCallEvent
 from ..session import ChatResult, ChatSession, ChatStream, ContextPolicy, Done, StreamEvent
-from .admission import Reservation
+from .admission import Hold
 from .errors import ApiError
 
 if TYPE_CHECKING:
@@ -140,7 +140,7 @@ class Turn:
         self._events: AsyncIterator[StreamEvent] | None = None
         self._raw: ChatResult | None = None
         self._admitted = self._finished = False
-        self._reserved = Reservation(0, 0)
+        self._hold: Hold | None = None
         self.reports: list[GenerationReport] = []
         """The reports of the replies done (one per choice)."""
         self.first_token_seconds: float | None = None
@@ -160,10 +160,9 @@ class Turn:
         :mod:`mlxchat.server.admission`); a request the session refuses is a 400."""
         self.admit()
         kv = self.state.kv
-        reservation = await kv.estimate(self.messages, self.tools, self.config)
-        await kv.reserve(reservation)
-        self._reserved = reservation
+        self._hold = await kv.reserve(await kv.estimate(self.messages, self.tools, self.config))
         self.cache = await self.state.pool.take(self.messages)
+        self.cache.growth = self._hold  # its generations wait while the memory to grow is held by others
         try:
             self.session = self.state.model.chat_session(tools=self.tools, cache=self.cache,
                                                          context_policy=self.context_policy,
@@ -272,8 +271,9 @@ class Turn:
             self.state.turns.discard(self)
             if self._admitted:
                 self.state.release()
-            await self.state.kv.release(self._reserved)
+            await self.state.kv.release(self._hold)
             if self.cache is not None:
+                self.cache.growth = None
                 self.state.pool.give_back(messages or self.messages, self.cache)
 
 
