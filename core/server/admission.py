@@ -161,9 +161,9 @@ class Hold:
         self.paused = False
         """Whether its last request to grow was refused (its generation waits for memory)."""
         self.tokens = self.own = self.need = 0
-        self.hold(tokens)
+        self.resize(tokens)
 
-    def hold(self, tokens: int) -> None:
+    def resize(self, tokens: int) -> None:
         """Hold ``tokens``: ``own`` bytes now, ``need`` bytes more at most (the prefix apart)."""
         footprint, shared = self.budget.footprint, self.reservation.shared
         self.tokens, self.own = tokens, footprint.nbytes(tokens, shared)
@@ -289,12 +289,12 @@ class KvBudget:
         with self._lock:
             if tokens <= hold.tokens or hold not in self._holds:  # (a hold given back bounds nothing)
                 return True
-            before = (hold.tokens, hold.own, hold.need)
-            hold.hold(max(tokens, min(hold.tokens + self.growth_step, hold.reservation.tokens)))
-            reserved = self.reserved + hold.own - before[1]
+            previous, own = hold.tokens, hold.own
+            hold.resize(max(tokens, min(hold.tokens + self.growth_step, hold.reservation.tokens)))
+            reserved = self.reserved + hold.own - own
             hold.paused = hold.waits and not (reserved <= self.limit and self.safe(reserved, self._holds))
             if hold.paused:
-                hold.tokens, hold.own, hold.need = before
+                hold.resize(previous)
                 return False
             self.reserved = reserved
             return True
