@@ -366,8 +366,9 @@ def _generation(module: ModelModule, tokenizer: Tokenizer, prompt: Sequence[int]
     # speculative decoding (several tokens a pass) and a prefix after the reasoning (decoded in parts).
     alone = group is not None or reply is not None or drafter is not None or bool(forced and after is not None)
     first: mx.array | None = None
-    ahead = 1 + len(forced) + (config.draft_tokens if drafter is not None else 0)  # tokens a step adds at most
-    yield from room(cache, len(ids) + ahead, cancel)  # the prompt's memory (a server reserved it before)
+    # Tokens a step adds at most: its token, a draft's, a prefix fed after the reasoning in one step.
+    ahead = 1 + (config.draft_tokens if drafter is not None else 0) + (len(forced) if after is not None else 0)
+    yield from room(cache, len(ids), cancel)  # the prompt's memory (a server reserved it before)
     if alone or prefill_budget is None:
         follow = drafter.begin(cache, ids) if drafter is not None else None
         reused, pending = cache.prefill(module, full, snapshot_at=snapshot_at, step=config.prefill_step,

@@ -55,7 +55,8 @@ class Growth(Protocol):
         ...
 
     def wait(self, seconds: float) -> None:
-        """Block at most ``seconds``, or until memory may have been given back (a step with nothing else to run)."""
+        """Block the worker's thread at most ``seconds`` in a step with nothing else to run, or until memory may
+        have been given back or anything else the worker waits for happens (:meth:`~mlxchat.worker.Worker.idle`)."""
         ...
 
 

@@ -283,6 +283,17 @@ class Worker:
             task.handoff.put_last(END)
             task.future.set_result(None)
 
+    def wake(self) -> None:
+        """Wake the worker's thread from an idle wait (what a waiting job waits for may have changed: memory
+        given back)."""
+        self._wake.set()
+
+    def idle(self, seconds: float) -> None:
+        """On the worker's thread, in a step with nothing to run: wait at most ``seconds`` for something to
+        change (a reader taking an item, a new job, :meth:`wake`)."""
+        self._wake.wait(seconds)
+        self._wake.clear()
+
     @property
     def runs_side_by_side(self) -> bool:
         """Whether stream jobs start as they come and advance together now (not while :mod:`mlxchat.profiling`

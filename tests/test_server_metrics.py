@@ -200,12 +200,22 @@ def test_a_reply_holds_its_prompt_and_grows_as_it_decodes(monkeypatch) -> None:
         assert hold.allow(hold.tokens) and hold.tokens == 812
         assert hold.allow(813) and hold.tokens == 812 + kv.growth_step and kv.reserved == nbytes(1324)
         assert hold.allow(4396) and hold.need == 0 and kv.reserved == kv.nbytes(large)
+        kv.limit = kv.reserved  # past its reservation (an estimate too low) it grows whatever the limit: its
+        assert hold.allow(4396 + 300) and not hold.paused  # need was counted as nothing, so it may not wait
         await kv.release(hold)
         assert kv.reserved == 0
+        kv.limit = 10**12
         monkeypatch.setattr(profiling, "enabled", True)
         whole = await kv.reserve(large)
         assert whole.tokens == 4396 and whole.need == 0 and kv.reserved == kv.nbytes(large)
         await kv.release(whole)
+        monkeypatch.setattr(profiling, "enabled", False)
+        small = await kv.reserve(Reservation(2000, 300))
+        kv.limit = kv.reserved
+        assert not small.allow(900) and small.paused  # it would go past the limit: it waits
+        monkeypatch.setattr(profiling, "enabled", True)  # the worker now runs one generation at a time: a
+        assert small.allow(900) and not small.paused  # generation waiting could wait for one never started
+        await kv.release(small)
 
     asyncio.run(run())
 

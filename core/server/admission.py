@@ -157,7 +157,8 @@ class Hold:
         self.budget, self.reservation = budget, reservation
         self.waits = waits
         """Whether its generation may wait for memory (beside others'); one that may not holds its whole
-        reservation from the start, and is let grow past it (an estimate too low) whatever the limit."""
+        reservation from the start, and is let grow past it (an estimate too low) whatever the limit, as every
+        hold is past its reservation."""
         self.paused = False
         """Whether its last request to grow was refused (its generation waits for memory)."""
         self.tokens = self.own = self.need = 0
@@ -191,7 +192,7 @@ class KvBudget:
         """Bytes held by the running requests (a shared prefix once)."""
         self.growth_step = GROWTH_STEP
         """Tokens of reply a running request's reservation grows by at a time."""
-        self._lock = threading.Condition()
+        self._lock = threading.Lock()
         self._queue: collections.deque[tuple[Reservation, asyncio.Future[Hold]]] = collections.deque()
         """The reservations waiting for memory, in arrival order."""
         self._holds: set[Hold] = set()
@@ -292,7 +293,11 @@ class KvBudget:
             previous, own = hold.tokens, hold.own
             hold.resize(max(tokens, min(hold.tokens + self.growth_step, hold.reservation.tokens)))
             reserved = self.reserved + hold.own - own
-            hold.paused = hold.waits and not (reserved <= self.limit and self.safe(reserved, self._holds))
+            # Past its reservation (an estimate too low: image tokens, a forced reply prefix) a hold is let grow
+            # whatever the limit, as one that may not wait is: its need was counted as nothing, so making it
+            # wait would break the safety that lets the others reach their end.
+            waits = hold.waits and tokens <= hold.reservation.tokens and self.model.worker.runs_side_by_side
+            hold.paused = waits and not (reserved <= self.limit and self.safe(reserved, self._holds))
             if hold.paused:
                 hold.resize(previous)
                 return False
@@ -300,9 +305,9 @@ class KvBudget:
             return True
 
     def wait(self, seconds: float) -> None:
-        """Block at most ``seconds``, or until a turn gives memory back."""
-        with self._lock:
-            self._lock.wait(seconds)
+        """Block the worker's thread at most ``seconds``, or until a turn gives memory back or anything else the
+        worker waits for happens (a reader taking an item: a stream ahead of its reader must go on)."""
+        self.model.worker.idle(seconds)
 
     def safe(self, reserved: int, holds: Iterable[Hold]) -> bool:
         """Whether, with ``reserved`` bytes held, ``holds`` can all still grow to what they may need, one after
@@ -333,7 +338,7 @@ class KvBudget:
                 if not self._readers[prefix]:
                     del self._readers[prefix]
                     self.reserved -= self.footprint.prefix_nbytes(hold.reservation.shared)
-            self._lock.notify_all()
+        self.model.worker.wake()  # a generation waiting to grow asks again
 
     def _grant(self) -> None:
         """Admit the reservations waiting, in order, while each fits and keeps the state safe (on the loop)."""
