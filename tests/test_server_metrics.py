@@ -184,6 +184,26 @@ def test_requests_waiting_for_memory_are_served_in_arrival_order() -> None:
     assert kv.reserved == 0 and kv.waiting == 0
 
 
+def test_memory_given_back_while_a_waiting_request_is_being_cancelled_goes_to_the_next() -> None:
+    kv = KvBudget(loaded("qwen3"), limit=0)
+    kv.limit = kv.footprint.nbytes(512)
+
+    async def run() -> None:
+        held = await kv.reserve(Reservation(512, 512))
+        leaving = asyncio.ensure_future(kv.reserve(Reservation(512, 512)))
+        staying = asyncio.ensure_future(kv.reserve(Reservation(256, 256)))
+        while kv.waiting < 2:
+            await asyncio.sleep(0)
+        leaving.cancel()  # its ticket is cancelled now, its own clean-up runs at the loop's next turn
+        await kv.release(held)  # meanwhile: the cancelled ticket is passed over, not granted
+        with pytest.raises(asyncio.CancelledError):
+            await leaving
+        await kv.release(await asyncio.wait_for(staying, 5))
+
+    asyncio.run(run())
+    assert kv.reserved == 0 and kv.waiting == 0
+
+
 def test_a_reply_holds_its_prompt_and_grows_as_it_decodes(monkeypatch) -> None:
     """A request is admitted holding its prompt and the first ``growth_step`` tokens of reply, not its whole
     ``max_tokens``, and grows a step at a time as it asks; where generations cannot wait for each other

@@ -346,6 +346,8 @@ class KvBudget:
         with self._lock:
             while self._queue:
                 reservation, ticket = self._queue[0]
+                if ticket.cancelled():  # its request has gone: it takes itself out of the queue (reserve)
+                    return
                 whole = reservation.tokens
                 hold = Hold(self, reservation, min(reservation.prompt + self.growth_step, whole) if grows else whole,
                             grows)
