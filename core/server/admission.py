@@ -153,12 +153,8 @@ class Hold:
     the budget's ``growth_step`` at a time as it decodes (:meth:`allow`: it is the cache's
     :class:`~mlxchat.prompt_cache.Growth`) towards what its reservation may need."""
 
-    def __init__(self, budget: KvBudget, reservation: Reservation, tokens: int, waits: bool = True):
+    def __init__(self, budget: KvBudget, reservation: Reservation, tokens: int):
         self.budget, self.reservation = budget, reservation
-        self.waits = waits
-        """Whether its generation may wait for memory (beside others'); one that may not holds its whole
-        reservation from the start, and is let grow past it (an estimate too low) whatever the limit, as every
-        hold is past its reservation."""
         self.paused = False
         """Whether its last request to grow was refused (its generation waits for memory)."""
         self.tokens = self.own = self.need = 0
@@ -294,9 +290,10 @@ class KvBudget:
             hold.resize(max(tokens, min(hold.tokens + self.growth_step, hold.reservation.tokens)))
             reserved = self.reserved + hold.own - own
             # Past its reservation (an estimate too low: image tokens, a forced reply prefix) a hold is let grow
-            # whatever the limit, as one that may not wait is: its need was counted as nothing, so making it
-            # wait would break the safety that lets the others reach their end.
-            waits = hold.waits and tokens <= hold.reservation.tokens and self.model.worker.runs_side_by_side
+            # whatever the limit: its need was counted as nothing, so making it wait would break the safety that
+            # lets the others reach their end. Nor does one wait while the worker runs one job at a time (a hold
+            # granted then holds its whole reservation, so it only ever asks past it).
+            waits = tokens <= hold.reservation.tokens and self.model.worker.runs_side_by_side
             hold.paused = waits and not (reserved <= self.limit and self.safe(reserved, self._holds))
             if hold.paused:
                 hold.resize(previous)
@@ -349,8 +346,7 @@ class KvBudget:
                 if ticket.cancelled():  # its request has gone: it takes itself out of the queue (reserve)
                     return
                 whole = reservation.tokens
-                hold = Hold(self, reservation, min(reservation.prompt + self.growth_step, whole) if grows else whole,
-                            grows)
+                hold = Hold(self, reservation, min(reservation.prompt + self.growth_step, whole) if grows else whole)
                 reserved = self.reserved + self._cost(hold)
                 if reserved > self.limit or not self.safe(reserved, [*self._holds, hold]):
                     return

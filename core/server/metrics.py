@@ -7,8 +7,9 @@ the gaps between its events (inter-token latency). A request the guard refuses b
 Each step of the model's worker is observed: the generations it decoded together (rows of one decode
 pass) and the prompt tokens it prefilled. What the server holds is read when scraped: the requests
 admitted (running or waiting for the model), the generations running, the bytes their caches hold now and
-may grow to, the idle caches and their bytes, the caches spilled to disk, and what the model's steps cost
-as its worker fitted it (:mod:`mlxchat.pacing`). Each app has a registry of
+are reserved (grown as they decode), the generations waiting for memory to grow, the idle caches and their
+bytes, the caches spilled to disk, and what the model's steps cost as its worker fitted it
+(:mod:`mlxchat.pacing`). Each app has a registry of
 its own, so two servers in one process never mix their counts.
 """
 
