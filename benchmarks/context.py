@@ -4,7 +4,7 @@ For each model and context length, each engine in its own fresh process (the eng
 from one length to the next): a prompt of that many tokens, then greedy decoding at that depth. A row gives
 prefill tokens/s (the prompt over the time to first token), the time to first token, decode tokens/s over
 the decoded tokens, and peak memory (MLX's allocator where the engine keeps one, and the process RSS).
-Engines: mlxchat with float KV and with 8-bit KV (``kv_bits=8``), llama.cpp F32 with its default (F16) and
+Engines: mlxchat with float KV, 8-bit KV (``kv_bits=8``) and 4-bit KV, llama.cpp F32 with its default (F16) and
 its q8_0 KV cache (``-ctk q8_0 -ctv q8_0``), mlx-lm, and on hybrid models a ChatSession turn whose user
 message is that long (``mlxchat-session``, at the largest length unless ``--engines`` names it).
 
@@ -40,10 +40,10 @@ from typing import Any
 
 from . import host
 from .checkpoints import HERE, MARKER, MODELS
-from .engines import LABELS
+from .engines import KV_BITS, LABELS
 from .limits import BYTES_PER_PARAM, token_work
 
-ENGINES = ("mlxchat", "mlxchat-kv8", "llama.cpp-f32", "llama.cpp-f32-kv8", "mlx-lm", "mlxchat-session")
+ENGINES = ("mlxchat", "mlxchat-kv8", "mlxchat-kv4", "llama.cpp-f32", "llama.cpp-f32-kv8", "mlx-lm", "mlxchat-session")
 SESSION = "mlxchat-session"
 """Measured by default on hybrid models at the run's largest length only (issue 27's goal: a 32k-token
 session turn on Qwen3.5-0.8B shapes runs); everywhere when ``--engines`` names it."""
@@ -52,8 +52,8 @@ LIMIT_PER = 4096
 """A row's default time limit is ``--timeout`` for every ``LIMIT_PER`` tokens of its length (at least one)."""
 MARGIN = 1e9
 """Memory left free beside a row's estimated peak."""
-KV_BITS, KV_GROUP = 8, 64
-"""mlxchat's 8-bit KV: bits and group size (its default), a scale and a bias per group in the compute dtype."""
+KV_GROUP = 64
+"""mlxchat's quantized KV: its group size (the default), a scale and a bias per group in the compute dtype."""
 MLXCHAT_CHUNK, TILED_ABOVE = 512, 256 * 2**20
 """mlxchat prefills in chunks of 512 tokens and tiles a chunk's attention over the keys once its scores
 would pass 256 MiB (``mlxchat.layers.attention``)."""
@@ -70,9 +70,9 @@ OVERHEAD = 0.6e9
 
 def kv_format(engine: str, compute_dtype: str) -> tuple[str, float]:
     """The KV cache an engine keeps: its name and bytes per cached element."""
-    if engine == "mlxchat-kv8":
-        return (f"{KV_BITS}-bit, groups of {KV_GROUP}",
-                KV_BITS / 8 + 2 * BYTES_PER_PARAM[compute_dtype] / KV_GROUP)
+    if engine in KV_BITS:
+        bits = KV_BITS[engine]
+        return f"{bits}-bit, groups of {KV_GROUP}", bits / 8 + 2 * BYTES_PER_PARAM[compute_dtype] / KV_GROUP
     if engine == "llama.cpp-f32":
         return "F16 (llama.cpp's default)", 2.0
     if engine == "llama.cpp-f32-kv8":

@@ -78,7 +78,7 @@ def engine_notes(results: dict[str, Any]) -> list[str]:
 def shape_line(shape: Shape, dtype: str, lengths: list[int]) -> str:
     longest = max(lengths)
     formats = []
-    for engine in ("mlxchat", "llama.cpp-f32", "mlxchat-kv8", "llama.cpp-f32-kv8"):
+    for engine in ("mlxchat", "llama.cpp-f32", "mlxchat-kv8", "llama.cpp-f32-kv8", "mlxchat-kv4"):
         name = kv_format(engine, dtype)[0]
         formats.append(f"{name}: {shape.kv_bytes(engine, dtype, 1) / 1e3:.1f} KB a token, "
                        f"{shape.kv_bytes(engine, dtype, longest) / 1e9:.2f} GB at {longest}")

@@ -39,6 +39,7 @@ LABELS = {
     "llama.cpp-q8_0": "llama.cpp Q8_0",
     "llama.cpp-q4_0": "llama.cpp Q4_0",
     "mlxchat-kv8": "mlxchat, 8-bit KV",
+    "mlxchat-kv4": "mlxchat, 4-bit KV",
     "llama.cpp-f32-kv8": "llama.cpp F32, q8_0 KV",
     "mlxchat-session": "mlxchat, session turn",
     "mlx-vlm": "mlx-vlm (same dtype, OpenBLAS)",
@@ -46,6 +47,8 @@ LABELS = {
 VISION_ENGINES = ("mlxchat", "mlx-vlm")
 """The engines of the image rows."""
 QUANTIZED_BITS = {"mlxchat-8bit": 8, "mlxchat-4bit": 4}
+KV_BITS = {"mlxchat-kv8": 8, "mlxchat-kv4": 4}
+"""mlxchat with a quantized KV cache (``kv_bits``, groups of 64: its default)."""
 COMPARISONS = {
     "mlxchat": ("mlx-lm", "mlx-lm-default", "llama.cpp-f32", "llama.cpp-f16", "llama.cpp-q8_0", "llama.cpp-q4_0"),
     "mlxchat-8bit": ("llama.cpp-q8_0", "mlxchat"),
@@ -268,8 +271,8 @@ def open_engine(name: str, folder: Path, *, blas_path: str | None, dtype: str | 
     mlxchat found (None off Linux-CPU)."""
     if name == "mlxchat":
         return Mlxchat(folder)
-    if name == "mlxchat-kv8":
-        return Mlxchat(folder, name, kv_bits=8)
+    if name in KV_BITS:
+        return Mlxchat(folder, name, kv_bits=KV_BITS[name])
     if name == "llama.cpp-f32-kv8":
         from .gguf import converted
 

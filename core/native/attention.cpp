@@ -7,8 +7,8 @@
  * into each row's running maximum and sum (rescaling what it has summed when the maximum grows) and adds
  * the block's values weighted by them. So keys and values are read once per block of rows, straight from
  * the cache's buffers (strided views: float32 in place; packed rows dequantized a block at a time into the
- * task's scratch, or, for one or two rows, converted in registers where they lie), and the scratch is a
- * block's, whatever the context. A decode step has one block of rows per KV head; when that makes too few
+ * task's scratch, or, for one or two rows, converted in registers where they lie: attention_packed.h), and the
+ * scratch is a block's, whatever the context. A decode step has one block of rows per KV head; when that makes too few
  * tasks for the cores, each block's keys are split among several tasks whose partial sums are merged
  * afterwards (flash decoding).
  */
@@ -20,6 +20,7 @@
 #include <cstring>
 #include <numeric>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "pool.h"
@@ -36,7 +37,7 @@ constexpr int kKeys = 64;   // keys per block (the values of a block of 64 stay 
 constexpr int kRows = 64;   // query rows per task (at most)
 constexpr int kSplitKeys = 512;  // the fewest keys a task of a split block gets
 /* Blocks of at most this many rows (a decode step of 1-2 query heads a KV head) read packed keys and values in
- * place, converting them in registers; more rows share one staged float copy of each block (converting for each
+ * place, converting them in registers (attention_packed.h, where a chunk of its words fits in a group); more rows share one staged float copy of each block (converting for each
  * pair of rows cost more than the stores: 3 and 4 rows ran 5-20% slower fused on an AVX2 EPYC, where 1 and 2
  * rows ran 21-42% faster; benchmarks/results/quantized_kv_decode.md). */
 constexpr int kFusedRows = 2;
@@ -51,68 +52,20 @@ struct Ops {
   void (*accumulate)(const float* p, int rows, int ps, const float* v, int64_t vs, int n, int dims, float* acc,
                      int as);
   void (*dequantize)(const Rows& rows, int b, int h, int64_t at, int n, float* out);
+  float (*row_max)(const float* x, int n);
+  float (*exp_sum)(float* x, int n, float shift);
+  void (*scale)(float* x, int dims, float by);
+  // packed rows read in place (attention_packed.h): words of `lanes` 32-bit lanes, rows put in their order
+  int lanes;
+  void (*order)(const float* x, int rows, int xs, int dims, int bits, float* out, int os);
+  void (*add_ordered)(const float* x, int rows, int xs, int dims, int bits, float* out, int os);
   void (*packed_scores)(const float* q, int rows, int qs, const float* qsum, const Rows& keys, int b, int h,
                         int64_t at, int n, float* s, int ss);
   void (*packed_accumulate)(const float* p, int rows, int ps, const Rows& values, int b, int h, int64_t at, int n,
                             float* acc, int as);
-  float (*row_max)(const float* x, int n);
-  float (*exp_sum)(float* x, int n, float shift);
-  void (*scale)(float* x, int dims, float by);
 };
 
 #if defined(__x86_64__)
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512dq,avx2,fma")
-namespace avx512 {
-using Vec = __m512;
-struct V {
-  static constexpr int W = 16, kAcc = 16, kMaxC = 8;
-  static Vec zero() { return _mm512_setzero_ps(); }
-  static Vec set1(float x) { return _mm512_set1_ps(x); }
-  static Vec load(const float* p) { return _mm512_loadu_ps(p); }
-  static void store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
-  static Vec fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
-  static Vec add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
-  static Vec sub(Vec a, Vec b) { return _mm512_sub_ps(a, b); }
-  static Vec mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
-  static Vec max(Vec a, Vec b) { return _mm512_max_ps(a, b); }
-  static float sum(Vec v) { return _mm512_reduce_add_ps(v); }
-  static float top(Vec v) { return _mm512_reduce_max_ps(v); }
-  static Vec exp(Vec v) { return mlxchat_simd::exp512(v); }
-  static constexpr int input(int p) { return p / 4 + 4 * (p % 4); }
-  /* A tree of shuffles and adds: 128-bit lanes, then 64-bit pairs, then single floats. */
-  static Vec sums(const Vec* a) {
-    Vec x[8], y[4], z[2];
-    for (int i = 0; i < 8; ++i)
-      x[i] = add(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44), _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
-    for (int i = 0; i < 4; ++i)
-      y[i] = add(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0x88), _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0xDD));
-    for (int i = 0; i < 2; ++i)
-      z[i] = add(_mm512_shuffle_ps(y[2 * i], y[2 * i + 1], 0x44), _mm512_shuffle_ps(y[2 * i], y[2 * i + 1], 0xEE));
-    return add(_mm512_shuffle_ps(z[0], z[1], 0x88), _mm512_shuffle_ps(z[0], z[1], 0xDD));
-  }
-  template <int R>
-  static void store_rows(Vec v, float* s, int ss) {
-    constexpr int K = W / R;
-    for (int i = 0; i < R; ++i) _mm512_mask_storeu_ps(s + i * (ss - K), __mmask16(((1u << K) - 1) << (i * K)), v);
-  }
-  static Vec bytes8(const uint8_t* w, int c) {
-    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + c))));
-  }
-  static Vec bytes4(const uint8_t* w, int c) {  // value 2i in the low nibble of byte i, 2i + 1 in the high one
-    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + c / 2)), m = _mm_set1_epi8(15);
-    const __m128i x = _mm_unpacklo_epi8(_mm_and_si128(b, m), _mm_and_si128(_mm_srli_epi16(b, 4), m));
-    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(x));
-  }
-  static void bytes4x2(const uint8_t* w, int c, Vec& lo, Vec& hi) {
-    lo = bytes4(w, c);
-    hi = bytes4(w, c + W);
-  }
-};
-#include "attention_ops.h"
-}  // namespace avx512
-#pragma GCC pop_options
-
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
 namespace avx2 {
@@ -165,6 +118,14 @@ struct V {
     const __m128i x = _mm_unpacklo_epi8(_mm_and_si128(b, m), _mm_and_si128(_mm_srli_epi16(b, 4), m));
     return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(x));
   }
+  using Int = __m256i;
+  static Int words(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  template <int SHIFT, int BITS>
+  static Vec field(Int x) {
+    if constexpr (SHIFT > 0) x = _mm256_srli_epi32(x, SHIFT);
+    if constexpr (SHIFT + BITS < 32) x = _mm256_and_si256(x, _mm256_set1_epi32((1 << BITS) - 1));
+    return _mm256_cvtepi32_ps(x);
+  }
   static void bytes4x2(const uint8_t* w, int c, Vec& lo, Vec& hi) {  // one load and unpack for 16 values
     const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + c / 2)), m = _mm_set1_epi8(15);
     const __m128i x = _mm_unpacklo_epi8(_mm_and_si128(b, m), _mm_and_si128(_mm_srli_epi16(b, 4), m));
@@ -173,7 +134,66 @@ struct V {
   }
 };
 #include "attention_ops.h"
+#include "attention_packed.h"
+const Ops ops = {scores, accumulate, dequantize, row_max, exp_sum, scale,
+                 V::W, order, add_ordered, packed_scores, packed_accumulate};
 }  // namespace avx2
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512dq,avx2,fma")
+namespace avx512 {
+using Vec = __m512;
+struct V {
+  static constexpr int W = 16, kAcc = 16, kMaxC = 8;
+  static Vec zero() { return _mm512_setzero_ps(); }
+  static Vec set1(float x) { return _mm512_set1_ps(x); }
+  static Vec load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+  static Vec fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+  static Vec add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+  static Vec sub(Vec a, Vec b) { return _mm512_sub_ps(a, b); }
+  static Vec mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+  static Vec max(Vec a, Vec b) { return _mm512_max_ps(a, b); }
+  static float sum(Vec v) { return _mm512_reduce_add_ps(v); }
+  static float top(Vec v) { return _mm512_reduce_max_ps(v); }
+  static Vec exp(Vec v) { return mlxchat_simd::exp512(v); }
+  static constexpr int input(int p) { return p / 4 + 4 * (p % 4); }
+  /* A tree of shuffles and adds: 128-bit lanes, then 64-bit pairs, then single floats. */
+  static Vec sums(const Vec* a) {
+    Vec x[8], y[4], z[2];
+    for (int i = 0; i < 8; ++i)
+      x[i] = add(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44), _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; ++i)
+      y[i] = add(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0x88), _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; ++i)
+      z[i] = add(_mm512_shuffle_ps(y[2 * i], y[2 * i + 1], 0x44), _mm512_shuffle_ps(y[2 * i], y[2 * i + 1], 0xEE));
+    return add(_mm512_shuffle_ps(z[0], z[1], 0x88), _mm512_shuffle_ps(z[0], z[1], 0xDD));
+  }
+  template <int R>
+  static void store_rows(Vec v, float* s, int ss) {
+    constexpr int K = W / R;
+    for (int i = 0; i < R; ++i) _mm512_mask_storeu_ps(s + i * (ss - K), __mmask16(((1u << K) - 1) << (i * K)), v);
+  }
+  static Vec bytes8(const uint8_t* w, int c) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + c))));
+  }
+  static Vec bytes4(const uint8_t* w, int c) {  // value 2i in the low nibble of byte i, 2i + 1 in the high one
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + c / 2)), m = _mm_set1_epi8(15);
+    const __m128i x = _mm_unpacklo_epi8(_mm_and_si128(b, m), _mm_and_si128(_mm_srli_epi16(b, 4), m));
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(x));
+  }
+  static void bytes4x2(const uint8_t* w, int c, Vec& lo, Vec& hi) {
+    lo = bytes4(w, c);
+    hi = bytes4(w, c + W);
+  }
+};
+#include "attention_ops.h"
+/* Packed rows are read by AVX2's loops: 16-lane words would be chunks of 64 (8-bit) or 128 (4-bit) values, more
+ * than a group of 32 or 64 holds (attention_packed.h). */
+const Ops ops = {scores, accumulate, dequantize, row_max, exp_sum, scale, avx2::ops.lanes, avx2::ops.order,
+                 avx2::ops.add_ordered, avx2::ops.packed_scores, avx2::ops.packed_accumulate};
+}  // namespace avx512
 #pragma GCC pop_options
 #endif
 
@@ -203,8 +223,19 @@ struct V {
     lo = bytes4(w, c);
     hi = bytes4(w, c + 1);
   }
+  using Int = uint32_t;
+  static Int words(const uint8_t* p) {
+    Int x;
+    std::memcpy(&x, p, sizeof(x));
+    return x;
+  }
+  template <int SHIFT, int BITS>
+  static Vec field(Int x) { return float((x >> SHIFT) & ((1u << BITS) - 1)); }
 };
 #include "attention_ops.h"
+#include "attention_packed.h"
+const Ops ops = {scores, accumulate, dequantize, row_max, exp_sum, scale,
+                 V::W, order, add_ordered, packed_scores, packed_accumulate};
 }  // namespace scalar
 
 std::atomic<Isa> active_isa{mlxchat_simd::isa};
@@ -271,7 +302,7 @@ class Buffer {
 };
 
 struct Scratch {
-  Buffer q, s, acc, k, v, qsum;
+  Buffer q, s, acc, k, v, qsum, ordered_q, ordered_acc;
   std::vector<float> top, sum;
 };
 
@@ -314,6 +345,12 @@ const float* group_sums(const float* q, int rows, int qs, int dims, int group, B
   return sums;
 }
 
+/* Whether a block of `rows` query rows reads these packed rows in place (attention_packed.h: a chunk of the ISA's
+ * words within a group), rather than a float copy of each block of them. */
+bool fused(const Ops& ops, const Rows& packed, int rows) {
+  return packed.bits != 0 && rows <= kFusedRows && ops.lanes * 32 / packed.bits <= packed.group;
+}
+
 int features(const Rows& rows) {
   return rows.bits == 0 ? padded(rows.dims) : rows.dims;
 }
@@ -337,17 +374,29 @@ void run_task(const void* ctx, int index) {
     const float* src = p.queries.at<float>(t.b, t.h * plan.group + r % plan.group, r / plan.group);
     for (int d = 0; d < p.dims; ++d) q[size_t(i) * qd + d] = src[d] * p.scale;
   }
+  float* ordered = nullptr;
+  int ordered_bits = 0, ordered_dims = 0;
   int64_t start = 0;  // position of the segment's first key
   for (int si = 0; si < p.count; start += p.segments[si].count, ++si) {
     const Segment& seg = p.segments[si];
     const int kd = features(seg.keys), vdims = features(seg.values);
-    const bool packed_keys = seg.keys.bits != 0 && rows <= kFusedRows;
-    const bool packed_values = seg.values.bits != 0 && rows <= kFusedRows;
+    const bool packed_keys = fused(ops, seg.keys, rows);
+    // Packed values sum into `ordered` in their chunks' order (the first such segment's format; another format
+    // is staged), which goes into acc at the end.
+    const bool packed_values = fused(ops, seg.values, rows) && (ordered == nullptr || (
+        seg.values.bits == ordered_bits && seg.values.dims == ordered_dims));
+    if (packed_values && ordered == nullptr) {
+      ordered = s.ordered_acc.take(size_t(rows) * vd);
+      std::fill(ordered, ordered + size_t(rows) * vd, 0.0f);
+      ordered_bits = seg.values.bits, ordered_dims = seg.values.dims;
+    }
     const float* qsum = packed_keys ? group_sums(q, rows, qd, seg.keys.dims, seg.keys.group, s.qsum) : nullptr;
+    float* qk = packed_keys ? s.ordered_q.take(size_t(rows) * qd) : nullptr;
+    if (packed_keys) ops.order(q, rows, qd, seg.keys.dims, seg.keys.bits, qk, qd);
     for (int64_t j0 = std::max(t.k0, start); j0 < std::min(t.k1, start + seg.count); j0 += kKeys) {
       const int n = int(std::min<int64_t>(kKeys, std::min(t.k1, start + seg.count) - j0));
       if (packed_keys) {
-        ops.packed_scores(q, rows, qd, qsum, seg.keys, t.b, t.h, j0 - start, n, scores, kKeys);
+        ops.packed_scores(qk, rows, qd, qsum, seg.keys, t.b, t.h, j0 - start, n, scores, kKeys);
       } else {
         int64_t ks;
         const float* k = rows_at(seg.keys, ops, t.b, t.h, j0 - start, n, kd, s.k, ks);
@@ -366,12 +415,15 @@ void run_task(const void* ctx, int index) {
         const float sum = ops.exp_sum(row + a, e - a, top);
         std::fill(row, row + a, 0.0f);
         std::fill(row + e, row + n, 0.0f);
-        if (rescale != 1.0f) ops.scale(acc + size_t(i) * vd, vd, rescale);
+        if (rescale != 1.0f) {
+          ops.scale(acc + size_t(i) * vd, vd, rescale);
+          if (ordered != nullptr) ops.scale(ordered + size_t(i) * vd, vd, rescale);
+        }
         s.sum[i] = s.sum[i] * rescale + sum;
         s.top[i] = top;
       }
       if (packed_values) {
-        ops.packed_accumulate(scores, rows, kKeys, seg.values, t.b, t.h, j0 - start, n, acc, vd);
+        ops.packed_accumulate(scores, rows, kKeys, seg.values, t.b, t.h, j0 - start, n, ordered, vd);
       } else {
         int64_t vs;
         const float* v = rows_at(seg.values, ops, t.b, t.h, j0 - start, n, vdims, s.v, vs);
@@ -379,6 +431,7 @@ void run_task(const void* ctx, int index) {
       }
     }
   }
+  if (ordered != nullptr) ops.add_ordered(ordered, rows, vd, ordered_dims, ordered_bits, acc, vd);
   if (t.parts > 1) {
     float* out = plan.partial_at(t.slot + t.part);
     std::copy(s.top.begin(), s.top.end(), out);
