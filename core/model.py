@@ -367,6 +367,12 @@ class GenerativeModel:
         and no draft model is given)."""
         return bool(getattr(self.module, "has_mtp", False))
 
+    @property
+    def drafter(self) -> Drafter | None:
+        """What proposes tokens when a request sets ``draft_tokens``: :attr:`draft`'s, or the checkpoint's
+        multi-token-prediction head (``None``: nothing drafts)."""
+        return self._drafter
+
     def with_draft(self, draft: GenerativeModel | Literal["mtp"], draft_tokens: int = 4) -> GenerativeModel:
         """This model (same weights, worker and sessions' caches) decoding speculatively: ``draft`` proposes
         ``draft_tokens`` tokens per pass (the default ``GenerationConfig.draft_tokens`` from now on; a

@@ -32,7 +32,7 @@ caches already roll back per sequence.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -112,6 +112,11 @@ class Drafter(Protocol):
 
     def commit(self, cache: PromptCache, sequence: Sequence[int], verified: Verified) -> None:
         """The round is decided: ``sequence`` now ends with the kept drafts and the target's token."""
+        ...
+
+    def fresh_state(self) -> tuple[list[Any], Callable[[int], Any]]:
+        """The layer caches of the state it keeps beside a conversation, fresh, and what runs ``n`` tokens
+        through them (what a server's memory-aware admission measures a token of that state with)."""
         ...
 
 
@@ -299,6 +304,10 @@ class ModelDrafter:
             return mx.pad(logits, [(0, 0), (0, self.vocab_size - width)], constant_values=-mx.inf)
         return logits
 
+    def fresh_state(self) -> tuple[list[Any], Callable[[int], Any]]:
+        layers = self.module.make_cache()
+        return layers, lambda n: self.module(mx.zeros((1, n), mx.int32), layers)
+
     def commit(self, cache: PromptCache, sequence: Sequence[int], verified: Verified) -> None:
         """The draft fed its pending tokens and every draft but the last: keep what the target kept."""
         if not verified.drafts:
@@ -388,6 +397,16 @@ class MtpDrafter:
             return [a for layer in state.layers for a in layer.state if a is not None]
 
         return follow
+
+    def fresh_state(self) -> tuple[list[Any], Callable[[int], Any]]:
+        layers = self.module.make_mtp_cache()
+
+        def run(n: int) -> mx.array:  # the target's own states of n tokens, in the dtype it computes in
+            tokens = mx.zeros((1, n), mx.int32)
+            out: mx.array = self.module.mtp_step(self.module.model(tokens, self.module.make_cache()), tokens, layers)
+            return out
+
+        return layers, run
 
     def _run(self, state: MtpCache) -> mx.array | None:
         """Run the queued rows (their next tokens are in ``state.tokens``); the head's output ``[1, L, H]``."""

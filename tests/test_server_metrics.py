@@ -17,10 +17,11 @@ import pytest
 httpx = pytest.importorskip("httpx")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
+import mlxchat  # noqa: E402
 from mlxchat.pacing import StepPace  # noqa: E402
 from mlxchat.server.admission import Footprint, Hold, KvBudget, Reservation  # noqa: E402
 
-from conftest import loaded  # noqa: E402
+from conftest import FIXTURES, loaded  # noqa: E402
 from server_support import DEMO, Served, held_mid_stream, serving  # noqa: E402
 
 HEADERS = {"Authorization": "Bearer k"}
@@ -346,6 +347,45 @@ def test_the_measured_footprint_bounds_what_a_conversation_holds(name: str) -> N
     assert held <= footprint.nbytes(tokens)
     if name == "qwen3":  # full attention only: the estimate is what it holds
         assert footprint.nbytes(tokens) == held
+
+
+def test_the_footprint_is_measured_in_the_kv_format_the_models_caches_are_made_in() -> None:
+    """A server over a model that keeps 8-bit keys and values reserves what those hold, not float32's."""
+    float_kv = Footprint(loaded("qwen3"))
+    with mlxchat.load_model(FIXTURES / "qwen3", dtype="float32", kv_bits=8, kv_group_size=32) as model:
+        footprint = Footprint(model)
+        session = model.chat_session()
+        result = session.send("Hello there, how are you today?", config={"max_tokens": 20, "temperature": 0.0})
+        tokens = result.report.prompt_tokens + result.report.generated_tokens
+        assert session.cache.nbytes <= footprint.nbytes(tokens)
+        assert footprint.nbytes(4096) < 0.35 * float_kv.nbytes(4096)  # 8-bit in groups of 32: 0.31x, and a tail
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_5_mtp"])
+def test_a_reply_that_decodes_speculatively_reserves_its_drafters_state(name: str) -> None:
+    """With a draft model (here the model itself) or an MTP head, what a speculative turn holds (its cache and
+    the drafter's state beside it) is within the footprint with the drafter's state, which a reservation of a
+    request that sets ``draft_tokens`` counts (and one that does not, not)."""
+    model = loaded(name)
+    speculative = model.with_draft(model if name == "qwen3" else "mtp", 3)
+    footprint = Footprint(speculative)
+    assert footprint.draft_layers and not Footprint(loaded("qwen3")).draft_layers
+    session = speculative.chat_session()
+    result = session.send("Hello there, how are you today?", config={"max_tokens": 20, "temperature": 0.0})
+    assert result.report.draft_tokens > 0
+    tokens = result.report.prompt_tokens + result.report.generated_tokens
+    held = session.cache.nbytes
+    assert footprint.nbytes(tokens) < footprint.nbytes(tokens, drafted=True)
+    assert held <= footprint.nbytes(tokens, drafted=True)
+    if name == "qwen3":  # full attention only: without the draft's cache the estimate is the target's alone
+        assert footprint.nbytes(tokens) < held
+    budget = KvBudget(speculative, 10**12)
+    messages = [{"role": "user", "content": "Hello"}]
+    for draft_tokens in (0, 3):
+        config = speculative.defaults.merged({"draft_tokens": draft_tokens})
+        reservation = asyncio.run(budget.estimate(messages, None, config))
+        assert reservation.drafted == bool(draft_tokens)
+        assert budget.nbytes(reservation) == footprint.nbytes(reservation.tokens, drafted=bool(draft_tokens))
 
 
 SYSTEM = " ".join(f"Rule {i}: answer briefly and name your sources." for i in range(30))

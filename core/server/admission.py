@@ -27,9 +27,11 @@ Idle prompt caches kept between requests are not counted here: they have their o
 two bounds together. (A cache a request takes from the pool is then counted by that request's reservation.)
 
 The bytes per token are measured, not derived from a config: one token, then one allocation step of
-tokens, run through a fresh cache at start, and each layer's arrays say what a token costs there (full
-attention: every token, in the cache's allocation steps; sliding window: up to its window, kept again by
-each snapshot; a recurrent or conv state: a fixed size, kept again by each snapshot a hybrid takes).
+tokens, run through a fresh cache (in the KV format the model's caches are made in: ``--kv-bits``) at start,
+and each layer's arrays say what a token costs there (full attention: every token, in the cache's allocation
+steps; sliding window: up to its window, kept again by each snapshot; a recurrent or conv state: a fixed size,
+kept again by each snapshot a hybrid takes). A request that decodes speculatively also reserves its drafter's
+state (a draft model's cache, an MTP head's), measured the same way.
 """
 
 from __future__ import annotations
@@ -40,13 +42,13 @@ import collections
 import hashlib
 import os
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 
-from ..cache import KeysValues, KVCache, SlidingWindowCache
+from ..cache import KeysValues, KVCache, QuantizedKVCache, SlidingWindowCache
 from ..generation import GenerationConfig
 from ..messages import ChatMessage
 from ..model import GenerativeModel
@@ -69,40 +71,53 @@ class LayerCost:
     shares: bool = False  # reads a long prompt prefix another cache holds where it lies (a KV layer)
 
 
+def _layer_costs(layers: list[Any], run: Callable[[int], Any], shares: bool = True) -> list[LayerCost]:
+    """What each of ``layers`` holds per token, measured: one token run through them, then one allocation
+    step more (``shares``: whether its KV layers can read a long prefix another cache holds)."""
+    mx.eval(run(1))
+    before = [layer.nbytes for layer in layers]
+    mx.eval(run(KVCache.step))
+    costs = []
+    for layer, held in zip(layers, before, strict=True):
+        window = layer.window if isinstance(layer, SlidingWindowCache) else None
+        copies = 1 if window is None else 1 + DEFAULT_MAX_SNAPSHOTS
+        plain = type(layer) in (KVCache, SlidingWindowCache)
+        if plain and isinstance(layer, KeysValues) and layer.keys is not None and layer.values is not None:
+            per_token = (layer.keys.nbytes + layer.values.nbytes) / layer.keys.shape[2]
+            costs.append(LayerCost(per_token, window, KVCache.step if window is None else 1, 0, copies,
+                                   shares=shares and type(layer) is KVCache))
+        elif isinstance(layer, QuantizedKVCache) and layer.quantized is not None:  # packed tokens, allocated in
+            # steps, and a float tail of less than a group (one token of it held after the first run)
+            packed = [a for part in layer.quantized for a in part]
+            costs.append(LayerCost(sum(a.nbytes for a in packed) / packed[0].shape[2], None, KVCache.step,
+                                   held * layer.group_size, shares=shares))
+        else:  # a state of fixed size, kept again by each snapshot
+            costs.append(LayerCost(0.0, None, 1, layer.nbytes * (1 + DEFAULT_MAX_SNAPSHOTS)))
+    return costs
+
+
 class Footprint:
-    """What a prompt cache of one model holds for a number of tokens (measured once, see the module)."""
+    """What a prompt cache of one model holds for a number of tokens (measured once, see the module): its
+    layers, in the KV format the model's caches are made in, and a drafter's state where one drafts."""
 
     def __init__(self, model: GenerativeModel):
-        def measure() -> list[LayerCost]:
-            layers = model.module.make_cache()
-            mx.eval(model.module(mx.array([[0]]), layers))
-            before = [layer.nbytes for layer in layers]
-            mx.eval(model.module(mx.zeros((1, KVCache.step), mx.int32), layers))  # one allocation step more
-            costs = []
-            for layer, held in zip(layers, before, strict=True):
-                window = layer.window if isinstance(layer, SlidingWindowCache) else None
-                plain = type(layer) in (KVCache, SlidingWindowCache)
-                if plain and isinstance(layer, KeysValues) and layer.keys is not None and layer.values is not None:
-                    per_token = (layer.keys.nbytes + layer.values.nbytes) / layer.keys.shape[2]
-                    costs.append(LayerCost(per_token, window, KVCache.step if window is None else 1, 0,
-                                           1 if window is None else 1 + DEFAULT_MAX_SNAPSHOTS,
-                                           shares=type(layer) is KVCache))
-                elif isinstance(layer, KeysValues):  # another format (quantized): what a step of tokens added
-                    costs.append(LayerCost((layer.nbytes - held) / KVCache.step, window, 1, held,
-                                           1 if window is None else 1 + DEFAULT_MAX_SNAPSHOTS,
-                                           shares=isinstance(layer, KVCache)))
-                else:  # a state of fixed size, kept again by each snapshot
-                    costs.append(LayerCost(0.0, None, 1, layer.nbytes * (1 + DEFAULT_MAX_SNAPSHOTS)))
-            return costs
+        make_layers, drafter = model.layer_caches()[0], model.drafter
 
-        self.layers = model.worker.run(measure)
+        def measure() -> tuple[list[LayerCost], list[LayerCost]]:
+            layers = make_layers()
+            costs = _layer_costs(layers, lambda n: model.module(mx.zeros((1, n), mx.int32), layers))
+            return costs, _layer_costs(*drafter.fresh_state(), shares=False) if drafter is not None else []
 
-    def nbytes(self, tokens: int, shared: int = 0) -> int:
+        self.layers, self.draft_layers = model.worker.run(measure)
+        """Per layer of the model's caches, and of its drafter's state (none without a drafter)."""
+
+    def nbytes(self, tokens: int, shared: int = 0, drafted: bool = False) -> int:
         """What a cache of ``tokens`` holds of its own when its first ``shared`` tokens are a prefix another
-        cache holds (read where it lies where it is long enough to be shared: :meth:`prefix_nbytes`)."""
+        cache holds (read where it lies where it is long enough to be shared: :meth:`prefix_nbytes`), with the
+        drafter's state over them when ``drafted``."""
         shared = self.shareable(shared)
         total = 0.0
-        for cost in self.layers:
+        for cost in self.layers + (self.draft_layers if drafted else []):
             held = tokens if cost.window is None else min(tokens, cost.window)
             if cost.shares:
                 held -= shared
@@ -140,12 +155,14 @@ reserved when it is admitted)."""
 class Reservation:
     """What a turn's cache may grow to: ``tokens`` in all (its prompt and ``max_tokens`` of reply), the first
     ``prompt`` of them its prompt, of which the first ``shared`` are a prefix another cache holds, read where
-    it lies (``prefix``: a digest of its tokens; its bytes reserved once among the running turns that read it)."""
+    it lies (``prefix``: a digest of its tokens; its bytes reserved once among the running turns that read it);
+    ``drafted``: a drafter's state grows beside it (the turn decodes speculatively)."""
 
     tokens: int
     prompt: int = 0
     shared: int = 0
     prefix: bytes | None = None
+    drafted: bool = False
 
 
 class Hold:
@@ -162,9 +179,9 @@ class Hold:
 
     def resize(self, tokens: int) -> None:
         """Hold ``tokens``: ``own`` bytes now, ``need`` bytes more at most (the prefix apart)."""
-        footprint, shared = self.budget.footprint, self.reservation.shared
-        self.tokens, self.own = tokens, footprint.nbytes(tokens, shared)
-        self.need = footprint.nbytes(max(tokens, self.reservation.tokens), shared) - self.own
+        footprint, shared, drafted = self.budget.footprint, self.reservation.shared, self.reservation.drafted
+        self.tokens, self.own = tokens, footprint.nbytes(tokens, shared, drafted)
+        self.need = footprint.nbytes(max(tokens, self.reservation.tokens), shared, drafted) - self.own
 
     def allow(self, tokens: int) -> bool:
         return tokens <= self.tokens or self.budget.grow(self, tokens)
@@ -230,10 +247,11 @@ class KvBudget:
         # checked past the reply's last token)
         shared = self.footprint.shareable(held // KVCache.step * KVCache.step)  # one key for prompts that go
         # on alike a few tokens more or less past a system prompt (the tokens cut off count as their own)
+        drafted = bool(config.draft_tokens) and model.drafter is not None
         if not shared:
-            return Reservation(tokens, prompt)
+            return Reservation(tokens, prompt, drafted=drafted)
         digest = hashlib.blake2b(array.array("q", ids[:shared]).tobytes(), digest_size=16).digest()
-        return Reservation(tokens, prompt, shared, digest)
+        return Reservation(tokens, prompt, shared, digest, drafted)
 
     def _held_prefix(self, ids: list[int]) -> int:
         """The longest prefix of ``ids`` a cache of the pool holds, read while the worker may be changing them
@@ -247,7 +265,7 @@ class KvBudget:
 
     def nbytes(self, reservation: Reservation) -> int:
         """What a turn's cache may grow to in all, its prefix included."""
-        return self.footprint.nbytes(reservation.tokens, reservation.shared) + \
+        return self.footprint.nbytes(reservation.tokens, reservation.shared, reservation.drafted) + \
             self.footprint.prefix_nbytes(reservation.shared)
 
     async def reserve(self, reservation: Reservation) -> Hold:
