@@ -7,10 +7,10 @@
  * into each row's running maximum and sum (rescaling what it has summed when the maximum grows) and adds
  * the block's values weighted by them. So keys and values are read once per block of rows, straight from
  * the cache's buffers (strided views: float32 in place; packed rows dequantized a block at a time into the
- * task's scratch, or, for one or two rows, converted in registers where they lie: attention_packed.h), and the
- * scratch is a block's, whatever the context. A decode step has one block of rows per KV head; when that makes too few
- * tasks for the cores, each block's keys are split among several tasks whose partial sums are merged
- * afterwards (flash decoding).
+ * task's scratch, or, for one or two rows, converted in registers where they lie: attention_packed.h), and
+ * the scratch is a block's, whatever the context. A decode step has one block of rows per KV head; when that
+ * makes too few tasks for the cores, each block's keys are split among several tasks whose partial sums are
+ * merged afterwards (flash decoding).
  */
 #include "attention.h"
 
@@ -37,9 +37,10 @@ constexpr int kKeys = 64;   // keys per block (the values of a block of 64 stay 
 constexpr int kRows = 64;   // query rows per task (at most)
 constexpr int kSplitKeys = 512;  // the fewest keys a task of a split block gets
 /* Blocks of at most this many rows (a decode step of 1-2 query heads a KV head) read packed keys and values in
- * place, converting them in registers (attention_packed.h, where a chunk of its words fits in a group); more rows share one staged float copy of each block (converting for each
- * pair of rows cost more than the stores: 3 and 4 rows ran 5-20% slower fused on an AVX2 EPYC, where 1 and 2
- * rows ran 21-42% faster; benchmarks/results/quantized_kv_decode.md). */
+ * place, converting them in registers (attention_packed.h, where a chunk of its words fits in a group); more
+ * rows share one staged float copy of each block (converting for each pair of rows cost more than the stores:
+ * 3 and 4 rows ran 5-20% slower fused on an AVX2 EPYC, where 1 and 2 rows ran 21-42% faster;
+ * benchmarks/results/quantized_kv_decode.md). */
 constexpr int kFusedRows = 2;
 constexpr double kInline = 1 << 18;  // multiply-adds under which a problem runs on the calling thread
 

@@ -157,7 +157,9 @@ inline void packed_accumulate_rows(const float* p, int ps, const Rows& values, i
       }
     }
     for (int c = g * GROUP; c < (g + 1) * GROUP; c += C)
-      each<S / N>([&](auto tile) { packed_accumulate_tile<R, BITS, decltype(tile)::value * N, N>(weight, v, n, c, acc, as); });
+      each<S / N>([&](auto tile) {
+        packed_accumulate_tile<R, BITS, decltype(tile)::value * N, N>(weight, v, n, c, acc, as);
+      });
     for (int i = 0; i < R; ++i) {
       const Vec by = V::set1(shift[i]);
       float* out = acc + i * as + g * GROUP;
