@@ -20,7 +20,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -68,6 +68,21 @@ class ChatState(BaseModel):
     pending_approvals: list[ToolCall] = Field(default_factory=list)
     input_requests: list[InputRequest] = Field(default_factory=list)
     error: str | None = None
+    waiting: bool = False
+    """The turn waits before it runs (its :class:`TurnGate`: a server holds the memory its cache may need)."""
+
+
+class TurnGate(Protocol):
+    """What a turn waits for before it runs, made for each turn (a server's memory admission:
+    :class:`mlxchat.server.admission.ThreadHold`). :meth:`enter` blocks the controller's thread until the turn
+    may run over ``session`` with ``prompt`` added to its messages (calling ``waiting`` first when it has to
+    wait); False when :meth:`cancel` (from any thread) came first. :meth:`exit` after the turn, when it ran."""
+
+    def enter(self, session: ChatSession, prompt: Sequence[ChatMessage], waiting: Callable[[], None]) -> bool: ...
+
+    def cancel(self) -> None: ...
+
+    def exit(self) -> None: ...
 
 
 Provider = Callable[[], SessionCapableModel]
@@ -86,10 +101,13 @@ class ChatController:
         new_id: Callable[[], str] | None = None,
         clock: Callable[[], float] | None = None,
         publish_interval: float = 0.032,
+        gate: Callable[[], TurnGate] | None = None,
     ):
         """``model_or_provider``: a model, or a function called at every turn that returns one. When it
         returns another model than the last turn's, the conversation moves to a new session on that model
-        (primed with the messages, ids kept); its next turn prefills the whole conversation once."""
+        (primed with the messages, ids kept); its next turn prefills the whole conversation once. ``gate``
+        makes what each turn waits for before it runs (a prompt stopped while it waits goes back to the head of
+        the queue, paused)."""
         if publish_interval < 0:
             raise ValueError(f"publish_interval must be at least 0, got {publish_interval}")
         self._provider: Provider = (model_or_provider if not hasattr(model_or_provider, "chat_session")
@@ -98,6 +116,7 @@ class ChatController:
         self._tools = list(tools or [])
         self._new_id = new_id or (lambda: uuid.uuid4().hex)
         self._clock = clock
+        self._gate = gate
         self._lock = threading.RLock()
         self._session = self._new_session(self._provider(), initial_messages)
         self._messages = self._session.messages
@@ -107,8 +126,11 @@ class ChatController:
         self._paused = False
         self._turn_running = False
         self._stream: ChatStream | None = None
+        self._stopped = False  # the running turn was stopped (before its stream was made, too)
+        self._gating: TurnGate | None = None  # what the turn is let through before it runs
+        self._waiting = False  # ... and whether it waits there
         self._streaming: dict[str, Any] | None = None
-        self._asking: ChatMessage | None = None  # a sent prompt, shown until the session holds it
+        self._asking: QueuedPrompt | None = None  # a sent prompt, shown until the session holds it
         self._approvals: list[ToolCall] = []
         self._inputs: dict[str, tuple[InputRequest, threading.Event, list[str]]] = {}
         self._subscribers: list[Callable[[ChatState], object]] = []
@@ -130,10 +152,10 @@ class ChatController:
                                         reasoning_content=self._streaming["thinking"] or None,
                                         tool_calls=list(calls) or None)
             inputs = [request for request, _, _ in self._inputs.values()]
-            shown = list(self._messages) + ([self._asking] if self._asking is not None else [])
-            return ChatState(messages=shown, status=self._status, streaming_message=streaming,
+            asking = [ChatMessage(role="user", content=self._asking.text)] if self._asking is not None else []
+            return ChatState(messages=list(self._messages) + asking, status=self._status, streaming_message=streaming,
                              queue=list(self._queue), pending_approvals=list(self._approvals),
-                             input_requests=inputs, error=self._error)
+                             input_requests=inputs, error=self._error, waiting=self._waiting)
 
     @property
     def session(self) -> ChatSession:
@@ -174,15 +196,14 @@ class ChatController:
         when there is nothing to send."""
         if not isinstance(text, str) or (not text.strip() and not images):
             return False
-        urls = [as_data_url(image) for image in images]
+        prompt = QueuedPrompt(id=self._new_id(), text=text, images=[as_data_url(image) for image in images])
         with self._lock:
+            self._paused = False
             if self._turn_running or self._status == "awaiting_approval":
-                self._queue.append(QueuedPrompt(id=self._new_id(), text=text, images=urls))
-                self._paused = False
+                self._queue.append(prompt)
                 self._publish_now()
                 return True
-            self._paused = False
-            self._start(lambda session: session.send_stream(text, images=urls), asking=text)
+            self._send(prompt)
         return True
 
     def remove_queued(self, prompt_id: str) -> bool:
@@ -213,6 +234,9 @@ class ChatController:
         or the next :meth:`send`. A tool waiting for input gets no answer (it sees an error)."""
         with self._lock:
             self._paused = True
+            self._stopped = self._turn_running
+            if self._gating is not None:
+                self._gating.cancel()
             if self._stream is not None:
                 self._stream.cancel()
             for _, answered, answer in list(self._inputs.values()):
@@ -300,20 +324,22 @@ class ChatController:
             self._status = "awaiting_approval" if self._approvals else "idle"
             self._publish_now()
 
-    def _start(self, make: Callable[[ChatSession], ChatStream], asking: str | None = None) -> None:
+    def _start(self, make: Callable[[ChatSession], ChatStream], asking: QueuedPrompt | None = None) -> None:
         """Run a turn on the controller's thread (the caller holds the lock). The prompt it answers
         (``asking``) is in the state's messages at once, as a UI shows it."""
-        self._asking = ChatMessage(role="user", content=asking) if asking is not None else None
+        self._asking, self._stopped = asking, False
         self._turn_running = True
         self._status, self._error = "streaming", None
         self._streaming = {"text": "", "thinking": "", "calls": []}
         self._publish_now()
         self._jobs.put(lambda: self._turn(make))
 
+    def _send(self, prompt: QueuedPrompt) -> None:
+        self._start(lambda session: session.send_stream(prompt.text, images=prompt.images), asking=prompt)
+
     def _next_from_queue(self) -> None:
         if not self._turn_running and not self._paused and self._status in ("idle",) and self._queue:
-            prompt = self._queue.pop(0)
-            self._start(lambda session: session.send_stream(prompt.text, images=prompt.images), asking=prompt.text)
+            self._send(self._queue.pop(0))
 
     def _drive(self) -> None:
         while (job := self._jobs.get()) is not None:
@@ -321,12 +347,29 @@ class ChatController:
 
     def _turn(self, make: Callable[[ChatSession], ChatStream]) -> None:
         stream: ChatStream | None = None
+        gate = self._gate() if self._gate is not None else None
+        entered = False
         try:
             model = self._provider()
             with self._lock:
                 if model is not self._session.model:
                     self._session = self._new_session(model, self._session.messages)
+                self._gating = gate if not self._stopped else None
+            if gate is not None:
+                asking = [ChatMessage(role="user", content=self._asking.text)] if self._asking is not None else []
+                try:
+                    entered = not self._stopped and gate.enter(self._session, asking, self._held_back)
+                finally:
+                    with self._lock:
+                        self._gating, self._waiting = None, False
+                        if not entered and self._asking is not None:  # stopped or refused before it ran: the
+                            self._queue.insert(0, self._asking)  # prompt waits again, first in the queue
+                if not entered:
+                    return
+            with self._lock:
                 stream = self._stream = make(self._session)
+                if self._stopped:
+                    stream.cancel()
             events = iter(stream)  # the turn begins: the prompt it answers is in the history, with its id
             with self._lock:
                 self._messages, self._asking = self._session.messages, None
@@ -340,6 +383,9 @@ class ChatController:
             with self._lock:
                 self._status, self._error, self._paused = "error", f"{type(exc).__name__}: {exc}", True
         finally:
+            if entered:
+                assert gate is not None
+                gate.exit()
             with self._lock:
                 result = stream.result if stream is not None else None
                 self._stream, self._streaming, self._turn_running, self._asking = None, None, False, None
@@ -351,6 +397,12 @@ class ChatController:
                         self._paused = True
                 self._next_from_queue()
                 self._publish_now()
+
+    def _held_back(self) -> None:
+        """The turn's gate makes it wait (called from the gate, on the controller's thread)."""
+        with self._lock:
+            self._waiting = True
+            self._publish_now()
 
     def _on_event(self, event: Any) -> None:
         with self._lock:

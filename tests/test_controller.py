@@ -109,6 +109,65 @@ def test_stop_keeps_what_streamed_and_pauses_the_queue(long_model) -> None:
     controller.close()
 
 
+class Gate:
+    """A turn gate that lets turns through only when told (``open``), or refuses them (``refuse``)."""
+
+    def __init__(self) -> None:
+        self.open, self.refuse = threading.Event(), False
+        self.entered: list[list[str]] = []  # the messages each turn that ran was let through with
+        self.exited = 0
+        self.cancelled = threading.Event()
+
+    def __call__(self) -> Gate:
+        return self  # (one turn at a time: the same gate serves each)
+
+    def enter(self, session: mlxchat.ChatSession, prompt, waiting) -> bool:
+        if self.refuse:
+            raise mlxchat.GenerationError("it could never fit")
+        if not self.open.is_set():
+            waiting()
+            while not self.open.wait(0.01):
+                if self.cancelled.is_set():
+                    self.cancelled.clear()
+                    return False
+        self.entered.append([m.content for m in [*session.messages, *prompt]])
+        return True
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    def exit(self) -> None:
+        self.exited += 1
+
+
+def test_a_turn_waits_at_its_gate_and_a_prompt_stopped_there_goes_back_first_in_the_queue() -> None:
+    """What a server holds turns back for (its memory): the state says the turn waits; a stop there puts the
+    prompt back at the head of the queue, paused, with nothing in the history; a refusal is an error with the
+    prompt kept; the gate is let go once after each turn that ran."""
+    model = loaded("qwen3")
+    gate = Gate()
+    controller = ChatController(model, publish_interval=0, gate=gate)
+    controller.send("first")
+    controller.send("second")
+    waiting = wait_for(controller, lambda s: s.waiting)
+    assert waiting.status == "streaming" and waiting.messages[-1].content == "first"
+    controller.stop()
+    stopped = wait_for(controller, lambda s: s.status == "idle" and not s.waiting)
+    assert [p.text for p in stopped.queue] == ["first", "second"] and stopped.messages == []
+    assert controller.session.messages == [] and gate.exited == 0
+    gate.open.set()
+    assert controller.send_queued_now(stopped.queue[0].id)
+    done = wait_for(controller, lambda s: idle(s) and len(s.messages) == 4)
+    assert [m.content for m in done.messages if m.role == "user"] == ["first", "second"]
+    assert gate.entered[0] == ["first"] and gate.entered[1][-1] == "second" and gate.exited == 2
+    gate.refuse = True
+    controller.send("third")
+    refused = wait_for(controller, lambda s: s.status == "error")
+    assert refused.error == "it could never fit" and [p.text for p in refused.queue] == ["third"]
+    assert len(refused.messages) == 4 and gate.exited == 2
+    controller.close()
+
+
 def test_deltas_are_coalesced_and_the_last_state_holds_the_whole_reply(long_model) -> None:
     controller = ChatController(long_model, publish_interval=0.05)
     states: list[ChatState] = []

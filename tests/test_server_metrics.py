@@ -147,6 +147,42 @@ def test_a_request_whose_cache_could_never_fit_is_a_503_and_one_that_fits_waits(
         assert kv.reserved == 0 and served.state.queued == 0
 
 
+def test_a_chat_page_turn_holds_its_memory_and_waits_for_it_like_a_request() -> None:
+    """The page's turns are under ``--max-kv-gb`` too: one waits (its state says so) while an API stream holds
+    the memory and runs once it is given back; stopped while it waits, its ticket goes and its prompt waits
+    first in the queue; one that could never fit is an error naming the limit, its prompt kept."""
+    from page_support import until
+
+    model = loaded("qwen3")
+    with serving("qwen3", model) as served, httpx.Client(base_url=served.url, timeout=60) as client:
+        kv = served.state.kv
+        chat = {"model": "tiny", "messages": [{"role": "user", "content": "Hello"}], "temperature": 0}
+        prompt = client.post("/v1/chat/completions", json={**chat, "max_tokens": 2}).json()["usage"]["prompt_tokens"]
+        kv.limit = kv.footprint.nbytes(prompt + kv.growth_step)  # one turn at a time (short prompts, short replies)
+        conversation = client.post("/api/conversations", json={}).json()["id"]
+        page = "/api/conversations/" + conversation
+        with held_mid_stream(served, model, max_tokens=kv.growth_step):
+            assert kv.reserved == kv.limit
+            client.post(page + "/send", json={"text": "Hi"})
+            waiting = until(client, conversation, lambda s: s["waiting"])
+            assert waiting["status"] == "streaming" and kv.waiting == 1
+            client.post(page + "/stop", json={})
+            stopped = until(client, conversation, lambda s: s["status"] == "idle")
+            assert [p["text"] for p in stopped["queue"]] == ["Hi"] and stopped["messages"] == []
+            assert kv.waiting == 0 and kv.reserved == kv.limit
+            client.post(page + "/send_queued_now", json={"id": stopped["queue"][0]["id"]})
+            until(client, conversation, lambda s: s["waiting"])
+        # the stream's client left: its memory went back, and the page's turn ran
+        done = until(client, conversation, lambda s: s["status"] == "idle" and len(s["messages"]) == 2)
+        assert done["messages"][1]["role"] == "assistant" and not done["queue"]
+        assert kv.reserved == 0 and kv.waiting == 0
+        kv.limit = 1
+        client.post(page + "/send", json={"text": "Again"})
+        refused = until(client, conversation, lambda s: s["status"] == "error")
+        assert "--max-kv-gb" in refused["error"] and [p["text"] for p in refused["queue"]] == ["Again"]
+        assert kv.reserved == 0 and len(refused["messages"]) == 2
+
+
 def test_requests_waiting_for_memory_are_served_in_arrival_order() -> None:
     """A small request that would fit at once waits behind a large one that came first (no overtaking, so a
     large request is never starved), and each is granted as soon as what is given back lets it fit."""

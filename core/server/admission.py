@@ -22,6 +22,8 @@ prefix is found before the turn runs, outside the model's worker (an estimate: a
 is read counts as sharing nothing). Where the first of them holds it in its own reservation, the prefix is
 counted twice, never less than once.
 
+The chat page's turns wait in the same queue (:class:`ThreadHold`, taken from their controllers' thread).
+
 Idle prompt caches kept between requests are not counted here: they have their own bound
 (``--max-cache-gb``, :class:`~mlxchat.server.pool.CachePool`), so the caches in memory hold at most the
 two bounds together. (A cache a request takes from the pool is then counted by that request's reservation.)
@@ -39,22 +41,25 @@ from __future__ import annotations
 import array
 import asyncio
 import collections
+import concurrent.futures
 import hashlib
 import os
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 
 from ..cache import KeysValues, KVCache, QuantizedKVCache, SlidingWindowCache
+from ..errors import GenerationError
 from ..generation import GenerationConfig
 from ..messages import ChatMessage
 from ..model import GenerativeModel
 from ..multimodal import carries_image
 from ..prefix_cache import PromptCachePool
-from ..prompt_cache import DEFAULT_MAX_SNAPSHOTS
+from ..prompt_cache import DEFAULT_MAX_SNAPSHOTS, PromptCache
+from ..session import ChatSession
 from .errors import ApiError
 
 DEFAULT_SHARE = 0.5
@@ -224,24 +229,24 @@ class KvBudget:
 
     async def estimate(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                        config: GenerationConfig) -> Reservation:
-        """What a turn over ``messages`` may hold: its prompt (rendered and tokenized off the event loop;
-        images count as their placeholder text) and the reply's ``max_tokens``, less a long prefix of it a
-        cache of the pool holds (text-only prompts: token ids alone do not say which image a cache saw)."""
-        model = self.model
+        """What a turn over ``messages`` may hold (:meth:`reservation`, off the event loop)."""
+        return await asyncio.to_thread(self.reservation, messages, tools, config)
 
-        def prompt_tokens() -> tuple[list[int], int]:
-            """The prompt's ids, and the longest prefix of them a cache of the pool holds."""
-            kwargs = dict(config.chat_template_kwargs)
-            if config.enable_thinking is not None:
-                kwargs["enable_thinking"] = config.enable_thinking
+    def reservation(self, messages: Sequence[dict[str, Any] | ChatMessage], tools: Sequence[Any] | None,
+                    config: GenerationConfig, shares: bool = True) -> Reservation:
+        """What a turn over ``messages`` may hold: its prompt (images count as their placeholder text) and the
+        reply's ``max_tokens``, less a long prefix of it a cache of the pool holds where the turn's cache
+        ``shares`` (text-only prompts: token ids alone do not say which image a cache saw)."""
+        model = self.model
+        kwargs = dict(config.chat_template_kwargs)
+        if config.enable_thinking is not None:
+            kwargs["enable_thinking"] = config.enable_thinking
+        try:
             coerced = [ChatMessage.coerce(m) for m in messages]
             ids = model.render_prompt([m.template_dict() for m in coerced], tools=tools, **kwargs)[1]
-            return ids, 0 if any(carries_image(m.content) for m in coerced) else self._held_prefix(ids)
-
-        try:
-            ids, held = await asyncio.to_thread(prompt_tokens)
         except Exception:  # noqa: BLE001 - the session refuses this prompt itself, with its own message
             return Reservation(0)
+        held = self._held_prefix(ids) if shares and not any(carries_image(m.content) for m in coerced) else 0
         prompt = min(len(ids), model.context_length)
         tokens = min(len(ids) + config.max_tokens + config.draft_tokens, model.context_length)  # (drafts are
         # checked past the reply's last token)
@@ -374,3 +379,63 @@ class KvBudget:
                 if reservation.prefix is not None:
                     self._readers[reservation.prefix] = self._readers.get(reservation.prefix, 0) + 1
                 ticket.set_result(hold)
+
+
+class ThreadHold:
+    """A chat page turn's part of the budget (the :class:`~mlxchat.controller.TurnGate` of its controller):
+    reserved from the controller's thread through the event loop before the turn runs, in the same queue as the
+    API's requests, and held by the conversation's cache as its growth while the turn runs. Its estimate is the
+    conversation with the prompt and one reply (a reply after tools' results, automatic on the page, grows past
+    it, as any estimate too low does)."""
+
+    SHOW_WAIT = 0.1
+    """Seconds granting may take before the turn shows as waiting."""
+
+    def __init__(self, budget: KvBudget, loop: asyncio.AbstractEventLoop, config: GenerationConfig):
+        self.budget, self.loop, self.config = budget, loop, config
+        self._lock = threading.Lock()
+        self._cancelled = False
+        self._ticket: concurrent.futures.Future[Hold] | None = None
+        self._held: tuple[Hold, PromptCache] | None = None
+
+    def enter(self, session: ChatSession, prompt: Sequence[ChatMessage], waiting: Callable[[], None]) -> bool:
+        reservation = self.budget.reservation([*session.messages, *prompt], session.tools, self.config, shares=False)
+        with self._lock:
+            if self._cancelled:
+                return False
+            self._ticket = asyncio.run_coroutine_threadsafe(self.budget.reserve(reservation), self.loop)
+        try:
+            try:
+                hold = self._ticket.result(self.SHOW_WAIT)
+            except TimeoutError:
+                waiting()
+                hold = self._ticket.result()
+        except concurrent.futures.CancelledError:
+            return False
+        except ApiError as exc:  # it could never fit
+            raise GenerationError(exc.message) from None
+        with self._lock:
+            if self._cancelled:  # stopped as its memory came
+                self._release(hold)
+                return False
+        self._held = hold, session.cache
+        session.cache.growth = hold
+        return True
+
+    def cancel(self) -> None:
+        with self._lock:
+            self._cancelled = True
+            if self._ticket is not None:
+                self._ticket.cancel()
+
+    def exit(self) -> None:
+        assert self._held is not None
+        hold, cache = self._held
+        cache.growth = None
+        self._release(hold)
+
+    def _release(self, hold: Hold) -> None:
+        try:
+            asyncio.run_coroutine_threadsafe(self.budget.release(hold), self.loop)
+        except RuntimeError:  # the server has stopped (its budget with it)
+            pass

@@ -19,7 +19,10 @@ on the server, for these conversations only (API clients run their own tools). A
 to the store whenever its messages change, so a reload or a restarted server finds it; at most
 ``settings.caches`` conversations stay live with their prompt caches (the least recently used idle one is
 closed, and primed again from the store when it is next opened: one prefill of its history); beyond
-``settings.max_queue`` busy or watched ones, opening another is refused (429).
+``settings.max_queue`` busy or watched ones, opening another is refused (429). Each turn holds what its cache
+may grow to against ``--max-kv-gb`` while it runs, in the same queue as the API's requests
+(:class:`~mlxchat.server.admission.ThreadHold`): while the memory is held by others it waits (its state says
+``waiting``), and a stopped turn that had not begun puts its prompt back first in the queue.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from ..controller import ChatController, ChatState
 from ..errors import ImageError, MlxchatError
 from ..images import image_url_source
 from ..messages import ChatMessage
+from .admission import ThreadHold
 from .errors import ApiError, log, validated
 from .guard import read_json
 
@@ -196,7 +200,9 @@ class Conversations:
         if len(self.live) >= self.state.settings.max_queue:
             raise ApiError(429, f"{len(self.live)} conversations are busy or watched (the limit); retry later",
                            "rate_limit_error", code="too_many_conversations")
-        controller = ChatController(self.state.model, tools=self.tools)
+        loop, kv, defaults = self.loop, self.state.kv, self.state.model.defaults
+        assert loop is not None
+        controller = ChatController(self.state.model, tools=self.tools, gate=lambda: ThreadHold(kv, loop, defaults))
         try:
             if messages:
                 controller.load(messages)

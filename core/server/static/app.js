@@ -302,7 +302,7 @@ function render() {
   $("error-text").textContent = error || "";
   const busy = state && (state.status === "streaming" || state.status === "awaiting_input");
   $("stop").disabled = !busy;
-  $("status").textContent = !state ? "" : {
+  $("status").textContent = !state ? "" : state.waiting ? "waiting for memory (other replies hold it)…" : {
     streaming: "writing…", awaiting_approval: "waiting for your approval", awaiting_input: "waiting for your answer",
     error: "stopped by an error", idle: "",
   }[state.status];
