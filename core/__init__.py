@@ -13,7 +13,7 @@ from . import configs  # noqa: E402  (a module: mlxchat.configs.list(), .get(nam
 from .architecture import Architecture, ChatQuirks, ModelModule  # noqa: E402
 from .cache import KVCache, LayerCache, StateCache  # noqa: E402
 from .config import ModelConfig, RopeConfig  # noqa: E402
-from .controller import ChatController, ChatState, InputRequest, QueuedPrompt  # noqa: E402
+from .controller import ChatController, ChatState, InputRequest, QueuedPrompt, TurnGate  # noqa: E402
 from .errors import (  # noqa: E402
     AdapterError,
     CheckpointError,
@@ -114,6 +114,7 @@ __all__ = [
     "ToolCallEvent",
     "ToolContext",
     "ToolResultEvent",
+    "TurnGate",
     "UnknownModelTypeError",
     "UnsupportedQuantizationError",
     "VisionModule",
