@@ -152,10 +152,10 @@ class ChatController:
                                         reasoning_content=self._streaming["thinking"] or None,
                                         tool_calls=list(calls) or None)
             inputs = [request for request, _, _ in self._inputs.values()]
-            asking = [ChatMessage(role="user", content=self._asking.text)] if self._asking is not None else []
-            return ChatState(messages=list(self._messages) + asking, status=self._status, streaming_message=streaming,
-                             queue=list(self._queue), pending_approvals=list(self._approvals),
-                             input_requests=inputs, error=self._error, waiting=self._waiting)
+            return ChatState(messages=list(self._messages) + self._asked(), status=self._status,
+                             streaming_message=streaming, queue=list(self._queue),
+                             pending_approvals=list(self._approvals), input_requests=inputs, error=self._error,
+                             waiting=self._waiting)
 
     @property
     def session(self) -> ChatSession:
@@ -356,9 +356,8 @@ class ChatController:
                     self._session = self._new_session(model, self._session.messages)
                 self._gating = gate if not self._stopped else None
             if gate is not None:
-                asking = [ChatMessage(role="user", content=self._asking.text)] if self._asking is not None else []
                 try:
-                    entered = not self._stopped and gate.enter(self._session, asking, self._held_back)
+                    entered = not self._stopped and gate.enter(self._session, self._asked(), self._held_back)
                 finally:
                     with self._lock:
                         self._gating, self._waiting = None, False
@@ -397,6 +396,10 @@ class ChatController:
                         self._paused = True
                 self._next_from_queue()
                 self._publish_now()
+
+    def _asked(self) -> list[ChatMessage]:
+        """The prompt a starting turn answers, as the history will hold it (none when it answers no prompt)."""
+        return [ChatMessage(role="user", content=self._asking.text)] if self._asking is not None else []
 
     def _held_back(self) -> None:
         """The turn's gate makes it wait (called from the gate, on the controller's thread)."""

@@ -200,9 +200,9 @@ class Conversations:
         if len(self.live) >= self.state.settings.max_queue:
             raise ApiError(429, f"{len(self.live)} conversations are busy or watched (the limit); retry later",
                            "rate_limit_error", code="too_many_conversations")
-        loop, kv, defaults = self.loop, self.state.kv, self.state.model.defaults
+        loop, kv, model = self.loop, self.state.kv, self.state.model
         assert loop is not None
-        controller = ChatController(self.state.model, tools=self.tools, gate=lambda: ThreadHold(kv, loop, defaults))
+        controller = ChatController(model, tools=self.tools, gate=lambda: ThreadHold(kv, loop, model.defaults))
         try:
             if messages:
                 controller.load(messages)
