@@ -131,6 +131,9 @@ class ChatController:
         self._waiting = False  # ... and whether it waits there
         self._streaming: dict[str, Any] | None = None
         self._asking: QueuedPrompt | None = None  # a sent prompt, shown until the session holds it
+        self._asked: list[ChatMessage] = []  # ... as a message
+        self._owed: Callable[[ChatSession], ChatStream] | None = None  # a reply to tools' results that did not
+        # run (stopped or refused at the gate): it runs before the next prompt
         self._approvals: list[ToolCall] = []
         self._inputs: dict[str, tuple[InputRequest, threading.Event, list[str]]] = {}
         self._subscribers: list[Callable[[ChatState], object]] = []
@@ -152,7 +155,7 @@ class ChatController:
                                         reasoning_content=self._streaming["thinking"] or None,
                                         tool_calls=list(calls) or None)
             inputs = [request for request, _, _ in self._inputs.values()]
-            return ChatState(messages=list(self._messages) + self._asked(), status=self._status,
+            return ChatState(messages=list(self._messages) + self._asked, status=self._status,
                              streaming_message=streaming, queue=list(self._queue),
                              pending_approvals=list(self._approvals), input_requests=inputs, error=self._error,
                              waiting=self._waiting)
@@ -199,8 +202,9 @@ class ChatController:
         prompt = QueuedPrompt(id=self._new_id(), text=text, images=[as_data_url(image) for image in images])
         with self._lock:
             self._paused = False
-            if self._turn_running or self._status == "awaiting_approval":
+            if self._turn_running or self._status == "awaiting_approval" or self._owed is not None:
                 self._queue.append(prompt)
+                self._next_from_queue()
                 self._publish_now()
                 return True
             self._send(prompt)
@@ -285,7 +289,7 @@ class ChatController:
                 self._publish_now()
                 return
             self._status = "idle"
-            self._start(lambda session: session.respond_stream())
+            self._start(lambda session: session.respond_stream(), owed=True)
 
     def respond_to_input(self, request_id: str, text: str) -> None:
         """Answer a tool's input request; the tool resumes with ``text``."""
@@ -324,32 +328,41 @@ class ChatController:
             self._status = "awaiting_approval" if self._approvals else "idle"
             self._publish_now()
 
-    def _start(self, make: Callable[[ChatSession], ChatStream], asking: QueuedPrompt | None = None) -> None:
+    def _start(self, make: Callable[[ChatSession], ChatStream], asking: QueuedPrompt | None = None,
+               owed: bool = False) -> None:
         """Run a turn on the controller's thread (the caller holds the lock). The prompt it answers
-        (``asking``) is in the state's messages at once, as a UI shows it."""
+        (``asking``) is in the state's messages at once, as a UI shows it; ``owed``: it answers tools' results
+        (kept to run first when it is stopped before it began)."""
         self._asking, self._stopped = asking, False
+        self._asked = [ChatMessage(role="user", content=asking.text)] if asking is not None else []
         self._turn_running = True
         self._status, self._error = "streaming", None
         self._streaming = {"text": "", "thinking": "", "calls": []}
         self._publish_now()
-        self._jobs.put(lambda: self._turn(make))
+        self._jobs.put(lambda: self._turn(make, owed))
 
     def _send(self, prompt: QueuedPrompt) -> None:
         self._start(lambda session: session.send_stream(prompt.text, images=prompt.images), asking=prompt)
 
     def _next_from_queue(self) -> None:
-        if not self._turn_running and not self._paused and self._status in ("idle",) and self._queue:
+        if self._turn_running or self._paused or self._status != "idle":
+            return
+        if self._owed is not None:
+            make, self._owed = self._owed, None
+            self._start(make, owed=True)
+        elif self._queue:
             self._send(self._queue.pop(0))
 
     def _drive(self) -> None:
         while (job := self._jobs.get()) is not None:
             job()
 
-    def _turn(self, make: Callable[[ChatSession], ChatStream]) -> None:
+    def _turn(self, make: Callable[[ChatSession], ChatStream], owed: bool) -> None:
         stream: ChatStream | None = None
-        gate = self._gate() if self._gate is not None else None
+        gate: TurnGate | None = None
         entered = False
         try:
+            gate = self._gate() if self._gate is not None else None
             model = self._provider()
             with self._lock:
                 if model is not self._session.model:
@@ -357,12 +370,19 @@ class ChatController:
                 self._gating = gate if not self._stopped else None
             if gate is not None:
                 try:
-                    entered = not self._stopped and gate.enter(self._session, self._asked(), self._held_back)
+                    entered = not self._stopped and gate.enter(self._session, self._asked, self._held_back)
                 finally:
                     with self._lock:
                         self._gating, self._waiting = None, False
-                        if not entered and self._asking is not None:  # stopped or refused before it ran: the
-                            self._queue.insert(0, self._asking)  # prompt waits again, first in the queue
+                        if entered and self._stopped:  # stopped as it was let through
+                            gate.exit()
+                            entered = False
+                        if not entered:  # stopped or refused before it ran: it waits again, first
+                            if self._asking is not None:
+                                self._queue.insert(0, self._asking)
+                            elif owed:
+                                self._owed = make
+                            self._asking, self._asked = None, []
                 if not entered:
                     return
             with self._lock:
@@ -371,7 +391,7 @@ class ChatController:
                     stream.cancel()
             events = iter(stream)  # the turn begins: the prompt it answers is in the history, with its id
             with self._lock:
-                self._messages, self._asking = self._session.messages, None
+                self._messages, self._asking, self._asked = self._session.messages, None, []
                 self._publish_now()
             for event in events:
                 self._on_event(event)
@@ -387,7 +407,8 @@ class ChatController:
                 gate.exit()
             with self._lock:
                 result = stream.result if stream is not None else None
-                self._stream, self._streaming, self._turn_running, self._asking = None, None, False, None
+                self._stream, self._streaming, self._turn_running = None, None, False
+                self._asking, self._asked = None, []
                 self._messages = self._session.messages
                 self._approvals = self._session.pending_approvals
                 if self._status != "error":
@@ -396,10 +417,6 @@ class ChatController:
                         self._paused = True
                 self._next_from_queue()
                 self._publish_now()
-
-    def _asked(self) -> list[ChatMessage]:
-        """The prompt a starting turn answers, as the history will hold it (none when it answers no prompt)."""
-        return [ChatMessage(role="user", content=self._asking.text)] if self._asking is not None else []
 
     def _held_back(self) -> None:
         """The turn's gate makes it wait (called from the gate, on the controller's thread)."""

@@ -244,6 +244,42 @@ def test_approvals_surface_as_state_and_the_turn_goes_on_by_itself() -> None:
     controller.close()
 
 
+def test_a_reply_to_approved_calls_stopped_at_its_gate_runs_before_the_next_prompt() -> None:
+    """The model owes an answer to the calls once they are decided: stopped before it began, that reply is kept
+    and runs (the tool, then the answer) before the next prompt is sent."""
+    received: list[str] = []
+
+    @tool(needs_approval=True)
+    def get_weather(city: str) -> str:
+        """Get the current weather in a city.
+
+        Args:
+            city: Name of the city.
+        """
+        received.append(city)
+        return json.dumps(weather_report(city))
+
+    gate = Gate()
+    gate.open.set()
+    controller = ChatController(mlxchat.load_model(), tools=[get_weather], publish_interval=0, gate=gate)
+    controller.send("What's the weather in Paris?")
+    (call,) = wait_for(controller, lambda s: s.status == "awaiting_approval").pending_approvals
+    gate.open.clear()
+    controller.respond_to_approval(call.id, approved=True)
+    wait_for(controller, lambda s: s.waiting)
+    controller.stop()
+    wait_for(controller, lambda s: s.status == "idle" and not s.waiting)
+    assert received == [] and gate.exited == 1
+    gate.open.set()
+    controller.send("Thanks!")
+    done = wait_for(controller, lambda s: idle(s) and s.messages[-1].role == "assistant"
+                    and [m.content for m in s.messages if m.role == "user"][-1:] == ["Thanks!"])
+    assert received == ["Paris"]
+    roles = [m.role for m in done.messages]
+    assert roles[:4] == ["user", "assistant", "tool", "assistant"] and roles[4] == "user"
+    controller.close()
+
+
 def test_a_tool_asks_the_user_and_respond_to_input_resumes_it() -> None:
     @tool
     def get_weather(city: str, ctx: ToolContext) -> str:

@@ -183,6 +183,37 @@ def test_a_chat_page_turn_holds_its_memory_and_waits_for_it_like_a_request() -> 
         assert kv.reserved == 0 and len(refused["messages"]) == 2
 
 
+def test_a_page_turn_stopped_as_its_memory_comes_gives_it_back() -> None:
+    """A stop that lands between the budget's grant and the controller's thread reading it (the ticket's result
+    is dropped when it is cancelled then) still gives the hold back; so does a stop before it is asked."""
+    from mlxchat.server.admission import ThreadHold
+
+    model = loaded("qwen3")
+    kv = KvBudget(model, limit=10**9)
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    class StoppedAsGranted(ThreadHold):
+        async def _reserve(self, reservation: Reservation) -> Hold | None:
+            hold = await super()._reserve(reservation)
+            self.cancel()  # (the page's stop runs on the loop too)
+            return hold
+
+    session = model.chat_session()
+    try:
+        for gate in (StoppedAsGranted(kv, loop, model.defaults), ThreadHold(kv, loop, model.defaults)):
+            if type(gate) is ThreadHold:
+                gate.cancel()
+            assert not gate.enter(session, [mlxchat.ChatMessage(role="user", content="Hi")], lambda: None)
+            asyncio.run_coroutine_threadsafe(asyncio.sleep(0), loop).result(10)  # the release has run
+            assert kv.reserved == 0 and kv.waiting == 0 and session.cache.growth is None
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+
+
 def test_requests_waiting_for_memory_are_served_in_arrival_order() -> None:
     """A small request that would fit at once waits behind a large one that came first (no overtaking, so a
     large request is never starved), and each is granted as soon as what is given back lets it fit."""

@@ -45,7 +45,7 @@ import concurrent.futures
 import hashlib
 import os
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -386,7 +386,8 @@ class ThreadHold:
     reserved from the controller's thread through the event loop before the turn runs, in the same queue as the
     API's requests, and held by the conversation's cache as its growth while the turn runs. Its estimate is the
     conversation with the prompt and one reply (a reply after tools' results, automatic on the page, grows past
-    it, as any estimate too low does)."""
+    it, as any estimate too low does). A turn waiting for the user's answer to a tool keeps its hold (its cache
+    holds that memory meanwhile)."""
 
     SHOW_WAIT = 0.1
     """Seconds granting may take before the turn shows as waiting."""
@@ -395,32 +396,45 @@ class ThreadHold:
         self.budget, self.loop, self.config = budget, loop, config
         self._lock = threading.Lock()
         self._cancelled = False
-        self._ticket: concurrent.futures.Future[Hold] | None = None
-        self._held: tuple[Hold, PromptCache] | None = None
+        self._ticket: concurrent.futures.Future[Hold | None] | None = None
+        self._granted: Hold | None = None
+        """The hold once the budget granted it (kept here on the loop: a cancel can drop the ticket's result)."""
+        self._cache: PromptCache | None = None
 
     def enter(self, session: ChatSession, prompt: Sequence[ChatMessage], waiting: Callable[[], None]) -> bool:
         reservation = self.budget.reservation([*session.messages, *prompt], session.tools, self.config, shares=False)
         with self._lock:
-            if self._cancelled:
-                return False
-            self._ticket = asyncio.run_coroutine_threadsafe(self.budget.reserve(reservation), self.loop)
+            ticket = self._ticket = None if self._cancelled else self._on_loop(self._reserve(reservation))
+        if ticket is None:
+            return False
         try:
             try:
-                hold = self._ticket.result(self.SHOW_WAIT)
+                ticket.result(self.SHOW_WAIT)
             except TimeoutError:
                 waiting()
-                hold = self._ticket.result()
+                ticket.result()
         except concurrent.futures.CancelledError:
-            return False
+            pass
         except ApiError as exc:  # it could never fit
             raise GenerationError(exc.message) from None
+        except BaseException:
+            self.cancel()
+            self._give_back()
+            raise
         with self._lock:
-            if self._cancelled:  # stopped as its memory came
-                self._release(hold)
-                return False
-        self._held = hold, session.cache
-        session.cache.growth = hold
+            cancelled, hold = self._cancelled, self._granted
+        if cancelled or hold is None:  # stopped before its memory came, or as it came
+            self._give_back()
+            return False
+        self._cache = session.cache
+        self._cache.growth = hold
         return True
+
+    async def _reserve(self, reservation: Reservation) -> Hold | None:
+        hold = await self.budget.reserve(reservation)
+        with self._lock:
+            self._granted = hold
+        return hold
 
     def cancel(self) -> None:
         with self._lock:
@@ -429,13 +443,20 @@ class ThreadHold:
                 self._ticket.cancel()
 
     def exit(self) -> None:
-        assert self._held is not None
-        hold, cache = self._held
-        cache.growth = None
-        self._release(hold)
+        assert self._cache is not None
+        self._cache.growth = None
+        self._give_back()
 
-    def _release(self, hold: Hold) -> None:
+    def _give_back(self) -> None:
+        with self._lock:
+            hold, self._granted = self._granted, None
+        if hold is not None:
+            self._on_loop(self.budget.release(hold))
+
+    def _on_loop(self, work: Coroutine[Any, Any, Hold | None]) -> concurrent.futures.Future[Hold | None] | None:
+        """Run ``work`` on the server's loop; None once the server has stopped."""
         try:
-            asyncio.run_coroutine_threadsafe(self.budget.release(hold), self.loop)
-        except RuntimeError:  # the server has stopped (its budget with it)
-            pass
+            return asyncio.run_coroutine_threadsafe(work, self.loop)
+        except RuntimeError:  # the loop is closed
+            work.close()
+            return None
