@@ -202,12 +202,15 @@ class ChatController:
         prompt = QueuedPrompt(id=self._new_id(), text=text, images=[as_data_url(image) for image in images])
         with self._lock:
             self._paused = False
-            if self._turn_running or self._status == "awaiting_approval" or self._owed is not None:
+            if self._turn_running or self._status == "awaiting_approval":
                 self._queue.append(prompt)
-                self._next_from_queue()
                 self._publish_now()
-                return True
-            self._send(prompt)
+            elif self._owed is not None:  # the reply owed to decided calls goes first
+                self._queue.append(prompt)
+                self._status, self._error = "idle", None
+                self._next_from_queue()
+            else:
+                self._send(prompt)
         return True
 
     def remove_queued(self, prompt_id: str) -> bool:
@@ -323,6 +326,8 @@ class ChatController:
         with self._lock:
             self._check_idle()
             change(self._session)
+            if not self._session.pending_tool_calls or self._session.pending_approvals:
+                self._owed = None  # its calls are no longer the conversation's last, decided ones
             self._messages = self._session.messages
             self._approvals = self._session.pending_approvals
             self._status = "awaiting_approval" if self._approvals else "idle"
@@ -332,8 +337,8 @@ class ChatController:
                owed: bool = False) -> None:
         """Run a turn on the controller's thread (the caller holds the lock). The prompt it answers
         (``asking``) is in the state's messages at once, as a UI shows it; ``owed``: it answers tools' results
-        (kept to run first when it is stopped before it began)."""
-        self._asking, self._stopped = asking, False
+        (kept to run first when it is stopped before it began). Any other turn replaces an owed one."""
+        self._asking, self._stopped, self._owed = asking, False, None
         self._asked = [ChatMessage(role="user", content=asking.text)] if asking is not None else []
         self._turn_running = True
         self._status, self._error = "streaming", None
@@ -360,7 +365,7 @@ class ChatController:
     def _turn(self, make: Callable[[ChatSession], ChatStream], owed: bool) -> None:
         stream: ChatStream | None = None
         gate: TurnGate | None = None
-        entered = False
+        entered = making = False
         try:
             gate = self._gate() if self._gate is not None else None
             model = self._provider()
@@ -374,33 +379,26 @@ class ChatController:
                 finally:
                     with self._lock:
                         self._gating, self._waiting = None, False
-                        if entered and self._stopped:  # stopped as it was let through
-                            gate.exit()
-                            entered = False
-                        if not entered:  # stopped or refused before it ran: it waits again, first
-                            if self._asking is not None:
-                                self._queue.insert(0, self._asking)
-                            elif owed:
-                                self._owed = make
-                            self._asking, self._asked = None, []
                 if not entered:
-                    return
+                    with self._lock:
+                        return self._put_back(make, owed)
             with self._lock:
-                stream = self._stream = make(self._session)
                 if self._stopped:
-                    stream.cancel()
+                    return self._put_back(make, owed)
+                making = True
+                stream = self._stream = make(self._session)
             events = iter(stream)  # the turn begins: the prompt it answers is in the history, with its id
             with self._lock:
                 self._messages, self._asking, self._asked = self._session.messages, None, []
                 self._publish_now()
             for event in events:
                 self._on_event(event)
-        except MlxchatError as exc:
-            with self._lock:
-                self._status, self._error, self._paused = "error", str(exc), True
         except Exception as exc:  # noqa: BLE001 - a UI gets the error as state, never a dead thread
             with self._lock:
-                self._status, self._error, self._paused = "error", f"{type(exc).__name__}: {exc}", True
+                self._status, self._paused = "error", True
+                self._error = str(exc) if isinstance(exc, MlxchatError) else f"{type(exc).__name__}: {exc}"
+                if not making:  # it failed before it began (a gate, the provider)
+                    self._put_back(make, owed)
         finally:
             if entered:
                 assert gate is not None
@@ -417,6 +415,15 @@ class ChatController:
                         self._paused = True
                 self._next_from_queue()
                 self._publish_now()
+
+    def _put_back(self, make: Callable[[ChatSession], ChatStream], owed: bool) -> None:
+        """A turn stopped or refused before it began waits again, first, the queue paused (the caller holds
+        the lock)."""
+        if self._asking is not None:
+            self._queue.insert(0, self._asking)
+        elif owed:
+            self._owed = make
+        self._asking, self._asked, self._paused = None, [], True
 
     def _held_back(self) -> None:
         """The turn's gate makes it wait (called from the gate, on the controller's thread)."""

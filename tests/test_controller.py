@@ -277,6 +277,36 @@ def test_a_reply_to_approved_calls_stopped_at_its_gate_runs_before_the_next_prom
     assert received == ["Paris"]
     roles = [m.role for m in done.messages]
     assert roles[:4] == ["user", "assistant", "tool", "assistant"] and roles[4] == "user"
+    # an edit that takes the decided calls away takes the owed reply with them
+    controller.send("What's the weather in Rome?")
+    (call,) = wait_for(controller, lambda s: s.status == "awaiting_approval").pending_approvals
+    gate.open.clear()
+    controller.respond_to_approval(call.id, approved=True)
+    wait_for(controller, lambda s: s.waiting)
+    controller.stop()
+    asked = wait_for(controller, lambda s: s.status == "idle" and not s.waiting).messages[-2]
+    assert asked.content == "What's the weather in Rome?"
+    controller.restore_checkpoint(asked.id)
+    gate.open.set()
+    controller.send("Never mind")
+    done = wait_for(controller, lambda s: idle(s) and s.messages[-1].role == "assistant"
+                    and s.messages[-2].content == "Never mind")
+    assert received == ["Paris"]
+    controller.close()
+
+
+def test_a_gate_that_lets_a_turn_not_through_pauses_the_queue_with_the_prompt_first() -> None:
+    class Closed(Gate):
+        def enter(self, session: mlxchat.ChatSession, prompt, waiting) -> bool:
+            self.entered.append([m.content for m in prompt])
+            return False
+
+    gate = Closed()
+    controller = ChatController(loaded("qwen3"), publish_interval=0, gate=gate)
+    controller.send("first")
+    stopped = wait_for(controller, lambda s: s.status == "idle" and s.queue)
+    time.sleep(0.2)
+    assert gate.entered == [["first"]] and [p.text for p in stopped.queue] == ["first"] and not stopped.messages
     controller.close()
 
 

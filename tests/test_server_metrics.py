@@ -184,8 +184,9 @@ def test_a_chat_page_turn_holds_its_memory_and_waits_for_it_like_a_request() -> 
 
 
 def test_a_page_turn_stopped_as_its_memory_comes_gives_it_back() -> None:
-    """A stop that lands between the budget's grant and the controller's thread reading it (the ticket's result
-    is dropped when it is cancelled then) still gives the hold back; so does a stop before it is asked."""
+    """However a stop falls around the budget's grant (before the turn asks; between the grant and the gate
+    keeping it; after it kept it, while the ticket's result, dropped by the cancel, was on its way to the
+    controller's thread), the gate lets nothing through and the hold goes back."""
     from mlxchat.server.admission import ThreadHold
 
     model = loaded("qwen3")
@@ -193,8 +194,9 @@ def test_a_page_turn_stopped_as_its_memory_comes_gives_it_back() -> None:
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
+    reserve = kv.reserve
 
-    class StoppedAsGranted(ThreadHold):
+    class StoppedAfterKeeping(ThreadHold):
         async def _reserve(self, reservation: Reservation) -> Hold | None:
             hold = await super()._reserve(reservation)
             self.cancel()  # (the page's stop runs on the loop too)
@@ -202,12 +204,29 @@ def test_a_page_turn_stopped_as_its_memory_comes_gives_it_back() -> None:
 
     session = model.chat_session()
     try:
-        for gate in (StoppedAsGranted(kv, loop, model.defaults), ThreadHold(kv, loop, model.defaults)):
-            if type(gate) is ThreadHold:
+        for when in ("before", "at the grant", "after keeping"):
+            gate = (StoppedAfterKeeping if when == "after keeping" else ThreadHold)(kv, loop, model.defaults)
+            if when == "before":
                 gate.cancel()
-            assert not gate.enter(session, [mlxchat.ChatMessage(role="user", content="Hi")], lambda: None)
+
+            entering: list[Any] = []
+
+            async def stopped_at_the_grant(reservation: Reservation, gate: ThreadHold = gate,
+                                           entering: list[Any] = entering) -> Hold:
+                while not entering:
+                    await asyncio.sleep(0.001)
+                hold = await reserve(reservation)
+                gate.cancel()
+                entering[0].result(60)  # the controller's thread gives up first (a blocking wait: no await, so
+                return hold  # the task's cancel lands once the grant was kept or given back, as in reserve)
+
+            kv.reserve = stopped_at_the_grant if when == "at the grant" else reserve  # type: ignore[method-assign]
+            with ThreadPoolExecutor(1) as controller:
+                entering.append(controller.submit(gate.enter, session, [mlxchat.ChatMessage(role="user", content="Hi")],
+                                                  lambda: None))
+                assert not entering[0].result(60), when
             asyncio.run_coroutine_threadsafe(asyncio.sleep(0), loop).result(10)  # the release has run
-            assert kv.reserved == 0 and kv.waiting == 0 and session.cache.growth is None
+            assert kv.reserved == 0 and kv.waiting == 0 and session.cache.growth is None, when
     finally:
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)

@@ -398,15 +398,18 @@ class ThreadHold:
         self._cancelled = False
         self._ticket: concurrent.futures.Future[Hold | None] | None = None
         self._granted: Hold | None = None
-        """The hold once the budget granted it (kept here on the loop: a cancel can drop the ticket's result)."""
+        """The hold once the budget granted it, set on the loop (cancelling the ticket can drop its result); a
+        grant that finds the turn stopped is given back there."""
         self._cache: PromptCache | None = None
 
     def enter(self, session: ChatSession, prompt: Sequence[ChatMessage], waiting: Callable[[], None]) -> bool:
         reservation = self.budget.reservation([*session.messages, *prompt], session.tools, self.config, shares=False)
         with self._lock:
-            ticket = self._ticket = None if self._cancelled else self._on_loop(self._reserve(reservation))
+            if self._cancelled:
+                return False
+            ticket = self._ticket = self._on_loop(self._reserve(reservation))
         if ticket is None:
-            return False
+            raise GenerationError("the server has stopped")
         try:
             try:
                 ticket.result(self.SHOW_WAIT)
@@ -431,10 +434,14 @@ class ThreadHold:
         return True
 
     async def _reserve(self, reservation: Reservation) -> Hold | None:
+        """The budget's grant, kept here unless the turn was stopped meanwhile (then given back at once)."""
         hold = await self.budget.reserve(reservation)
         with self._lock:
-            self._granted = hold
-        return hold
+            if not self._cancelled:
+                self._granted = hold
+                return hold
+        await self.budget.release(hold)
+        return None
 
     def cancel(self) -> None:
         with self._lock:
