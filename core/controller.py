@@ -238,7 +238,9 @@ class ChatController:
 
     def stop(self) -> None:
         """Cancel the turn in flight, keeping what streamed; the queue pauses until :meth:`send_queued_now`
-        or the next :meth:`send`. A tool waiting for input gets no answer (it sees an error)."""
+        or the next :meth:`send`. A turn that has not begun (waiting at its gate) puts its prompt back first in
+        the queue (a reply owed to decided tool calls runs before the next prompt). A tool waiting for input
+        gets no answer (it sees an error)."""
         with self._lock:
             self._paused = True
             self._stopped = self._turn_running
