@@ -220,8 +220,8 @@ def test_a_failing_turn_is_an_error_state_that_pauses_the_queue_until_dismissed(
     model.close()
 
 
-def test_approvals_surface_as_state_and_the_turn_goes_on_by_itself() -> None:
-    received: list[str] = []
+def weather_needing_approval(received: list[str]) -> mlxchat.Tool:
+    """The weather tool, asking for approval; the cities it ran for go into ``received``."""
 
     @tool(needs_approval=True)
     def get_weather(city: str) -> str:
@@ -233,6 +233,12 @@ def test_approvals_surface_as_state_and_the_turn_goes_on_by_itself() -> None:
         received.append(city)
         return json.dumps(weather_report(city))
 
+    return get_weather
+
+
+def test_approvals_surface_as_state_and_the_turn_goes_on_by_itself() -> None:
+    received: list[str] = []
+    get_weather = weather_needing_approval(received)
     controller = ChatController(mlxchat.load_model(), tools=[get_weather, get_time], publish_interval=0)
     controller.send("What's the weather in Paris?")
     waiting = wait_for(controller, lambda s: s.status == "awaiting_approval")
@@ -248,27 +254,21 @@ def test_a_reply_to_approved_calls_stopped_at_its_gate_runs_before_the_next_prom
     """The model owes an answer to the calls once they are decided: stopped before it began, that reply is kept
     and runs (the tool, then the answer) before the next prompt is sent."""
     received: list[str] = []
-
-    @tool(needs_approval=True)
-    def get_weather(city: str) -> str:
-        """Get the current weather in a city.
-
-        Args:
-            city: Name of the city.
-        """
-        received.append(city)
-        return json.dumps(weather_report(city))
-
+    get_weather = weather_needing_approval(received)
     gate = Gate()
     gate.open.set()
     controller = ChatController(mlxchat.load_model(), tools=[get_weather], publish_interval=0, gate=gate)
-    controller.send("What's the weather in Paris?")
-    (call,) = wait_for(controller, lambda s: s.status == "awaiting_approval").pending_approvals
-    gate.open.clear()
-    controller.respond_to_approval(call.id, approved=True)
-    wait_for(controller, lambda s: s.waiting)
-    controller.stop()
-    wait_for(controller, lambda s: s.status == "idle" and not s.waiting)
+
+    def approved_then_stopped_at_the_gate(question: str) -> ChatState:
+        controller.send(question)
+        (call,) = wait_for(controller, lambda s: s.status == "awaiting_approval").pending_approvals
+        gate.open.clear()
+        controller.respond_to_approval(call.id, approved=True)
+        wait_for(controller, lambda s: s.waiting)
+        controller.stop()
+        return wait_for(controller, lambda s: s.status == "idle" and not s.waiting)
+
+    approved_then_stopped_at_the_gate("What's the weather in Paris?")
     assert received == [] and gate.exited == 1
     gate.open.set()
     controller.send("Thanks!")
@@ -278,13 +278,7 @@ def test_a_reply_to_approved_calls_stopped_at_its_gate_runs_before_the_next_prom
     roles = [m.role for m in done.messages]
     assert roles[:4] == ["user", "assistant", "tool", "assistant"] and roles[4] == "user"
     # an edit that takes the decided calls away takes the owed reply with them
-    controller.send("What's the weather in Rome?")
-    (call,) = wait_for(controller, lambda s: s.status == "awaiting_approval").pending_approvals
-    gate.open.clear()
-    controller.respond_to_approval(call.id, approved=True)
-    wait_for(controller, lambda s: s.waiting)
-    controller.stop()
-    asked = wait_for(controller, lambda s: s.status == "idle" and not s.waiting).messages[-2]
+    asked = approved_then_stopped_at_the_gate("What's the weather in Rome?").messages[-2]
     assert asked.content == "What's the weather in Rome?"
     controller.restore_checkpoint(asked.id)
     gate.open.set()
