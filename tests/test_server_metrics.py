@@ -186,7 +186,8 @@ def test_a_chat_page_turn_holds_its_memory_and_waits_for_it_like_a_request() -> 
 def test_a_page_turn_stopped_as_its_memory_comes_gives_it_back() -> None:
     """However a stop falls around the budget's grant (before the turn asks; between the grant and the gate
     keeping it; after it kept it, while the ticket's result, dropped by the cancel, was on its way to the
-    controller's thread), the gate lets nothing through and the hold goes back."""
+    controller's thread), the gate lets nothing through and the hold goes back. Let through, the turn holds its
+    memory as its cache's growth and counts among the running turns until it is over."""
     from mlxchat.server.admission import ThreadHold
 
     model = loaded("qwen3")
@@ -203,7 +204,17 @@ def test_a_page_turn_stopped_as_its_memory_comes_gives_it_back() -> None:
             return hold
 
     session = model.chat_session()
+    hi = [mlxchat.ChatMessage(role="user", content="Hi")]
     try:
+        running: set[Any] = set()
+        gate = ThreadHold(kv, loop, model.defaults, running)
+        assert gate.enter(session, hi, lambda: None)
+        assert running == {gate} and gate.cache is session.cache and session.cache.growth is not None
+        assert kv.reserved == kv.footprint.nbytes(len(model.render_prompt([{"role": "user", "content": "Hi"}])[1])
+                                                  + kv.growth_step)
+        gate.exit()
+        asyncio.run_coroutine_threadsafe(asyncio.sleep(0), loop).result(10)  # the release has run
+        assert not running and kv.reserved == 0 and session.cache.growth is None
         for when in ("before", "at the grant", "after keeping"):
             gate = (StoppedAfterKeeping if when == "after keeping" else ThreadHold)(kv, loop, model.defaults)
             if when == "before":
@@ -222,8 +233,7 @@ def test_a_page_turn_stopped_as_its_memory_comes_gives_it_back() -> None:
 
             kv.reserve = stopped_at_the_grant if when == "at the grant" else reserve  # type: ignore[method-assign]
             with ThreadPoolExecutor(1) as controller:
-                entering.append(controller.submit(gate.enter, session, [mlxchat.ChatMessage(role="user", content="Hi")],
-                                                  lambda: None))
+                entering.append(controller.submit(gate.enter, session, hi, lambda: None))
                 assert not entering[0].result(60), when
             asyncio.run_coroutine_threadsafe(asyncio.sleep(0), loop).result(10)  # the release has run
             assert kv.reserved == 0 and kv.waiting == 0 and session.cache.growth is None, when

@@ -392,15 +392,18 @@ class ThreadHold:
     SHOW_WAIT = 0.1
     """Seconds granting may take before the turn shows as waiting."""
 
-    def __init__(self, budget: KvBudget, loop: asyncio.AbstractEventLoop, config: GenerationConfig):
-        self.budget, self.loop, self.config = budget, loop, config
+    def __init__(self, budget: KvBudget, loop: asyncio.AbstractEventLoop, config: GenerationConfig,
+                 running: set[Any] | None = None):
+        """``running``: where the turn counts itself while it runs (the server's running turns: metrics)."""
+        self.budget, self.loop, self.config, self.running = budget, loop, config, running
         self._lock = threading.Lock()
         self._cancelled = False
         self._ticket: concurrent.futures.Future[Hold | None] | None = None
         self._granted: Hold | None = None
         """The hold once the budget granted it, set on the loop (cancelling the ticket can drop its result); a
         grant that finds the turn stopped is given back there."""
-        self._cache: PromptCache | None = None
+        self.cache: PromptCache | None = None
+        """The conversation's cache while the turn runs."""
 
     def enter(self, session: ChatSession, prompt: Sequence[ChatMessage], waiting: Callable[[], None]) -> bool:
         reservation = self.budget.reservation([*session.messages, *prompt], session.tools, self.config, shares=False)
@@ -429,8 +432,10 @@ class ThreadHold:
         if cancelled or hold is None:  # stopped before its memory came, or as it came
             self._give_back()
             return False
-        self._cache = session.cache
-        self._cache.growth = hold
+        self.cache = session.cache
+        self.cache.growth = hold
+        if self.running is not None:
+            self.running.add(self)
         return True
 
     async def _reserve(self, reservation: Reservation) -> Hold | None:
@@ -450,8 +455,10 @@ class ThreadHold:
                 self._ticket.cancel()
 
     def exit(self) -> None:
-        assert self._cache is not None
-        self._cache.growth = None
+        assert self.cache is not None
+        if self.running is not None:
+            self.running.discard(self)
+        self.cache.growth = None
         self._give_back()
 
     def _give_back(self) -> None:

@@ -202,7 +202,8 @@ class Conversations:
                            "rate_limit_error", code="too_many_conversations")
         loop, kv, model = self.loop, self.state.kv, self.state.model
         assert loop is not None
-        controller = ChatController(model, tools=self.tools, gate=lambda: ThreadHold(kv, loop, model.defaults))
+        controller = ChatController(model, tools=self.tools,
+                                    gate=lambda: ThreadHold(kv, loop, model.defaults, self.state.turns))
         try:
             if messages:
                 controller.load(messages)

@@ -17,7 +17,8 @@ from .store import ResponseStore
 
 
 class Running(Protocol):
-    """What the state reads of a running :class:`~mlxchat.server.turns.Turn` (which imports this module)."""
+    """What the state reads of a running :class:`~mlxchat.server.turns.Turn` (which imports this module) or
+    chat page turn (:class:`~mlxchat.server.admission.ThreadHold`)."""
 
     cache: PromptCache | None
 
@@ -56,7 +57,7 @@ class ServerState:
         self.refusals = RefusalLog()
         self.queued = 0
         self.turns: set[Running] = set()
-        """Turns started and not finished."""
+        """Turns started and not finished (the API's, and the chat page's while they run)."""
         self.metrics = Metrics(self)
         model.worker.step_watchers.append(self.metrics.watch_step)
 
