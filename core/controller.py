@@ -381,11 +381,8 @@ class ChatController:
                 finally:
                     with self._lock:
                         self._gating, self._waiting = None, False
-                if not entered:
-                    with self._lock:
-                        return self._put_back(make, owed)
             with self._lock:
-                if self._stopped:
+                if self._stopped or (gate is not None and not entered):  # stopped or refused before it began
                     return self._put_back(make, owed)
                 making = True
                 stream = self._stream = make(self._session)
