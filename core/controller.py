@@ -305,6 +305,15 @@ class ChatController:
             answer.append(text)
             answered.set()
 
+    def release_cache(self) -> bool:
+        """Free the conversation's prompt cache while no turn runs (an app keeping many conversations bounds
+        their memory this way); the next turn prefills the whole conversation once. False while a turn runs."""
+        with self._lock:
+            if self._turn_running:
+                return False
+            self._session.cache.clear()
+            return True
+
     def close(self) -> None:
         """Stop the controller's threads (the model stays open)."""
         self.stop()

@@ -186,5 +186,5 @@ def test_a_client_that_leaves_frees_its_slot(stream) -> None:
             while served.state.queued and time.monotonic() - left < 30:
                 time.sleep(0.01)
             assert served.state.queued == 0 and time.monotonic() - left < 5
-            (_, cache), = served.state.pool._entries
+            cache, = served.state.pool.caches
             assert len(cache) < 1500  # the reply stopped well short of its 3500 tokens

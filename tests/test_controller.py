@@ -360,6 +360,26 @@ def test_checkpoints_versions_and_load_delegate_to_the_session() -> None:
     controller.close()
 
 
+def test_a_released_cache_is_prefilled_again_by_the_next_turn_with_the_same_reply(long_model) -> None:
+    replies = []
+    for release in (False, True):
+        controller = ChatController(loaded("qwen3"), publish_interval=0)
+        short_replies(controller.session, 6)
+        controller.send("Hello")
+        wait_for(controller, lambda s: idle(s) and len(s.messages) == 2)
+        if release:
+            assert controller.release_cache() and len(controller.session.cache) == 0
+        controller.send("And again")
+        replies.append(wait_for(controller, lambda s: idle(s) and len(s.messages) == 4).messages[-1].content)
+        assert (controller.session.report.cached_prompt_tokens == 0) is release
+        controller.close()
+    assert replies[0] == replies[1]
+    busy = ChatController(long_model, publish_interval=0)
+    busy.send("first")
+    assert not busy.release_cache()  # its turn runs
+    busy.close()
+
+
 def test_states_for_asyncio() -> None:
     controller = ChatController(loaded("qwen3"), publish_interval=0.01)
     short_replies(controller.session, 8)

@@ -312,6 +312,43 @@ def test_idle_conversations_beyond_the_cache_limit_are_closed_and_primed_again(m
         assert report(cold[-1])["cached_prompt_tokens"] == 0 and "Oslo" in cold[-1]["content"]
 
 
+def held(client: httpx.Client, check: Callable[[dict[str, int]], bool]) -> dict[str, int]:
+    """What ``/health`` says the server holds, once it passes ``check`` (a turn's cache is bounded just after it
+    ends, on the server's loop)."""
+    for _ in range(400):
+        health = dict(client.get("/health").json())
+        if check(health):
+            return health
+        time.sleep(0.05)
+    raise AssertionError(f"never got there; the server holds {health}")
+
+
+def test_idle_conversations_caches_are_bounded_with_the_pools_by_max_cache_gb(model) -> None:
+    """The least recently used idle cache goes first, a conversation's or the API pool's; a conversation whose cache
+    went stays open and prefills its history again. (Replies of 40 tokens: every cache here holds as many.)"""
+    def turn(client: httpx.Client, conversation: str, text: str, messages: int = 2) -> State:
+        act(client, conversation, "send", text=text)
+        return poll(client, conversation, lambda st: idle(st) and len(st["messages"]) == messages)
+
+    with long_replies(model, tokens=40):
+        with serving("demo", model=model) as s, httpx.Client(base_url=s.url, timeout=60) as client:
+            turn(client, new(client), "Question one")
+            one = held(client, lambda h: h["page_cache_bytes"] > 0)["page_cache_bytes"]  # a conversation's cache
+        with serving("demo", model=model, max_cache_gb=1.5 * one / 1e9) as s, \
+                httpx.Client(base_url=s.url, timeout=60) as client:
+            first, second = new(client), new(client)
+            turn(client, first, "Question one")
+            turn(client, second, "Question two")  # the first one's cache goes
+            held(client, lambda h: h["page_cache_bytes"] == one and h["pool_caches"] == 0)
+            chat = {"model": "mlxchat-demo", "messages": [{"role": "user", "content": "Question six"}],
+                    "max_tokens": 40}
+            assert client.post("/v1/chat/completions", json=chat).status_code == 200  # the second one's goes
+            held(client, lambda h: h["page_cache_bytes"] == 0 and h["pool_caches"] == 1)
+            for conversation in (first, second):
+                again = turn(client, conversation, "And again", messages=4)["messages"]
+                assert report(again[-1])["cached_prompt_tokens"] == 0
+
+
 RAN: list[str] = []
 
 

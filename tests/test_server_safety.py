@@ -331,7 +331,7 @@ def test_a_client_that_leaves_during_decoding_stops_its_work(stream) -> None:
         payload = body(max_tokens=3500, temperature=1.0, seed=1, logit_bias=no_eos(model), stream=stream)
         left = post_and_leave(served, payload, 0.4)
         ended = wait_for_release(served)
-        (_, cache), = served.state.pool._entries
+        cache, = served.state.pool.caches
         assert len(cache) < 1500  # the reply stopped well short of its 3500 tokens
         assert ended - left < 5
 
@@ -345,7 +345,7 @@ def test_a_client_that_leaves_during_prefill_stops_it() -> None:
         post_and_leave(served, body(messages=[{"role": "user", "content": content}], max_tokens=5), 0.05,
                        once_started=True)
         wait_for_release(served)
-        (_, cache), = served.state.pool._entries
+        cache, = served.state.pool.caches
         assert len(cache) < prompt
 
 
@@ -370,7 +370,7 @@ def test_the_cache_pool_stays_within_its_count_and_bytes() -> None:
         assert len(served.state.pool) == 3
     with serving("qwen3_chat", caches=8, max_cache_gb=2.5e-3) as served:  # 2.5 MB: eight hold >= 7 MB
         conversations(served)
-        held = [len(cache) for _, cache in served.state.pool._entries]
+        held = [len(cache) for cache in served.state.pool.caches]
         assert held and min(held) >= 430  # each holds its prompt (at 2 KB a token, >= 0.88 MB)
         assert len(held) < 8 and served.state.pool.nbytes <= 2.5e6
 

@@ -24,9 +24,10 @@ counted twice, never less than once.
 
 The chat page's turns wait in the same queue (:class:`ThreadHold`, taken from their controllers' thread).
 
-Idle prompt caches kept between requests are not counted here: they have their own bound
-(``--max-cache-gb``, :class:`~mlxchat.server.pool.CachePool`), so the caches in memory hold at most the
-two bounds together. (A cache a request takes from the pool is then counted by that request's reservation.)
+Idle prompt caches kept between requests (and the chat page's conversations' between their turns) are not
+counted here: they have their own bound (``--max-cache-gb``, :class:`~mlxchat.server.pool.CachePool`), so the
+caches in memory hold at most the two bounds together. (A cache a request takes from the pool is then counted by
+that request's reservation.)
 
 The bytes per token are measured, not derived from a config: one token, then one allocation step of
 tokens, run through a fresh cache (in the KV format the model's caches are made in: ``--kv-bits``) at start,

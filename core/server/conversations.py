@@ -22,7 +22,9 @@ closed, and primed again from the store when it is next opened: one prefill of i
 ``settings.max_queue`` busy or watched ones, opening another is refused (429). Each turn holds what its cache
 may grow to against ``--max-kv-gb`` while it runs, in the same queue as the API's requests
 (:class:`~mlxchat.server.admission.ThreadHold`): while the memory is held by others it waits (its state says
-``waiting``), and a stopped turn that had not begun puts its prompt back first in the queue.
+``waiting``), and a stopped turn that had not begun puts its prompt back first in the queue. Between turns a
+conversation's cache is idle, bounded by ``--max-cache-gb`` together with the API's pool (the least recently used
+first: :meth:`~mlxchat.server.pool.CachePool.trim`); one freed there is prefilled again by the next turn.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import re
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -46,6 +48,7 @@ from ..messages import ChatMessage
 from .admission import ThreadHold
 from .errors import ApiError, log, validated
 from .guard import read_json
+from .pool import IdleCache
 
 if TYPE_CHECKING:
     from .state import ServerState
@@ -139,12 +142,21 @@ class Conversation:
     def __init__(self, conversation_id: str, controller: ChatController, owner: Conversations):
         self.id, self.controller, self.owner = conversation_id, controller, owner
         self.watchers = 0
+        self.busy = False
+        """Whether a turn runs (its cache is in use)."""
+        self.used = time.monotonic()
+        """When its cache was last used (it opened, or a turn ended)."""
         self._saved: list[ChatMessage] | None = None
         self._dumped: tuple[list[ChatMessage], list[dict[str, Any]]] | None = None
         controller.subscribe(self._changed)
 
     def _changed(self, state: ChatState) -> None:
-        """On the controller's thread: write the messages when they changed (they are new objects then)."""
+        """On the controller's thread: write the messages when they changed (they are new objects then); a turn
+        that ended leaves its cache idle, under ``--max-cache-gb`` with the pool's."""
+        ended, self.busy = self.busy, state.status in ("streaming", "awaiting_input")
+        if ended and not self.busy:
+            self.used = time.monotonic()
+            self.owner.on_loop(self.owner.trim(), f"conversation {self.id}: its idle cache was not bounded")
         if self._saved is None or _same(self._saved, state.messages):
             self._saved = state.messages
             return
@@ -183,17 +195,32 @@ class Conversations:
         tool_info = [{"name": t.name, "needs_approval": bool(getattr(t, "needs_approval", False))}
                      for t in self.tools]
         self.info = {"model": state.name, "supports_images": bool(model.supports_images), "tools": tool_info}
+        state.pool.outside = self.idle
 
     def save(self, conversation_id: str, messages: list[ChatMessage]) -> None:
         """Write a conversation (from any thread; the store's own thread does the writing, in order)."""
-        assert self.loop is not None
         dumped = [m.model_dump(mode="json") for m in messages]
         write = self.state.store.save_conversation(conversation_id, _title(messages), dumped, time.time())
+        self.on_loop(write, f"conversation {conversation_id}: its last change was not saved")
+
+    def on_loop(self, work: Coroutine[Any, Any, object], lost: str) -> None:
+        """Run ``work`` on the server's loop (from any thread); logs ``lost`` when the server has stopped (a turn
+        cancelled at shutdown ended after it)."""
+        assert self.loop is not None
         try:
-            asyncio.run_coroutine_threadsafe(write, self.loop)
-        except RuntimeError:  # the server has stopped (a turn cancelled at shutdown ended after it)
-            write.close()
-            log.warning("conversation %s: its last change was not saved (the server had stopped)", conversation_id)
+            asyncio.run_coroutine_threadsafe(work, self.loop)
+        except RuntimeError:
+            work.close()
+            log.warning("%s (the server had stopped)", lost)
+
+    async def trim(self) -> None:
+        """Bound the idle caches, the pool's and the conversations' (:meth:`~mlxchat.server.pool.CachePool.trim`)."""
+        self.state.pool.trim()
+
+    def idle(self) -> list[IdleCache]:
+        """The live conversations' caches between turns."""
+        return [IdleCache(c.used, c.controller.session.cache, c.controller.release_cache)
+                for c in list(self.live.values()) if not c.busy and len(c.controller.session.cache)]
 
     def _open(self, conversation_id: str, messages: list[dict[str, Any]]) -> Conversation:
         self._evict(self.state.settings.caches - 1)

@@ -65,6 +65,8 @@ class Metrics:
              lambda: state.kv.paused),
             ("mlxchat_pool_caches", "Idle prompt caches kept in memory", lambda: len(state.pool)),
             ("mlxchat_pool_bytes", "Bytes the idle prompt caches hold", lambda: state.pool.nbytes),
+            ("mlxchat_page_cache_bytes", "Bytes the chat page's conversations' caches hold between turns (with the "
+             "pool's, under --max-cache-gb)", lambda: state.pool.outside_nbytes),
             ("mlxchat_spilled_caches", "Prompt caches spilled to disk", lambda: state.pool.spilled),
             ("mlxchat_kv_live_bytes", "Bytes the caches of the running generations hold now",
              lambda: state.kv_live),

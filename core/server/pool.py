@@ -6,6 +6,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -31,6 +32,18 @@ def _conversation(messages: Messages) -> Conversation:
                  for m in messages)
 
 
+@dataclass(frozen=True)
+class IdleCache:
+    """An idle prompt cache kept outside the pool under the same byte bound (a chat page conversation's between
+    its turns)."""
+
+    used: float
+    """When it was last used (``time.monotonic()``)."""
+    cache: PromptCache
+    release: Callable[[], object]
+    """Frees it (it is prefilled again when next used); does nothing when it is in use again by then."""
+
+
 @dataclass
 class _Spilled:
     """An evicted cache on disk: the conversation it holds, its file, and the write (a job on the worker)."""
@@ -46,7 +59,8 @@ class CachePool:
 
     A request takes the cache whose conversation its own continues (or a fresh one), so concurrent requests
     never share a cache; it gives the cache back when done, and the least recently used idle caches are
-    evicted while the pool holds more than ``size`` caches or ``max_bytes``. A request that only branches off
+    evicted while the pool holds more than ``size`` caches or the idle caches hold more than ``max_bytes`` (these
+    and the ones ``outside`` gives, least recently used first among both). A request that only branches off
     an idle conversation (the same system prompt, an edited turn) takes that conversation's cache only when
     the pool is full; otherwise it starts fresh and the longest prefix any cache holds, busy or idle, is
     copied into it (:attr:`prefixes`, a :class:`~mlxchat.prefix_cache.PromptCachePool` the server's
@@ -66,7 +80,10 @@ class CachePool:
         self.max_spill_bytes = max_spill_bytes
         self.prefixes = PromptCachePool()
         """The index of every cache the server's sessions hold, by prompt prefix (give it to each session)."""
-        self._entries: list[tuple[Conversation, PromptCache]] = []  # least recently used first
+        self.outside: Callable[[], list[IdleCache]] = list
+        """The other idle caches ``max_bytes`` bounds (the chat page's conversations)."""
+        self._entries: list[tuple[Conversation, PromptCache, float]] = []  # least recently used first, with
+        # when each was given back
         self._spilled: list[_Spilled] = []  # oldest first
         if self.spill_dir is not None:
             self.spill_dir.mkdir(parents=True, exist_ok=True)
@@ -76,9 +93,19 @@ class CachePool:
         return len(self._entries)
 
     @property
+    def caches(self) -> list[PromptCache]:
+        """The idle caches in memory, least recently used first."""
+        return [cache for _, cache, _ in self._entries]
+
+    @property
     def nbytes(self) -> int:
         """Bytes the idle caches hold (a prefix they share counted once)."""
-        return distinct_nbytes(cache.held() for _, cache in self._entries)
+        return distinct_nbytes(cache.held() for cache in self.caches)
+
+    @property
+    def outside_nbytes(self) -> int:
+        """Bytes the idle caches of :attr:`outside` hold."""
+        return distinct_nbytes(idle.cache.held() for idle in self.outside())
 
     @property
     def spilled(self) -> int:
@@ -88,7 +115,7 @@ class CachePool:
     async def take(self, messages: Messages) -> PromptCache:
         """The idle cache (in memory or spilled) whose conversation shares the most with ``messages``; a fresh
         one instead of an idle conversation that ``messages`` only branches off while the pool has room."""
-        candidates = [seen for seen, _ in self._entries] + [s.messages for s in self._spilled]
+        candidates = [seen for seen, _, _ in self._entries] + [s.messages for s in self._spilled]
         asked = _conversation(messages)
         best, best_shared = None, 0
         for index, seen in enumerate(candidates):
@@ -113,10 +140,22 @@ class CachePool:
             spilled.path.unlink(missing_ok=True)
 
     def give_back(self, messages: Messages, cache: PromptCache) -> None:
-        self._entries.append((_conversation(messages), cache))
-        while self._entries and (len(self._entries) > self.size
-                                 or (self.max_bytes is not None and self.nbytes > self.max_bytes)):
-            self._evict(*self._entries.pop(0))
+        self._entries.append((_conversation(messages), cache, time.monotonic()))
+        self.trim()
+
+    def trim(self) -> None:
+        """Evict the least recently used idle caches while the pool holds more than ``size`` or the idle caches
+        (the pool's and :attr:`outside`'s) more than ``max_bytes``."""
+        while len(self._entries) > self.size:
+            self._evict(*self._entries.pop(0)[:2])
+        if self.max_bytes is None:
+            return
+        outside = sorted(self.outside(), key=lambda idle: idle.used)
+        while distinct_nbytes([c.held() for c in self.caches] + [i.cache.held() for i in outside]) > self.max_bytes:
+            if outside and (not self._entries or outside[0].used < self._entries[0][2]):
+                outside.pop(0).release()
+            else:
+                self._evict(*self._entries.pop(0)[:2])
 
     def _evict(self, messages: Conversation, cache: PromptCache) -> None:
         self.prefixes.discard(cache)

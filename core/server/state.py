@@ -83,7 +83,8 @@ class ServerState:
         return {"queued": self.queued, "running": self.running, "waiting_for_memory": self.kv.waiting,
                 "paused_for_memory": self.kv.paused, "kv_live_bytes": self.kv_live,
                 "kv_reserved_bytes": self.kv.reserved, "kv_limit_bytes": self.kv.limit, "pool_caches": len(self.pool),
-                "pool_bytes": self.pool.nbytes, "spilled_caches": self.pool.spilled}
+                "pool_bytes": self.pool.nbytes, "page_cache_bytes": self.pool.outside_nbytes,
+                "spilled_caches": self.pool.spilled}
 
     def admit(self) -> None:
         """Count a generation request in, or refuse it (429) when the queue is full."""
