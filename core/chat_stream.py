@@ -272,14 +272,14 @@ class ChatStream:
 
     # -- sync --------------------------------------------------------------------------------------------
 
-    def __iter__(self) -> Iterator[StreamEvent]:
+    def __iter__(self) -> Generator[StreamEvent, None, None]:
         self._use()
         if self._host.ending is not None:
             self._host.ending.result()
         self._begin()
         return self._events()
 
-    def _events(self) -> Iterator[StreamEvent]:
+    def _events(self) -> Generator[StreamEvent, None, None]:
         try:
             steps, sent = self._steps(), None
             while (step := self._advance(steps, sent)) is not None:

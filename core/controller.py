@@ -19,7 +19,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Generator, Sequence
 from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -375,6 +375,7 @@ class ChatController:
 
     def _turn(self, make: Callable[[ChatSession], ChatStream], owed: bool) -> None:
         stream: ChatStream | None = None
+        events: Generator[Any, None, None] | None = None
         gate: TurnGate | None = None
         entered = making = False
         try:
@@ -408,9 +409,13 @@ class ChatController:
                 if not making:  # it failed before it began (a gate, the provider)
                     self._put_back(make, owed)
         finally:
-            if entered:
-                assert gate is not None
-                gate.exit()
+            try:
+                if events is not None:
+                    events.close()  # a turn left by an error above ends (its reply stops) before it counts as ended
+            finally:
+                if entered:
+                    assert gate is not None
+                    gate.exit()
             with self._lock:
                 result = stream.result if stream is not None else None
                 self._stream, self._streaming, self._turn_running = None, None, False

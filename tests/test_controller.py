@@ -380,6 +380,25 @@ def test_a_released_cache_is_prefilled_again_by_the_next_turn_with_the_same_repl
     busy.close()
 
 
+def test_a_turn_failed_by_a_subscriber_has_ended_when_its_error_is_published(long_model) -> None:
+    """Its reply stops and what streamed is kept before the error state says no turn runs (so its cache can be
+    released then, and nothing writes to it after)."""
+    controller = ChatController(long_model, publish_interval=0)
+
+    def failing(state: ChatState) -> None:
+        if state.streaming_message is not None and len(state.streaming_message.content or "") > 20:
+            raise RuntimeError("a subscriber's bug")
+
+    unsubscribe = controller.subscribe(failing)
+    controller.send("first")
+    error = wait_for(controller, lambda s: s.status == "error")
+    unsubscribe()
+    assert "a subscriber's bug" in (error.error or "")
+    assert [m.role for m in error.messages] == ["user", "assistant"] and len(error.messages[-1].content) > 20
+    assert controller.release_cache() and len(controller.session.cache) == 0
+    controller.close()
+
+
 def test_states_for_asyncio() -> None:
     controller = ChatController(loaded("qwen3"), publish_interval=0.01)
     short_replies(controller.session, 8)

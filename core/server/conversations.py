@@ -151,8 +151,9 @@ class Conversation:
         controller.subscribe(self._changed)
 
     def _changed(self, state: ChatState) -> None:
-        """On the controller's thread: write the messages when they changed (they are new objects then); a turn
-        that ended leaves its cache idle, under ``--max-cache-gb`` with the pool's."""
+        """On the thread that publishes the state (under the controller's lock, in order): write the messages when
+        they changed (they are new objects then); a turn that ended leaves its cache idle, under
+        ``--max-cache-gb`` with the pool's."""
         ended, self.busy = self.busy, state.status in ("streaming", "awaiting_input")
         if ended and not self.busy:
             self.used = time.monotonic()
@@ -191,6 +192,7 @@ class Conversations:
         self.tools = list(tools)
         self.live: OrderedDict[str, Conversation] = OrderedDict()
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.closed = False
         model = state.model
         tool_info = [{"name": t.name, "needs_approval": bool(getattr(t, "needs_approval", False))}
                      for t in self.tools]
@@ -214,8 +216,10 @@ class Conversations:
             log.warning("%s (the server had stopped)", lost)
 
     async def trim(self) -> None:
-        """Bound the idle caches, the pool's and the conversations' (:meth:`~mlxchat.server.pool.CachePool.trim`)."""
-        self.state.pool.trim()
+        """Bound the idle caches, the pool's and the conversations' (:meth:`~mlxchat.server.pool.CachePool.trim`),
+        unless the server is closing (turns stopped at shutdown end after the pool has closed)."""
+        if not self.closed:
+            self.state.pool.trim()
 
     def idle(self) -> list[IdleCache]:
         """The live conversations' caches between turns."""
@@ -277,6 +281,7 @@ class Conversations:
         return await self.state.store.delete_conversation(conversation_id)
 
     def close(self) -> None:
+        self.closed = True
         for conversation in self.live.values():
             conversation.controller.close()
         self.live.clear()
