@@ -120,7 +120,8 @@ static void sgemv(int order, int trans, int m, int n, float alpha, const float *
  * speed or less where M is not a multiple of its blocking: 12, 24 and 40 rows against Qwen3-0.6B's MLP
  * products ran at 44, 100 and 137 GFLOP/s there against 141, 181 and 189 here, and 20 rows of a scaled
  * Qwen3-30B-A3B expert (384 x 1024, a 512-token prompt's share of one expert) at 78 against 176; at multiples
- * of 16 rows the two are within 5% of each other up to 64 rows (2 Zen 3 cores, 2026-12).
+ * of 16 rows the two are within 5% of each other up to 64 rows (2 cores of an AVX-512 EPYC, Zen 4, 2026-12;
+ * AVX2's kernel, forced there, ran those expert and MLP products at 172-188 GFLOP/s).
  */
 #define FEW_MAX 8 /* rows the unrolled path takes (in at most two groups); more go in groups of MR */
 typedef struct {
