@@ -5,9 +5,10 @@ GFLOP/s. Symbols resolve through the global scope first, so a ``cblas_sgemm`` lo
 *before* ``mlx.core`` is imported is the one MLX calls. :func:`configure_blas` (run when ``mlxchat`` is
 imported) loads the ``mlxchat._blas_route`` shim that way: it sends one-row products (all of decode) to
 ``sgemv``, which reads weights several times faster than ``sgemm`` with M == 1, products of 2 to 64 rows
-against a weight matrix (a speculative round's verify pass, a follow-up turn's prompt, an expert's share of a
-prompt) to its own few-rows kernel, which reads the weights once for all rows (OpenBLAS's sgemm packs them:
-about a third of the speed for 8 rows, half for 20), and everything else to OpenBLAS. Which OpenBLAS, in order:
+(all of them with AVX-512) against a weight matrix (a speculative round's verify pass, a follow-up turn's prompt, an
+expert's share of a prompt) to its own few-rows kernel, which reads the weights once for all rows (OpenBLAS's
+sgemm packs them: about a third of the speed for 8 rows, half for 20), and everything else to OpenBLAS.
+Which OpenBLAS, in order:
 
 1. the system's (Debian/Ubuntu ``libopenblas0-pthread``, Fedora ``openblas``...), loaded globally as well;
 2. the one inside numpy's wheel (scipy-openblas, a 64-bit-integer build whose symbols carry a
@@ -19,7 +20,8 @@ Environment:
 - ``MLXCHAT_BLAS``: ``system`` or ``numpy`` to pick one of the above, a path to a CBLAS library, or ``off``
   to keep MLX's bundled one.
 - ``MLXCHAT_GEMV``: ``0`` disables the route (single rows and few rows alike).
-- ``MLXCHAT_ROWS``: the most rows of x the few-rows kernel takes (default 64, at most 128; ``0``: none).
+- ``MLXCHAT_ROWS``: the most rows of x the few-rows kernel takes (at most 256; ``0``: none); by default 64,
+  and on a CPU with AVX-512 every product, in passes of at most 128 rows.
 
 A ``cblas_sgemm`` already in the process when mlxchat is imported (a library linked to the system
 OpenBLAS, such as a distribution's numpy, imported first) comes first in the global scope and takes MLX's
@@ -140,7 +142,7 @@ def _load_route(blas_path: str) -> Any:
     route.mlxchat_blas_route_set_rows.argtypes = [ctypes.c_int]
     if route.mlxchat_blas_route_init(blas_path.encode()) not in (32, 64):
         return None
-    route.mlxchat_blas_route_set_rows(int(os.environ.get("MLXCHAT_ROWS") or 64))
+    route.mlxchat_blas_route_set_rows(int(os.environ.get("MLXCHAT_ROWS") or -1))
     return route
 
 

@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -41,6 +42,7 @@ cases = {
     "64 rows x W.T": lambda: (rng.standard_normal((64, 260)), rng.standard_normal((256, 260)), "t"),
     "65 rows x W.T": lambda: (rng.standard_normal((65, 260)), rng.standard_normal((256, 260)), "t"),
     "rows x a small W.T (prefill)": lambda: (rng.standard_normal((33, 300)), rng.standard_normal((77, 300)), "t"),
+    "c + 300 rows x W.T": lambda: (rng.standard_normal((300, 260)), rng.standard_normal((257, 260)), "c"),
     "rows.T x W": lambda: (rng.standard_normal((300, 33)).T, rng.standard_normal((300, 77)), "n"),
 }
 errors, counts = {}, []
@@ -62,8 +64,12 @@ print(json.dumps({"library": state.library, "gemv_route": state.gemv_route, "err
 """
 
 
-def _run(blas: str, gemv: str = "1") -> dict[str, object]:
+def _run(blas: str, gemv: str = "1", rows: str | None = "64") -> dict[str, object]:
+    """The products above in a fresh process (``rows``: MLXCHAT_ROWS, None for the CPU's default)."""
     env = {**os.environ, "MLXCHAT_BLAS": blas, "MLXCHAT_GEMV": gemv}
+    env.pop("MLXCHAT_ROWS", None)
+    if rows is not None:
+        env["MLXCHAT_ROWS"] = rows
     done = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
@@ -82,7 +88,16 @@ def test_products_are_right_through_sgemv_and_sgemm(blas: str) -> None:
     for name, error in result["errors"].items():  # type: ignore[attr-defined]
         assert error < 1e-5, f"{name}: relative error {error:.1e}"
     # single rows and columns went to sgemv, up to 64 rows to the few-rows kernel, the rest to sgemm
-    assert result["counts"] == [[1, 0]] * 13 + [[0, 1]] * 3
+    assert result["counts"] == [[1, 0]] * 13 + [[0, 1]] * 4
+
+
+def test_the_few_rows_kernel_takes_every_product_by_default_where_it_runs_on_avx512() -> None:
+    blas = "system" if runtime._system_openblas() is not None else "numpy"
+    result = _run(blas, rows=None)
+    avx512 = " avx512f " in f" {Path('/proc/cpuinfo').read_text().replace(chr(10), ' ')} "
+    assert all(error < 1e-5 for error in result["errors"].values())  # type: ignore[attr-defined]
+    expected = [1, 0] if avx512 else [0, 1]  # 65 rows, 300 rows (in passes)
+    assert result["counts"][13] == result["counts"][15] == expected  # type: ignore[index]
 
 
 @pytest.mark.parametrize("blas", LIBRARIES)
@@ -91,7 +106,7 @@ def test_without_the_gemv_route_everything_is_sgemm_and_still_right(blas: str) -
     assert not result["gemv_route"]
     assert all(error < 1e-5 for error in result["errors"].values())  # type: ignore[attr-defined]
     if blas == "numpy":  # reachable only through the route, which now sends everything to sgemm
-        assert result["counts"] == [[0, 1]] * 16
+        assert result["counts"] == [[0, 1]] * 17
 
 
 def test_the_default_is_the_system_openblas_else_numpys(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -53,6 +53,7 @@ static sgemm64_fn sgemm64;
 static sgemv64_fn sgemv64;
 static int gemv_route = 1;
 static int small_rows = 64; /* products of 2..small_rows rows of x go to the few-rows kernel (0: none) */
+static int pass_rows = 0;   /* and, when set, products of more rows too, in passes of at most this many rows */
 
 /*
  * Bind to the BLAS at `path`. Returns 32 or 64 (the integer width of the interface found), 0 if the library
@@ -79,10 +80,15 @@ void mlxchat_blas_route_set_gemv(int on) {
     gemv_route = on;
 }
 
-/* The most rows of x the few-rows kernel takes (0 sends them to sgemm; at most ROWS_MAX). */
-#define ROWS_MAX 128
+/* The most rows of x the few-rows kernel takes (0 sends them to sgemm; at most ROWS_MAX). Below 0: this CPU's
+ * default (see the kernel's comment): where its AVX-512 kernel runs, every product, in passes of at most 128
+ * rows; otherwise up to 64 rows. */
+#define ROWS_MAX 256
+static int has_avx512_kernel(void);
 void mlxchat_blas_route_set_rows(int rows) {
-    small_rows = rows < 0 ? 0 : rows > ROWS_MAX ? ROWS_MAX : rows;
+    const int all = rows < 0 && has_avx512_kernel();
+    pass_rows = all ? 128 : 0;
+    small_rows = all ? 128 : rows < 0 ? 64 : rows > ROWS_MAX ? ROWS_MAX : rows;
 }
 
 /* How many products went each way since load: [read once (sgemv, few rows), gemm]. For tests and
@@ -118,12 +124,18 @@ static void sgemv(int order, int trans, int m, int n, float alpha, const float *
  *
  * Up to a few dozen rows this beats OpenBLAS's sgemm, which packs the weights for them and runs at half its
  * speed or less where M is not a multiple of its blocking: 12, 24 and 40 rows against Qwen3-0.6B's MLP
- * products ran at 44, 100 and 137 GFLOP/s there against 141, 181 and 189 here, and 20 rows of a scaled
- * Qwen3-30B-A3B expert (384 x 1024, a 512-token prompt's share of one expert) at 78 against 176; at multiples
- * of 16 rows the two are within 5% of each other up to 64 rows (2 cores of an AVX-512 EPYC, Zen 4, 2026-12;
- * AVX2's kernel, forced there, ran those expert and MLP products at 172-188 GFLOP/s).
+ * products ran at 44, 100 and 137 GFLOP/s there against 141, 181 and 189 here with two weight rows a tile,
+ * and 20 rows of a scaled Qwen3-30B-A3B expert (384 x 1024, a 512-token prompt's share of one expert) at 78
+ * against 176 (2 cores of an AVX-512 EPYC, Zen 4, 2026-12). AVX-512's tiles of four weight rows for more than
+ * FEW_MAX rows then ran 260-320 GFLOP/s from 32 to 256 rows, and 290-330 for 512 and 1,024 rows in passes of
+ * 128, where OpenBLAS 0.3.21 (AVX2 kernels on that CPU) ran 200-260, so there the kernel takes every product by
+ * default; AVX2's kernel (forced on the same CPU, 165-190 GFLOP/s) takes up to 64 rows, about where OpenBLAS
+ * reaches it at multiples of 16 rows.
  */
-#define FEW_MAX 8 /* rows the unrolled path takes (in at most two groups); more go in groups of MR */
+#define FEW_MAX 8 /* rows the unrolled path takes (in at most two groups); more go in groups of QR */
+#define QR 6       /* rows of x a tile of the path for more takes: with NW weight rows, 4 x 6 + 5 of AVX-512's 32
+                      registers (2 x 6 + 3 of AVX2's 16); 4 weight rows ran 40 and 64 rows 12% and 20% faster
+                      than 2 on AVX-512 */
 typedef struct {
     int m, n, k, lda, ldb, ldc;
     const float *a, *b;
@@ -169,7 +181,7 @@ static void few_scalar(const few_job *j, int n0, int n1) {
 #define FEW_BLOCK 32768
 #define MANY_BLOCK 2048 /* K's block for more rows: x's rows stay in a core's L2 (48 rows of it: 384 KiB), as
                            blocks that kept them in L1 were a fifth slower */
-#define FEW_KERNEL(NAME, TARGET, VEC, WIDTH, MR, ZERO, LOAD, FMA, REDUCE)                                      \
+#define FEW_KERNEL(NAME, TARGET, VEC, WIDTH, MR, NW, ZERO, LOAD, FMA, REDUCE)                                  \
     _Static_assert(FEW_MAX <= 2 * (MR), #NAME ": the rows of x come in two groups at most");                \
     /* Rows m0..m0+R-1 of x against weight rows n and n + 1 (w1 = w0 when n is the last), k0..k1. */        \
     __attribute__((target(TARGET), always_inline)) static inline void NAME##_tile(                            \
@@ -216,32 +228,56 @@ static void few_scalar(const few_job *j, int n0, int n1) {
             }                                                                                                \
         }                                                                                                    \
     }                                                                                                        \
-    /* Rows m0..m0+R-1 of x, R <= MR given as a constant to each case (clamped where it cannot be one). */    \
-    __attribute__((target(TARGET), always_inline)) static inline void NAME##_group(                           \
-        const few_job *j, int m0, int R, int n, int pair, int k0, int k1, int tail) {                         \
-        switch (R) {                                                                                         \
-        case 1: NAME##_tile(j, m0, 1, n, pair, k0, k1, tail); break;                                         \
-        case 2: NAME##_tile(j, m0, 2, n, pair, k0, k1, tail); break;                                         \
-        case 3: NAME##_tile(j, m0, 3, n, pair, k0, k1, tail); break;                                         \
-        case 4: NAME##_tile(j, m0, 4, n, pair, k0, k1, tail); break;                                         \
-        case 5: NAME##_tile(j, m0, 5, n, pair, k0, k1, tail); break;                                         \
-        case 6: NAME##_tile(j, m0, 6 <= (MR) ? 6 : (MR), n, pair, k0, k1, tail); break;                      \
-        case 7: NAME##_tile(j, m0, 7 <= (MR) ? 7 : (MR), n, pair, k0, k1, tail); break;                      \
-        default: NAME##_tile(j, m0, 8 <= (MR) ? 8 : (MR), n, pair, k0, k1, tail); break;                     \
+    /* Rows m0..m0+R-1 of x (R <= QR, a constant) against NW weight rows from n, of which nw are the matrix's   \
+     * (the others repeat row n: computed, not stored), k0..k1. */                                           \
+    __attribute__((target(TARGET), always_inline)) static inline void NAME##_wide(                            \
+        const few_job *j, int m0, const int R, int n, int nw, int k0, int k1, int tail) {                    \
+        const float *xs[QR], *w[NW];                                                                         \
+        _Pragma("GCC unroll 8") for (int m = 0; m < R; ++m) xs[m] = j->a + (long)(m0 + m) * j->lda;          \
+        _Pragma("GCC unroll 4") for (int i = 0; i < NW; ++i) w[i] = j->b + (long)(n + (i < nw ? i : 0)) * j->ldb; \
+        VEC acc[NW][QR];                                                                                     \
+        _Pragma("GCC unroll 4") for (int i = 0; i < NW; ++i)                                                 \
+            _Pragma("GCC unroll 8") for (int m = 0; m < R; ++m) acc[i][m] = ZERO;                            \
+        for (int k = k0; k < k1; k += WIDTH) {                                                               \
+            VEC v[NW];                                                                                       \
+            _Pragma("GCC unroll 4") for (int i = 0; i < NW; ++i) {                                           \
+                if (m0 == 0) _mm_prefetch((const char *)(w[i] + (NW) * (long)j->ldb + k), _MM_HINT_T0);      \
+                v[i] = LOAD(w[i] + k);                                                                       \
+            }                                                                                                \
+            _Pragma("GCC unroll 8") for (int m = 0; m < R; ++m) {                                            \
+                VEC x = LOAD(xs[m] + k);                                                                     \
+                __asm__("" : "+v"(x)); /* one load of x for all products */                                  \
+                _Pragma("GCC unroll 4") for (int i = 0; i < NW; ++i) acc[i][m] = FMA(x, v[i], acc[i][m]);    \
+            }                                                                                                \
+        }                                                                                                    \
+        _Pragma("GCC unroll 8") for (int m = 0; m < R; ++m) {                                                \
+            const float *x = xs[m];                                                                          \
+            for (int i = 0; i < nw; ++i) {                                                                   \
+                float sum = REDUCE(acc[i][m]);                                                               \
+                for (int k = tail; k < j->k; ++k) sum += x[k] * w[i][k];                                     \
+                add(j, m0 + m, n + i, sum, k0 == 0);                                                         \
+            }                                                                                                \
         }                                                                                                    \
     }                                                                                                        \
-    /* More than FEW_MAX rows: groups of at most MR rows (as even as they divide), each pair of weight rows   \
-     * read from memory by the first group and from the cache by the others. */                              \
+    /* More than FEW_MAX rows: groups of at most QR rows (as even as they divide) against NW weight rows at a  \
+     * time, the weight rows read from memory by the first group and from the cache by the others. */        \
     __attribute__((target(TARGET))) static void NAME##_many(const few_job *j, int n0, int n1) {               \
-        const int M = j->m, K = j->k, whole = K - K % WIDTH, groups = (M + (MR) - 1) / (MR);                \
-        const int block = MANY_BLOCK;                                                                        \
-        for (int k0 = 0; k0 < K; k0 += block) {                                                              \
-            const int k1 = k0 + block < whole ? k0 + block : whole, tail = k0 + block >= K ? whole : K;      \
-            for (int n = n0; n < n1; n += 2) {                                                               \
-                const int pair = n + 1 < n1;                                                                 \
+        const int M = j->m, K = j->k, whole = K - K % WIDTH, groups = (M + (QR) - 1) / (QR);                \
+        for (int k0 = 0; k0 < K; k0 += MANY_BLOCK) {                                                         \
+            const int k1 = k0 + MANY_BLOCK < whole ? k0 + MANY_BLOCK : whole;                                \
+            const int tail = k0 + MANY_BLOCK >= K ? whole : K;                                               \
+            for (int n = n0; n < n1; n += (NW)) {                                                            \
+                const int nw = n1 - n < (NW) ? n1 - n : (NW);                                                \
                 for (int g = 0; g < groups; ++g) {                                                           \
-                    const int m0 = g * M / groups;                                                           \
-                    NAME##_group(j, m0, (g + 1) * M / groups - m0, n, pair, k0, k1, tail);                   \
+                    const int m0 = g * M / groups, R = (g + 1) * M / groups - m0;                            \
+                    switch (R) {                                                                             \
+                    case 1: NAME##_wide(j, m0, 1, n, nw, k0, k1, tail); break;                               \
+                    case 2: NAME##_wide(j, m0, 2, n, nw, k0, k1, tail); break;                               \
+                    case 3: NAME##_wide(j, m0, 3, n, nw, k0, k1, tail); break;                               \
+                    case 4: NAME##_wide(j, m0, 4, n, nw, k0, k1, tail); break;                               \
+                    case 5: NAME##_wide(j, m0, 5, n, nw, k0, k1, tail); break;                               \
+                    default: NAME##_wide(j, m0, 6, n, nw, k0, k1, tail); break;                              \
+                    }                                                                                        \
                 }                                                                                            \
             }                                                                                                \
         }                                                                                                    \
@@ -267,9 +303,9 @@ __attribute__((target("avx2,fma"))) static inline float reduce256(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-FEW_KERNEL(few_avx512, "avx512f,avx2,fma", __m512, 16, 8, _mm512_setzero_ps(), _mm512_loadu_ps, _mm512_fmadd_ps,
+FEW_KERNEL(few_avx512, "avx512f,avx2,fma", __m512, 16, 8, 4, _mm512_setzero_ps(), _mm512_loadu_ps, _mm512_fmadd_ps,
            _mm512_reduce_add_ps)
-FEW_KERNEL(few_avx2, "avx2,fma", __m256, 8, 6, _mm256_setzero_ps(), _mm256_loadu_ps, _mm256_fmadd_ps, reduce256)
+FEW_KERNEL(few_avx2, "avx2,fma", __m256, 8, 6, 2, _mm256_setzero_ps(), _mm256_loadu_ps, _mm256_fmadd_ps, reduce256)
 #endif
 
 typedef void (*few_fn)(const few_job *, int, int);
@@ -281,6 +317,14 @@ static few_fn few_kernel(void) {
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return few_avx2;
 #endif
     return few_scalar;
+}
+
+static int has_avx512_kernel(void) {
+#if defined(__x86_64__)
+    return few_kernel() == few_avx512;
+#else
+    return 0;
+#endif
 }
 
 /*
@@ -314,7 +358,7 @@ static double seconds(void) {
 }
 
 static void run_part(const few_job *j, int part) {
-    const int per = (j->n + pool.parts - 1) / pool.parts, step = per + per % 2; /* even: rows go in pairs */
+    const int per = (j->n + pool.parts - 1) / pool.parts, step = (per + 3) / 4 * 4; /* rows go in 2s or 4s */
     const int n0 = part * step, n1 = n0 + step < j->n ? n0 + step : j->n;
     if (n0 < n1) pool.kernel(j, n0, n1);
 }
@@ -418,10 +462,15 @@ void cblas_sgemm(int order, int trans_a, int trans_b, int m, int n, int k, float
         __atomic_fetch_add(&routed_counts[0], 1, __ATOMIC_RELAXED);
         return;
     }
-    if (gemv_route && order == ROW_MAJOR && trans_a == NO_TRANS && trans_b == TRANS && m <= small_rows &&
-        (long)n * k >= 65536) {
-        /* x[m, k] @ W[n, k].T, W large enough for the weights' reading to be what it costs */
-        few_rows(m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+    if (gemv_route && order == ROW_MAJOR && trans_a == NO_TRANS && trans_b == TRANS &&
+        (m <= small_rows || pass_rows > 0) && (long)n * k >= 65536) {
+        /* x[m, k] @ W[n, k].T, W large enough for the weights' reading to be what it costs; more rows than
+           small_rows in passes as even as they divide */
+        const int passes = m <= small_rows ? 1 : (m + pass_rows - 1) / pass_rows;
+        for (int p = 0; p < passes; ++p) {
+            const int m0 = (int)((long)p * m / passes), m1 = (int)((long)(p + 1) * m / passes);
+            few_rows(m1 - m0, n, k, alpha, a + (long)m0 * lda, lda, b, ldb, beta, c + (long)m0 * ldc, ldc);
+        }
         __atomic_fetch_add(&routed_counts[0], 1, __ATOMIC_RELAXED);
         return;
     }
