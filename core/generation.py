@@ -414,7 +414,7 @@ def _generation(module: ModelModule, tokenizer: Tokenizer, prompt: Sequence[int]
     elif after is None:
         tokens = itertools.chain(forced, decode(pending, config.max_tokens - len(forced)))
     else:
-        tokens = _prefixed_after(decode_alone, tokenizer, pending, forced, after, config.max_tokens)
+        tokens = _prefixed_after(decode_alone, tokenizer, lambda: len(cache), pending, forced, after, config.max_tokens)
     produced = 0
     try:
         while (yield from room(cache, len(cache) + ahead, cancel)) and (token := next(tokens, None)) is not None:
@@ -451,16 +451,18 @@ def _generation(module: ModelModule, tokenizer: Tokenizer, prompt: Sequence[int]
 
 
 def _prefixed_after(decode: Callable[[Sequence[int], int], Iterator[int]], tokenizer: Tokenizer,
-                    pending: Sequence[int], prefix: list[int], after: tuple[str, str], budget: int) -> Iterator[int]:
+                    held: Callable[[], int], pending: Sequence[int], prefix: list[int], after: tuple[str, str],
+                    budget: int) -> Iterator[int]:
     """Reply tokens with ``prefix`` after the model's reasoning (see ``GenerationConfig.reply_prefix_after``).
 
-    A token reaches the reader after its forward pass is queued, so a decode stopped there leaves the cache
-    holding exactly what was read: the next token, already sampled, is dropped and the prefix is fed
-    instead. The first token is sampled alone (not fed) to see whether it opens the reasoning."""
-    def prefixed(budget: int) -> Iterator[int]:
+    A decode stopped after the closer leaves the cache (``held`` tokens long) holding what was read, but for
+    the last tokens where they reached the reader before their forward pass was queued (a decoder's first);
+    those are fed with the prefix, and the next token, already sampled, is dropped. The first token is sampled
+    alone (not fed) to see whether it opens the reasoning."""
+    def prefixed(budget: int, unfed: Sequence[int] = ()) -> Iterator[int]:
         forced = prefix[:budget]
         yield from forced
-        yield from decode(forced, budget - len(forced))
+        yield from decode([*unfed, *forced], budget - len(forced))
 
     opener, closer = after
     seen = ""
@@ -472,13 +474,15 @@ def _prefixed_after(decode: Callable[[Sequence[int], int], Iterator[int]], token
             return
         yield first
         pending, budget = [first], budget - 1
+    start, read = held(), list(pending)
     model = decode(pending, budget)
     for token in model:
         yield token
+        read.append(token)
         budget -= 1
         seen = (seen + tokenizer.decode([token]))[-4 * len(closer):]
         if closer in seen:
             model.close()  # type: ignore[attr-defined]  # a generator
-            yield from prefixed(budget)
+            yield from prefixed(budget, read[held() - start:])
             return
 

@@ -20,8 +20,8 @@ Environment:
 - ``MLXCHAT_BLAS``: ``system`` or ``numpy`` to pick one of the above, a path to a CBLAS library, or ``off``
   to keep MLX's bundled one.
 - ``MLXCHAT_GEMV``: ``0`` disables the route (single rows and few rows alike).
-- ``MLXCHAT_ROWS``: the most rows of x the few-rows kernel takes (at most 256; ``0``: none); by default 64,
-  and on a CPU with AVX-512 every product, in passes of at most 128 rows.
+- ``MLXCHAT_ROWS``: the most rows of x the few-rows kernel takes (at most 256; ``0``: none); by default 64 with
+  AVX2, every product in passes of at most 128 rows with AVX-512, 8 on other CPUs.
 
 A ``cblas_sgemm`` already in the process when mlxchat is imported (a library linked to the system
 OpenBLAS, such as a distribution's numpy, imported first) comes first in the global scope and takes MLX's

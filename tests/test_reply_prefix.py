@@ -84,6 +84,24 @@ def test_a_prompt_that_opened_reasoning_waits_for_its_closer(scripted) -> None:
     assert result.tokens == [60, close, *model.tokenizer.encode("<tool_call>"), 70]
 
 
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_5"])
+@pytest.mark.parametrize("after", [AFTER, ("", "</think>")])
+def test_a_closer_that_is_the_decoders_first_token_is_fed_before_the_prefix(name, after, scripted) -> None:
+    """The decoder's first token reaches the reader before its forward pass is queued (the first token is not
+    held back a step): stopped there, the cache lacks it, so it goes in with the prefix (and no token was
+    sampled after it: none is dropped)."""
+    model = loaded(name)
+    think, close, end = special(model, "<think>"), special(model, "</think>"), special(model, "<|im_end|>")
+    opened = [think] if after[0] else []
+    scripted.append([*opened, close, 99, 70, end])
+    cache = model.make_prompt_cache()
+    result = model.generate(PROMPT, {"max_tokens": 30, "reply_prefix": "<tool_call>", "reply_prefix_after": after},
+                            cache=cache)
+    assert result.tokens == [*opened, close, *model.tokenizer.encode("<tool_call>"), 99, 70]
+    assert cache.tokens == [*PROMPT, *result.tokens, end]
+    assert_cache_is_what_the_model_saw(model, cache)
+
+
 def test_a_prefix_after_reasoning_stays_within_max_tokens(scripted) -> None:
     model = loaded("qwen3")
     think, close = special(model, "<think>"), special(model, "</think>")

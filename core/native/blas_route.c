@@ -82,13 +82,13 @@ void mlxchat_blas_route_set_gemv(int on) {
 
 /* The most rows of x the few-rows kernel takes (0 sends them to sgemm; at most ROWS_MAX). Below 0: this CPU's
  * default (see the kernel's comment): where its AVX-512 kernel runs, every product, in passes of at most 128
- * rows; otherwise up to 64 rows. */
+ * rows; with AVX2, up to 64 rows; with neither (the scalar kernel), up to 8. */
 #define ROWS_MAX 256
-static int has_avx512_kernel(void);
+static int kernel_level(void);
 void mlxchat_blas_route_set_rows(int rows) {
-    const int all = rows < 0 && has_avx512_kernel();
+    const int level = kernel_level(), all = rows < 0 && level == 2;
     pass_rows = all ? 128 : 0;
-    small_rows = all ? 128 : rows < 0 ? 64 : rows > ROWS_MAX ? ROWS_MAX : rows;
+    small_rows = all ? 128 : rows >= 0 ? (rows > ROWS_MAX ? ROWS_MAX : rows) : level == 1 ? 64 : 8;
 }
 
 /* How many products went each way since load: [read once (sgemv, few rows), gemm]. For tests and
@@ -319,9 +319,11 @@ static few_fn few_kernel(void) {
     return few_scalar;
 }
 
-static int has_avx512_kernel(void) {
+/* 2: AVX-512's kernel runs here, 1: AVX2's, 0: the scalar one. */
+static int kernel_level(void) {
 #if defined(__x86_64__)
-    return few_kernel() == few_avx512;
+    const few_fn kernel = few_kernel();
+    return kernel == few_avx512 ? 2 : kernel == few_avx2 ? 1 : 0;
 #else
     return 0;
 #endif
@@ -462,7 +464,7 @@ void cblas_sgemm(int order, int trans_a, int trans_b, int m, int n, int k, float
         __atomic_fetch_add(&routed_counts[0], 1, __ATOMIC_RELAXED);
         return;
     }
-    if (gemv_route && order == ROW_MAJOR && trans_a == NO_TRANS && trans_b == TRANS &&
+    if (gemv_route && order == ROW_MAJOR && trans_a == NO_TRANS && trans_b == TRANS && m >= 2 &&
         (m <= small_rows || pass_rows > 0) && (long)n * k >= 65536) {
         /* x[m, k] @ W[n, k].T, W large enough for the weights' reading to be what it costs; more rows than
            small_rows in passes as even as they divide */
