@@ -52,7 +52,8 @@ static sgemv32_fn sgemv32;
 static sgemm64_fn sgemm64;
 static sgemv64_fn sgemv64;
 static int gemv_route = 1;
-static int small_rows = 64; /* products of 2..small_rows rows of x go to the few-rows kernel (0: none) */
+static int small_rows = 8; /* products of 2..small_rows rows of x go to the few-rows kernel (0: none; the CPU's
+                               default once mlxchat_blas_route_set_rows(-1) runs) */
 static int pass_rows = 0;   /* and, when set, products of more rows too, in passes of at most this many rows */
 
 /*
@@ -119,8 +120,8 @@ static void sgemv(int order, int trans, int m, int n, float alpha, const float *
 
 /*
  * c[m, n] = alpha * sum_k a[m, k] * b[n, k] (+ beta * c[m, n]) for a few rows of a: weight rows are
- * streamed two at a time, each loaded once and multiplied into every row of a (which stays in cache), and
- * each row's sum is reduced at its end. Summation order differs from the BLAS's only as float32 order does.
+ * streamed two (or four) at a time, each loaded once and multiplied into every row of a (which stays in cache),
+ * and each row's sum is reduced at its end. Summation order differs from the BLAS's only as float32 order does.
  *
  * Up to a few dozen rows this beats OpenBLAS's sgemm, which packs the weights for them and runs at half its
  * speed or less where M is not a multiple of its blocking: 12, 24 and 40 rows against Qwen3-0.6B's MLP
