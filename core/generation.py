@@ -368,7 +368,8 @@ def _generation(module: ModelModule, tokenizer: Tokenizer, prompt: Sequence[int]
     first: mx.array | None = None
     # Tokens a step adds at most: its token, a draft's, a prefix fed after the reasoning in one step.
     ahead = 1 + (config.draft_tokens if drafter is not None else 0) + (len(forced) if after is not None else 0)
-    yield from room(cache, len(ids), cancel)  # the prompt's memory (a server reserved it before)
+    yield from room(cache, len(ids) + ahead, cancel)  # the prompt's memory (a server reserved it before)
+    cache.reserve(len(ids) + ahead)  # allocated at once, not grown (and copied) chunk by chunk
     if alone or prefill_budget is None:
         follow = drafter.begin(cache, ids) if drafter is not None else None
         reused, pending = cache.prefill(module, full, snapshot_at=snapshot_at, step=config.prefill_step,

@@ -120,6 +120,12 @@ class PromptCache:
         self.draft = None
         self._computed_under = self._weights_version() if self._weights_version is not None else 0
 
+    def reserve(self, tokens: int) -> None:
+        """The cache will soon hold ``tokens`` tokens (a prompt and its first step): its layers that grow make
+        room for them at once (:meth:`~mlxchat.cache.LayerCache.reserve`)."""
+        for layer in self.layers:
+            layer.reserve(tokens)
+
     @property
     def stale(self) -> bool:
         """Whether the model's weights changed since this cache was filled (it then gives no prefix)."""

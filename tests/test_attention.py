@@ -246,6 +246,37 @@ def test_a_chunk_after_a_shared_prefix_attends_over_both_parts_as_over_one(isa: 
                         - plain_attention(q, *held_now.joined(), 0.3, window=64)).max()) < 2e-5
 
 
+@pytest.mark.parametrize("quantized", [False, True])
+def test_a_cache_grows_by_eighths_of_its_length_and_makes_room_for_a_reserved_prompt_at_once(
+        quantized: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert [KVCache.capacity(n) for n in (1, 256, 257, 4096, 4097, 5000, 16384, 16385)] == [
+        256, 256, 512, 4096, 4608, 5120, 16384, 18432]
+    sizes = range(1, 70_000, 97)
+    assert all(KVCache.capacity(a) <= KVCache.capacity(b) for a, b in zip(sizes, sizes[1:]))
+    assert all(n <= KVCache.capacity(n) <= max(n + KVCache.step, n * 9 // 8 + 1) for n in sizes)
+    growths: list[int] = []
+    grown = KVCache._grown
+
+    def counted(self: KVCache, buffers: list[mx.array] | None, chunk: list[mx.array], start: int) -> list[mx.array]:
+        out = grown(self, buffers, chunk, start)
+        growths.append(out[0].shape[2])
+        return out
+
+    monkeypatch.setattr(KVCache, "_grown", counted)
+    rng = np.random.default_rng(5)
+    cache = QuantizedKVCache(8, 64) if quantized else KVCache()
+    cache.reserve(5000)  # a prompt of 4,999 tokens and its first decode step
+    for _ in range(39):  # the prompt in chunks of 128 tokens, the last short
+        cache.update_and_fetch(*random_kv(rng, 128))
+    cache.update_and_fetch(*random_kv(rng, 5000 - 39 * 128 - 1))
+    assert cache.offset == 4999 and growths == [5120]  # one allocation for all of it
+    for _ in range(300):  # decoding past it grows by an eighth (5120 + 512 tokens), not by a step
+        cache.update_and_fetch(*random_kv(rng, 1))
+    assert growths == [5120, 5632]
+    whole = cache.update_and_fetch(*random_kv(rng, 1))
+    assert whole[0].shape[2] == 5300  # what it holds is still exactly the tokens written
+
+
 def test_a_copy_reads_a_long_prefix_where_it_lies_and_holds_the_same_keys() -> None:
     rng = np.random.default_rng(3)
     source = KVCache()

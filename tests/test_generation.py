@@ -39,6 +39,26 @@ def test_logit_bias_and_penalties_change_the_choice(model) -> None:
     assert presence[0] == 123 and 123 not in presence[1:]
 
 
+def test_a_long_prompt_is_allocated_once_not_grown_chunk_by_chunk(model, monkeypatch) -> None:
+    from mlxchat.cache import KVCache
+
+    growths: list[int] = []
+    grown = KVCache._grown
+
+    def counted(self, buffers, chunk, start):  # type: ignore[no-untyped-def]
+        growths.append(start)
+        return grown(self, buffers, chunk, start)
+
+    monkeypatch.setattr(KVCache, "_grown", counted)
+    cache = model.make_prompt_cache()
+    prompt = [(7 * i) % 500 + 3 for i in range(700)]
+    result = model.generate(prompt, {"max_tokens": 4, "temperature": 0.0, "prefill_step": 128}, cache=cache)
+    layers = [layer for layer in cache.layers if isinstance(layer, KVCache)]
+    assert layers and len(growths) == len(layers) and set(growths) == {0}  # each layer allocated once, at the start
+    assert {layer.keys.shape[2] for layer in layers} == {KVCache.capacity(701)}  # type: ignore[union-attr]
+    assert result.tokens == model.generate(prompt, {"max_tokens": 4, "temperature": 0.0}).tokens
+
+
 def test_config_fields_merge_over_the_checkpoint_defaults(model) -> None:
     assert model.defaults.temperature == 0.6 and model.defaults.top_k == 20  # generation_config.json
     merged = model.defaults.merged({"max_tokens": 3})

@@ -32,7 +32,7 @@ that request's reservation.)
 The bytes per token are measured, not derived from a config: one token, then one allocation step of
 tokens, run through a fresh cache (in the KV format the model's caches are made in: ``--kv-bits``) at start,
 and each layer's arrays say what a token costs there (full attention: every token, in the cache's allocation
-steps; sliding window: up to its window, kept again by each snapshot; a recurrent or conv state: a fixed size,
+steps, :meth:`~mlxchat.cache.KVCache.capacity`; sliding window: up to its window, kept again by each snapshot; a recurrent or conv state: a fixed size,
 kept again by each snapshot a hybrid takes). A request that decodes speculatively also reserves its drafter's
 state (a draft model's cache, an MTP head's), measured the same way.
 """
@@ -71,7 +71,7 @@ DEFAULT_SHARE = 0.5
 class LayerCost:
     per_token: float
     window: int | None  # tokens kept at most (sliding window)
-    step: int  # the allocation granularity in tokens
+    grows: bool  # allocated in KVCache.capacity's steps (else token by token)
     fixed: int  # a state that does not grow
     copies: int = 1  # the layer's tokens kept again by snapshots (a sliding window)
     shares: bool = False  # reads a long prompt prefix another cache holds where it lies (a KV layer)
@@ -90,15 +90,15 @@ def _layer_costs(layers: list[Any], run: Callable[[int], Any], shares: bool = Tr
         plain = type(layer) in (KVCache, SlidingWindowCache)
         if plain and isinstance(layer, KeysValues) and layer.keys is not None and layer.values is not None:
             per_token = (layer.keys.nbytes + layer.values.nbytes) / layer.keys.shape[2]
-            costs.append(LayerCost(per_token, window, KVCache.step if window is None else 1, 0, copies,
+            costs.append(LayerCost(per_token, window, window is None, 0, copies,
                                    shares=shares and type(layer) is KVCache))
         elif isinstance(layer, QuantizedKVCache) and layer.quantized is not None:  # packed tokens, allocated in
             # steps, and a float tail of less than a group (one token of it held after the first run)
             packed = [a for part in layer.quantized for a in part]
-            costs.append(LayerCost(sum(a.nbytes for a in packed) / packed[0].shape[2], None, KVCache.step,
+            costs.append(LayerCost(sum(a.nbytes for a in packed) / packed[0].shape[2], None, True,
                                    held * layer.group_size, shares=shares))
         else:  # a state of fixed size, kept again by each snapshot
-            costs.append(LayerCost(0.0, None, 1, layer.nbytes * (1 + DEFAULT_MAX_SNAPSHOTS)))
+            costs.append(LayerCost(0.0, None, False, layer.nbytes * (1 + DEFAULT_MAX_SNAPSHOTS)))
     return costs
 
 
@@ -127,7 +127,7 @@ class Footprint:
             held = tokens if cost.window is None else min(tokens, cost.window)
             if cost.shares:
                 held -= shared
-            total += cost.per_token * (-(-held // cost.step) * cost.step) * cost.copies + cost.fixed
+            total += cost.per_token * (KVCache.capacity(held) if cost.grows else held) * cost.copies + cost.fixed
         return int(total)
 
     def prefix_nbytes(self, shared: int) -> int:
