@@ -307,9 +307,10 @@ class ChatController:
 
     def release_cache(self) -> bool:
         """Free the conversation's prompt cache while no turn runs (an app keeping many conversations bounds
-        their memory this way); the next turn prefills the whole conversation once. False while a turn runs."""
+        their memory this way); the next turn prefills the whole conversation once. False while a turn runs; a
+        turn waiting at its gate (for memory) has not begun: its cache is freed."""
         with self._lock:
-            if self._turn_running:
+            if self._turn_running and not self._waiting:
                 return False
             self._session.cache.clear()
             return True

@@ -20,8 +20,8 @@ Environment:
 - ``MLXCHAT_BLAS``: ``system`` or ``numpy`` to pick one of the above, a path to a CBLAS library, or ``off``
   to keep MLX's bundled one.
 - ``MLXCHAT_GEMV``: ``0`` disables the route (single rows and few rows alike).
-- ``MLXCHAT_ROWS``: the most rows of x the few-rows kernel takes (at most 256; ``0``: none); by default 64 with
-  AVX2, every product in passes of at most 128 rows with AVX-512, 8 on other CPUs.
+- ``MLXCHAT_ROWS``: the most rows of x the few-rows kernel takes (a whole number, at most 256; ``0``: none); by
+  default 64 with AVX2, every product in passes of at most 128 rows with AVX-512, 8 on other CPUs.
 
 A ``cblas_sgemm`` already in the process when mlxchat is imported (a library linked to the system
 OpenBLAS, such as a distribution's numpy, imported first) comes first in the global scope and takes MLX's
@@ -142,8 +142,21 @@ def _load_route(blas_path: str) -> Any:
     route.mlxchat_blas_route_set_rows.argtypes = [ctypes.c_int]
     if route.mlxchat_blas_route_init(blas_path.encode()) not in (32, 64):
         return None
-    route.mlxchat_blas_route_set_rows(int(os.environ.get("MLXCHAT_ROWS") or -1))
+    route.mlxchat_blas_route_set_rows(_rows_setting())
     return route
+
+
+def _rows_setting() -> int:
+    """``MLXCHAT_ROWS`` as the route takes it (-1: the CPU's default; the route caps it at 256); anything but a
+    whole number is ignored with a warning (this runs at import, where an error would stop mlxchat loading)."""
+    text = os.environ.get("MLXCHAT_ROWS", "").strip()
+    if not text:
+        return -1
+    if text.isdigit():
+        return int(text)
+    warnings.warn(f"mlxchat: MLXCHAT_ROWS={text!r} is not a whole number; the CPU's default is used",
+                  RuntimeWarning, stacklevel=2)
+    return -1
 
 
 def configure_blas() -> BlasState:

@@ -8,6 +8,7 @@ gradients, ``mx.compile`` and ``vmap`` work; and MLX's own attention runs where 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 
 import mlx.core as mx
@@ -252,7 +253,7 @@ def test_a_cache_grows_by_eighths_of_its_length_and_makes_room_for_a_reserved_pr
     assert [KVCache.capacity(n) for n in (1, 256, 257, 4096, 4097, 5000, 16384, 16385)] == [
         256, 256, 512, 4096, 4608, 5120, 16384, 18432]
     sizes = range(1, 70_000, 97)
-    assert all(KVCache.capacity(a) <= KVCache.capacity(b) for a, b in zip(sizes, sizes[1:]))
+    assert all(KVCache.capacity(a) <= KVCache.capacity(b) for a, b in itertools.pairwise(sizes))
     assert all(n <= KVCache.capacity(n) <= max(n + KVCache.step, n * 9 // 8 + 1) for n in sizes)
     growths: list[int] = []
     grown = KVCache._grown

@@ -100,6 +100,16 @@ def test_the_few_rows_kernel_takes_every_product_by_default_where_it_runs_on_avx
     assert result["counts"][13] == result["counts"][15] == expected  # type: ignore[index]
 
 
+def test_a_rows_setting_that_is_not_a_whole_number_is_ignored_with_a_warning(monkeypatch: pytest.MonkeyPatch) -> None:
+    for text, rows in (("", -1), ("0", 0), (" 40 ", 40), ("300", 300)):
+        monkeypatch.setenv("MLXCHAT_ROWS", text)
+        assert runtime._rows_setting() == rows
+    for text in ("1.5", "-3", "many"):
+        monkeypatch.setenv("MLXCHAT_ROWS", text)
+        with pytest.warns(RuntimeWarning, match="MLXCHAT_ROWS"):
+            assert runtime._rows_setting() == -1
+
+
 @pytest.mark.parametrize("blas", LIBRARIES)
 def test_without_the_gemv_route_everything_is_sgemm_and_still_right(blas: str) -> None:
     result = _run(blas, gemv="0")

@@ -380,6 +380,26 @@ def test_a_released_cache_is_prefilled_again_by_the_next_turn_with_the_same_repl
     busy.close()
 
 
+def test_a_turn_waiting_at_its_gate_has_not_begun_and_its_cache_may_be_released() -> None:
+    """A server counts such a cache as idle (under ``--max-cache-gb``): freed there, the turn prefills the whole
+    conversation once it is let through."""
+    gate = Gate()
+    gate.open.set()
+    controller = ChatController(loaded("qwen3"), publish_interval=0, gate=gate)
+    short_replies(controller.session, 6)
+    controller.send("Hello")
+    wait_for(controller, lambda s: idle(s) and len(s.messages) == 2)
+    gate.open.clear()
+    controller.send("And again")
+    wait_for(controller, lambda s: s.waiting)
+    assert len(controller.session.cache) and controller.release_cache() and len(controller.session.cache) == 0
+    gate.open.set()
+    done = wait_for(controller, lambda s: idle(s) and len(s.messages) == 4)
+    assert done.messages[-1].content and controller.session.report.cached_prompt_tokens == 0
+    assert not controller.state.waiting and gate.exited == 2
+    controller.close()
+
+
 def test_a_turn_failed_by_a_subscriber_has_ended_when_its_error_is_published(long_model) -> None:
     """Its reply stops and what streamed is kept before the error state says no turn runs (so its cache can be
     released then, and nothing writes to it after)."""

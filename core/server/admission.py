@@ -32,9 +32,9 @@ that request's reservation.)
 The bytes per token are measured, not derived from a config: one token, then one allocation step of
 tokens, run through a fresh cache (in the KV format the model's caches are made in: ``--kv-bits``) at start,
 and each layer's arrays say what a token costs there (full attention: every token, in the cache's allocation
-steps, :meth:`~mlxchat.cache.KVCache.capacity`; sliding window: up to its window, kept again by each snapshot; a recurrent or conv state: a fixed size,
-kept again by each snapshot a hybrid takes). A request that decodes speculatively also reserves its drafter's
-state (a draft model's cache, an MTP head's), measured the same way.
+steps, :meth:`~mlxchat.cache.KVCache.capacity`; sliding window: up to its window, kept again by each snapshot;
+a recurrent or conv state: a fixed size, kept again by each snapshot a hybrid takes). A request that decodes
+speculatively also reserves its drafter's state (a draft model's cache, an MTP head's), measured the same way.
 """
 
 from __future__ import annotations

@@ -22,9 +22,10 @@ closed, and primed again from the store when it is next opened: one prefill of i
 ``settings.max_queue`` busy or watched ones, opening another is refused (429). Each turn holds what its cache
 may grow to against ``--max-kv-gb`` while it runs, in the same queue as the API's requests
 (:class:`~mlxchat.server.admission.ThreadHold`): while the memory is held by others it waits (its state says
-``waiting``), and a stopped turn that had not begun puts its prompt back first in the queue. Between turns a
-conversation's cache is idle, bounded by ``--max-cache-gb`` together with the API's pool (the least recently used
-first: :meth:`~mlxchat.server.pool.CachePool.trim`); one freed there is prefilled again by the next turn.
+``waiting``), and a stopped turn that had not begun puts its prompt back first in the queue. Between turns (and
+while a turn waits there) a conversation's cache is idle, bounded by ``--max-cache-gb`` together with the API's
+pool (the least recently used first: :meth:`~mlxchat.server.pool.CachePool.trim`); one freed there is prefilled
+again by the next turn.
 """
 
 from __future__ import annotations
@@ -143,7 +144,7 @@ class Conversation:
         self.id, self.controller, self.owner = conversation_id, controller, owner
         self.watchers = 0
         self.busy = False
-        """Whether a turn runs (its cache is in use)."""
+        """Whether a turn runs (its cache is in use; a turn waiting at its gate for memory has not begun)."""
         self.used = time.monotonic()
         """When its cache was last used (it opened, or a turn ended)."""
         self._saved: list[ChatMessage] | None = None
@@ -152,9 +153,9 @@ class Conversation:
 
     def _changed(self, state: ChatState) -> None:
         """On the thread that publishes the state (under the controller's lock, in order): write the messages when
-        they changed (they are new objects then); a turn that ended leaves its cache idle, under
-        ``--max-cache-gb`` with the pool's."""
-        ended, self.busy = self.busy, state.status in ("streaming", "awaiting_input")
+        they changed (they are new objects then); a turn that ended, or waits at its gate for memory, leaves its
+        cache idle, under ``--max-cache-gb`` with the pool's."""
+        ended, self.busy = self.busy, state.status in ("streaming", "awaiting_input") and not state.waiting
         if ended and not self.busy:
             self.used = time.monotonic()
             self.owner.on_loop(self.owner.trim(), f"conversation {self.id}: its idle cache was not bounded")
