@@ -198,7 +198,7 @@ class KVCache(KeysValues):
         """The first ``base`` tokens are :attr:`shared`'s first ``base`` (read in place, none without one); the
         buffer (:attr:`keys`, :attr:`values`) holds the tokens after them."""
         self.room = 0
-        """The tokens the next growth makes room for at least (:meth:`reserve`)."""
+        """The tokens the next growth makes room for at least (:meth:`reserve`; 0 once it did)."""
 
     @classmethod
     def capacity(cls, tokens: int) -> int:
@@ -311,8 +311,9 @@ class KVCache(KeysValues):
 
     def _grown(self, buffers: list[mx.array] | None, chunk: list[mx.array], start: int) -> list[mx.array]:
         """New buffers (shaped like ``chunk``'s arrays but for the token axis) of :meth:`capacity` for ``start``
-        tokens, the chunk and what :attr:`room` asks for, holding ``buffers``' first ``start`` tokens."""
+        tokens, the chunk and what :attr:`room` asks for (once), holding ``buffers``' first ``start`` tokens."""
         size = self.capacity(max(start + chunk[0].shape[2], self.room - self.base))
+        self.room = 0  # (taken: a later growth is sized by what it holds then)
         if buffers is None:
             return [mx.zeros((*a.shape[:2], size, a.shape[3]), a.dtype) for a in chunk]
         return [mx.concatenate([old[..., :start, :], mx.zeros((*a.shape[:2], size - start, a.shape[3]), a.dtype)],

@@ -369,16 +369,15 @@ def _generation(module: ModelModule, tokenizer: Tokenizer, prompt: Sequence[int]
     # Tokens a step adds at most: its token, a draft's, a prefix fed after the reasoning in one step.
     ahead = 1 + (config.draft_tokens if drafter is not None else 0) + (len(forced) if after is not None else 0)
     yield from room(cache, len(ids) + ahead, cancel)  # the prompt's memory (a server reserved it before)
-    cache.reserve(len(ids) + ahead)  # allocated at once, not grown (and copied) chunk by chunk
     if alone or prefill_budget is None:
         follow = drafter.begin(cache, ids) if drafter is not None else None
         reused, pending = cache.prefill(module, full, snapshot_at=snapshot_at, step=config.prefill_step,
-                                        cancel=cancel, follow=follow)
+                                        cancel=cancel, follow=follow, ahead=ahead)
     else:
         step = min(config.prefill_step, prefill_budget)
         if pace is not None and not isinstance(full, MultimodalPrompt):
             step = min(step, PACE_QUANTUM)
-        plan = cache.start_prefill(module, full, snapshot_at=snapshot_at, step=step, logits=True)
+        plan = cache.start_prefill(module, full, snapshot_at=snapshot_at, step=step, logits=True, ahead=ahead)
         yield from prefill_steps(plan, prefill_budget, config.prefill_step, cancel, pace)
         reused, pending, first = plan.reused, [], plan.logits
     stats.cached = min(reused, len(prompt))

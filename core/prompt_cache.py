@@ -122,7 +122,7 @@ class PromptCache:
 
     def reserve(self, tokens: int) -> None:
         """The cache will soon hold ``tokens`` tokens (a prompt and its first step): its layers that grow make
-        room for them at once (:meth:`~mlxchat.cache.LayerCache.reserve`)."""
+        room for them at their next growth (:meth:`~mlxchat.cache.LayerCache.reserve`)."""
         for layer in self.layers:
             layer.reserve(tokens)
 
@@ -174,21 +174,21 @@ class PromptCache:
         return at
 
     def prefill(self, module: Any, prompt: Sequence[int] | MultimodalPrompt, *,
-                snapshot_at: Iterable[int] = (), step: int = 512,
-                cancel: Cancelled | None = None, follow: Follower | None = None) -> tuple[int, list[int]]:
+                snapshot_at: Iterable[int] = (), step: int = 512, cancel: Cancelled | None = None,
+                follow: Follower | None = None, ahead: int = 1) -> tuple[int, list[int]]:
         """Make the cache hold ``prompt`` but for its last tokens; return ``(reused, pending)``: how many
         prompt tokens the cache already held, and the tail left for the first decode step (which runs it in
         the same pass over the weights that gives the next token's logits). A set ``cancel`` stops between
         chunks. :meth:`start_prefill` says how the chunks are cut; this runs them all at once.
         """
-        plan = self.start_prefill(module, prompt, snapshot_at=snapshot_at, step=step, follow=follow)
+        plan = self.start_prefill(module, prompt, snapshot_at=snapshot_at, step=step, follow=follow, ahead=ahead)
         while not plan.done and not (cancel is not None and cancel.check()):
             plan.run(plan.next_chunk)
         return plan.reused, plan.pending
 
     def start_prefill(self, module: Any, prompt: Sequence[int] | MultimodalPrompt, *,
                       snapshot_at: Iterable[int] = (), step: int = 512, follow: Follower | None = None,
-                      logits: bool = False) -> Prefill:
+                      logits: bool = False, ahead: int = 1) -> Prefill:
         """Cut the cache back to the longest prefix of ``prompt`` it holds and plan the rest as chunks that a
         :class:`Prefill` runs a few at a time (the model's worker runs them between other generations'
         decode steps, a budget of tokens a step).
@@ -209,6 +209,9 @@ class PromptCache:
         ``follow(start, hidden)``: a drafter that reads the target's last hidden states (an MTP head; the
         module is then a :class:`~mlxchat.layers.CausalLM`) gets every chunk's ``[1, length, hidden]``
         from position ``start`` and returns its own arrays, evaluated with the chunk's.
+
+        The layers make room for the prompt and the ``ahead`` tokens the next step adds at once (:meth:`reserve`),
+        rather than growing (each growth a copy) chunk by chunk.
         """
         ids = list(prompt.ids) if isinstance(prompt, MultimodalPrompt) else list(prompt)
         images = prompt.images if isinstance(prompt, MultimodalPrompt) else ()
@@ -221,6 +224,7 @@ class PromptCache:
             inside = [s for s, e in atomic if s < reused < e]
             if inside:  # an image attended as a whole is prefilled as a whole
                 reused = self.reuse(ids[: inside[0] + 1], keys)
+        self.reserve(len(ids) + ahead)  # (after the layers a prefix copy or a reuse may have replaced)
         text_tail = len(ids) - max((s.end for s in images), default=0)
         if text_tail < 1:
             raise ImageError("a prompt must go on after its last image (the next token's logits come from text)")
@@ -233,7 +237,7 @@ class PromptCache:
         wanted = sorted(snapshot_at)
         return Prefill(self, module, prompt, reused, bounds, features, follow, logits,
                        lambda: self.start_prefill(module, prompt, snapshot_at=wanted, step=step, follow=follow,
-                                                  logits=logits))
+                                                  logits=logits, ahead=ahead))
 
     def reuse(self, prompt: Sequence[int], images: Sequence[ImageKey] | None = None) -> int:
         """Cut the cache back to the longest reusable prefix of ``prompt`` (:meth:`reusable`); return its length."""

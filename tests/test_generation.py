@@ -41,12 +41,13 @@ def test_logit_bias_and_penalties_change_the_choice(model) -> None:
 
 def test_a_long_prompt_is_allocated_once_not_grown_chunk_by_chunk(model, monkeypatch) -> None:
     from mlxchat.cache import KVCache
+    from mlxchat.prefix_cache import PromptCachePool
 
-    growths: list[int] = []
+    growths: list[tuple[int, int]] = []  # (layer cache, tokens it held)
     grown = KVCache._grown
 
     def counted(self, buffers, chunk, start):  # type: ignore[no-untyped-def]
-        growths.append(start)
+        growths.append((id(self), start))
         return grown(self, buffers, chunk, start)
 
     monkeypatch.setattr(KVCache, "_grown", counted)
@@ -54,9 +55,18 @@ def test_a_long_prompt_is_allocated_once_not_grown_chunk_by_chunk(model, monkeyp
     prompt = [(7 * i) % 500 + 3 for i in range(700)]
     result = model.generate(prompt, {"max_tokens": 4, "temperature": 0.0, "prefill_step": 128}, cache=cache)
     layers = [layer for layer in cache.layers if isinstance(layer, KVCache)]
-    assert layers and len(growths) == len(layers) and set(growths) == {0}  # each layer allocated once, at the start
+    assert layers and sorted(growths) == sorted((id(layer), 0) for layer in layers)  # each allocated once, at first
     assert {layer.keys.shape[2] for layer in layers} == {KVCache.capacity(701)}  # type: ignore[union-attr]
     assert result.tokens == model.generate(prompt, {"max_tokens": 4, "temperature": 0.0}).tokens
+    pool = PromptCachePool()  # a cache whose layers are replaced by a prefix copy from another does the same
+    first, second = model.make_prompt_cache(), model.make_prompt_cache()
+    for cache, tail in ((first, prompt[::-1]), (second, prompt[::-2] * 2)):
+        pool.add(cache)
+        growths.clear()
+        model.generate([*prompt[:300], *tail], {"max_tokens": 2, "temperature": 0.0, "prefill_step": 128}, cache=cache)
+        assert len({layer for layer, _ in growths}) == len(growths)  # no layer grew twice
+    assert second.layers[0].base >= 300  # type: ignore[attr-defined]  # it read the first's prefix in place
+    assert {layer for layer, _ in growths} >= {id(layer) for layer in second.layers}
 
 
 def test_config_fields_merge_over_the_checkpoint_defaults(model) -> None:
