@@ -57,9 +57,9 @@ struct Ops {
   float (*exp_sum)(float* x, int n, float shift);
   void (*scale)(float* x, int dims, float by);
   // packed rows read in place (attention_packed.h): words of `lanes` 32-bit lanes, rows put in their order
-  int lanes;
-  void (*order)(const float* x, int rows, int xs, int dims, int bits, float* out, int os);
-  void (*add_ordered)(const float* x, int rows, int xs, int dims, int bits, float* out, int os);
+  int (*lanes)(const Rows& format);
+  void (*order)(const float* x, int rows, int xs, const Rows& format, float* out, int os);
+  void (*add_ordered)(const float* x, int rows, int xs, const Rows& format, float* out, int os);
   void (*packed_scores)(const float* q, int rows, int qs, const float* qsum, const Rows& keys, int b, int h,
                         int64_t at, int n, float* s, int ss);
   void (*packed_accumulate)(const float* p, int rows, int ps, const Rows& values, int b, int h, int64_t at, int n,
@@ -137,7 +137,7 @@ struct V {
 #include "attention_ops.h"
 #include "attention_packed.h"
 const Ops ops = {scores, accumulate, dequantize, row_max, exp_sum, scale,
-                 V::W, order, add_ordered, packed_scores, packed_accumulate};
+                 lanes, order, add_ordered, packed_scores, packed_accumulate};
 }  // namespace avx2
 #pragma GCC pop_options
 
@@ -188,12 +188,46 @@ struct V {
     lo = bytes4(w, c);
     hi = bytes4(w, c + W);
   }
+  using Int = __m512i;
+  static Int words(const uint8_t* p) { return _mm512_loadu_si512(p); }
+  template <int SHIFT, int BITS>
+  static Vec field(Int x) {
+    if constexpr (SHIFT > 0) x = _mm512_srli_epi32(x, SHIFT);
+    if constexpr (SHIFT + BITS < 32) x = _mm512_and_si512(x, _mm512_set1_epi32((1 << BITS) - 1));
+    return _mm512_cvtepi32_ps(x);
+  }
 };
 #include "attention_ops.h"
-/* Packed rows are read by AVX2's loops: 16-lane words would be chunks of 64 (8-bit) or 128 (4-bit) values, more
- * than a group of 32 or 64 holds (attention_packed.h). */
-const Ops ops = {scores, accumulate, dequantize, row_max, exp_sum, scale, avx2::ops.lanes, avx2::ops.order,
-                 avx2::ops.add_ordered, avx2::ops.packed_scores, avx2::ops.packed_accumulate};
+namespace wide {
+#include "attention_packed.h"
+}  // namespace wide
+/* Packed rows whose groups hold a chunk of 16-lane words (64 8-bit values) are read 16 lanes at a time, the
+ * others by AVX2's loops (a 4-bit chunk would be 128 values, more than a group of 32 or 64 holds). Wider words
+ * halve the instructions a packed key or value costs: the 8-bit loops are bound by them, not by the memory. */
+bool is_wide(const Rows& format) {
+  return format.bits == 8 && format.group >= wide::kChunk<8>;
+}
+int lanes(const Rows& format) {
+  return is_wide(format) ? wide::lanes(format) : avx2::ops.lanes(format);
+}
+void order(const float* x, int rows, int xs, const Rows& format, float* out, int os) {
+  return is_wide(format) ? wide::order(x, rows, xs, format, out, os) : avx2::ops.order(x, rows, xs, format, out, os);
+}
+void add_ordered(const float* x, int rows, int xs, const Rows& format, float* out, int os) {
+  return is_wide(format) ? wide::add_ordered(x, rows, xs, format, out, os)
+                         : avx2::ops.add_ordered(x, rows, xs, format, out, os);
+}
+void packed_scores(const float* q, int rows, int qs, const float* qsum, const Rows& keys, int b, int h, int64_t at,
+                   int n, float* s, int ss) {
+  return (is_wide(keys) ? wide::packed_scores : avx2::ops.packed_scores)(q, rows, qs, qsum, keys, b, h, at, n, s, ss);
+}
+void packed_accumulate(const float* p, int rows, int ps, const Rows& values, int b, int h, int64_t at, int n,
+                       float* acc, int as) {
+  return (is_wide(values) ? wide::packed_accumulate : avx2::ops.packed_accumulate)(p, rows, ps, values, b, h, at, n,
+                                                                                    acc, as);
+}
+const Ops ops = {scores, accumulate, dequantize, row_max, exp_sum, scale,
+                 lanes, order, add_ordered, packed_scores, packed_accumulate};
 }  // namespace avx512
 #pragma GCC pop_options
 #endif
@@ -236,7 +270,7 @@ struct V {
 #include "attention_ops.h"
 #include "attention_packed.h"
 const Ops ops = {scores, accumulate, dequantize, row_max, exp_sum, scale,
-                 V::W, order, add_ordered, packed_scores, packed_accumulate};
+                 lanes, order, add_ordered, packed_scores, packed_accumulate};
 }  // namespace scalar
 
 std::atomic<Isa> active_isa{mlxchat_simd::isa};
@@ -349,7 +383,7 @@ const float* group_sums(const float* q, int rows, int qs, int dims, int group, B
 /* Whether a block of `rows` query rows reads these packed rows in place (attention_packed.h: a chunk of the ISA's
  * words within a group), rather than a float copy of each block of them. */
 bool fused(const Ops& ops, const Rows& packed, int rows) {
-  return packed.bits != 0 && rows <= kFusedRows && ops.lanes * 32 / packed.bits <= packed.group;
+  return packed.bits != 0 && rows <= kFusedRows && ops.lanes(packed) * 32 / packed.bits <= packed.group;
 }
 
 int features(const Rows& rows) {
@@ -376,7 +410,7 @@ void run_task(const void* ctx, int index) {
     for (int d = 0; d < p.dims; ++d) q[size_t(i) * qd + d] = src[d] * p.scale;
   }
   float* ordered = nullptr;
-  int ordered_bits = 0, ordered_dims = 0;
+  const Rows* ordered_format = nullptr;
   int64_t start = 0;  // position of the segment's first key
   for (int si = 0; si < p.count; start += p.segments[si].count, ++si) {
     const Segment& seg = p.segments[si];
@@ -385,15 +419,16 @@ void run_task(const void* ctx, int index) {
     // Packed values sum into `ordered` in their chunks' order (the first such segment's format; another format
     // is staged), which goes into acc at the end.
     const bool packed_values = fused(ops, seg.values, rows) && (ordered == nullptr || (
-        seg.values.bits == ordered_bits && seg.values.dims == ordered_dims));
+        seg.values.bits == ordered_format->bits && seg.values.dims == ordered_format->dims &&
+        seg.values.group == ordered_format->group));
     if (packed_values && ordered == nullptr) {
       ordered = s.ordered_acc.take(size_t(rows) * vd);
       std::fill(ordered, ordered + size_t(rows) * vd, 0.0f);
-      ordered_bits = seg.values.bits, ordered_dims = seg.values.dims;
+      ordered_format = &seg.values;
     }
     const float* qsum = packed_keys ? group_sums(q, rows, qd, seg.keys.dims, seg.keys.group, s.qsum) : nullptr;
     float* qk = packed_keys ? s.ordered_q.take(size_t(rows) * qd) : nullptr;
-    if (packed_keys) ops.order(q, rows, qd, seg.keys.dims, seg.keys.bits, qk, qd);
+    if (packed_keys) ops.order(q, rows, qd, seg.keys, qk, qd);
     for (int64_t j0 = std::max(t.k0, start); j0 < std::min(t.k1, start + seg.count); j0 += kKeys) {
       const int n = int(std::min<int64_t>(kKeys, std::min(t.k1, start + seg.count) - j0));
       if (packed_keys) {
@@ -432,7 +467,7 @@ void run_task(const void* ctx, int index) {
       }
     }
   }
-  if (ordered != nullptr) ops.add_ordered(ordered, rows, vd, ordered_dims, ordered_bits, acc, vd);
+  if (ordered != nullptr) ops.add_ordered(ordered, rows, vd, *ordered_format, acc, vd);
   if (t.parts > 1) {
     float* out = plan.partial_at(t.slot + t.part);
     std::copy(s.top.begin(), s.top.end(), out);
