@@ -57,13 +57,14 @@ struct Ops {
   float (*exp_sum)(float* x, int n, float shift);
   void (*scale)(float* x, int dims, float by);
   // packed rows read in place (attention_packed.h): words of `lanes` 32-bit lanes, rows put in their order
-  int (*lanes)(const Rows& format);
-  void (*order)(const float* x, int rows, int xs, const Rows& format, float* out, int os);
-  void (*add_ordered)(const float* x, int rows, int xs, const Rows& format, float* out, int os);
+  int lanes;
+  void (*order)(const float* x, int rows, int xs, int dims, int bits, float* out, int os);
+  void (*add_ordered)(const float* x, int rows, int xs, int dims, int bits, float* out, int os);
   void (*packed_scores)(const float* q, int rows, int qs, const float* qsum, const Rows& keys, int b, int h,
                         int64_t at, int n, float* s, int ss);
   void (*packed_accumulate)(const float* p, int rows, int ps, const Rows& values, int b, int h, int64_t at, int n,
                             float* acc, int as);
+  const Ops* wide = nullptr;  // packed loops over words of more lanes, for the formats whose groups hold their chunks
 };
 
 #if defined(__x86_64__)
@@ -137,7 +138,7 @@ struct V {
 #include "attention_ops.h"
 #include "attention_packed.h"
 const Ops ops = {scores, accumulate, dequantize, row_max, exp_sum, scale,
-                 lanes, order, add_ordered, packed_scores, packed_accumulate};
+                 V::W, order, add_ordered, packed_scores, packed_accumulate};
 }  // namespace avx2
 #pragma GCC pop_options
 
@@ -200,34 +201,14 @@ struct V {
 #include "attention_ops.h"
 namespace wide {
 #include "attention_packed.h"
-}  // namespace wide
-/* Packed rows whose groups hold a chunk of 16-lane words (64 8-bit values) are read 16 lanes at a time, the
- * others by AVX2's loops (a 4-bit chunk would be 128 values, more than a group of 32 or 64 holds). Wider words
- * halve the instructions a packed key or value costs: the 8-bit loops are bound by them, not by the memory. */
-bool is_wide(const Rows& format) {
-  return format.bits == 8 && format.group >= wide::kChunk<8>;
-}
-int lanes(const Rows& format) {
-  return is_wide(format) ? wide::lanes(format) : avx2::ops.lanes(format);
-}
-void order(const float* x, int rows, int xs, const Rows& format, float* out, int os) {
-  return is_wide(format) ? wide::order(x, rows, xs, format, out, os) : avx2::ops.order(x, rows, xs, format, out, os);
-}
-void add_ordered(const float* x, int rows, int xs, const Rows& format, float* out, int os) {
-  return is_wide(format) ? wide::add_ordered(x, rows, xs, format, out, os)
-                         : avx2::ops.add_ordered(x, rows, xs, format, out, os);
-}
-void packed_scores(const float* q, int rows, int qs, const float* qsum, const Rows& keys, int b, int h, int64_t at,
-                   int n, float* s, int ss) {
-  return (is_wide(keys) ? wide::packed_scores : avx2::ops.packed_scores)(q, rows, qs, qsum, keys, b, h, at, n, s, ss);
-}
-void packed_accumulate(const float* p, int rows, int ps, const Rows& values, int b, int h, int64_t at, int n,
-                       float* acc, int as) {
-  return (is_wide(values) ? wide::packed_accumulate : avx2::ops.packed_accumulate)(p, rows, ps, values, b, h, at, n,
-                                                                                    acc, as);
-}
 const Ops ops = {scores, accumulate, dequantize, row_max, exp_sum, scale,
-                 lanes, order, add_ordered, packed_scores, packed_accumulate};
+                 V::W, order, add_ordered, packed_scores, packed_accumulate};
+}  // namespace wide
+/* Packed rows are read 16 lanes at a time where a group holds a chunk of such words (8-bit values in groups of 64
+ * or more), else by AVX2's loops (a 4-bit chunk would be 128 values, more than a group of 32 or 64 holds): wider
+ * words halve the instructions a packed key or value costs, which bound the 8-bit loops, not the memory. */
+const Ops ops = {scores, accumulate, dequantize, row_max, exp_sum, scale, avx2::ops.lanes, avx2::ops.order,
+                 avx2::ops.add_ordered, avx2::ops.packed_scores, avx2::ops.packed_accumulate, &wide::ops};
 }  // namespace avx512
 #pragma GCC pop_options
 #endif
@@ -270,7 +251,7 @@ struct V {
 #include "attention_ops.h"
 #include "attention_packed.h"
 const Ops ops = {scores, accumulate, dequantize, row_max, exp_sum, scale,
-                 lanes, order, add_ordered, packed_scores, packed_accumulate};
+                 V::W, order, add_ordered, packed_scores, packed_accumulate};
 }  // namespace scalar
 
 std::atomic<Isa> active_isa{mlxchat_simd::isa};
@@ -380,10 +361,20 @@ const float* group_sums(const float* q, int rows, int qs, int dims, int group, B
   return sums;
 }
 
-/* Whether a block of `rows` query rows reads these packed rows in place (attention_packed.h: a chunk of the ISA's
- * words within a group), rather than a float copy of each block of them. */
+/* Whether `ops`' packed loops read these packed rows (a chunk of their words within a group). */
+bool fits(const Ops& ops, const Rows& packed) {
+  return packed.bits != 0 && ops.lanes * 32 / packed.bits <= packed.group;
+}
+
+/* The table whose packed loops read `packed`'s rows: the widest that fits them. */
+const Ops& reading(const Ops& ops, const Rows& packed) {
+  return ops.wide != nullptr && fits(*ops.wide, packed) ? *ops.wide : ops;
+}
+
+/* Whether a block of `rows` query rows reads these packed rows in place (attention_packed.h), rather than a float
+ * copy of each block of them. */
 bool fused(const Ops& ops, const Rows& packed, int rows) {
-  return packed.bits != 0 && rows <= kFusedRows && ops.lanes(packed) * 32 / packed.bits <= packed.group;
+  return rows <= kFusedRows && fits(ops, packed);
 }
 
 int features(const Rows& rows) {
@@ -410,29 +401,30 @@ void run_task(const void* ctx, int index) {
     for (int d = 0; d < p.dims; ++d) q[size_t(i) * qd + d] = src[d] * p.scale;
   }
   float* ordered = nullptr;
-  const Rows* ordered_format = nullptr;
+  const Ops* ordered_ops = nullptr;
+  int ordered_bits = 0, ordered_dims = 0;
   int64_t start = 0;  // position of the segment's first key
   for (int si = 0; si < p.count; start += p.segments[si].count, ++si) {
     const Segment& seg = p.segments[si];
     const int kd = features(seg.keys), vdims = features(seg.values);
-    const bool packed_keys = fused(ops, seg.keys, rows);
+    const Ops &key_ops = reading(ops, seg.keys), &value_ops = reading(ops, seg.values);
+    const bool packed_keys = fused(key_ops, seg.keys, rows);
     // Packed values sum into `ordered` in their chunks' order (the first such segment's format; another format
     // is staged), which goes into acc at the end.
-    const bool packed_values = fused(ops, seg.values, rows) && (ordered == nullptr || (
-        seg.values.bits == ordered_format->bits && seg.values.dims == ordered_format->dims &&
-        seg.values.group == ordered_format->group));
+    const bool packed_values = fused(value_ops, seg.values, rows) && (ordered == nullptr || (
+        &value_ops == ordered_ops && seg.values.bits == ordered_bits && seg.values.dims == ordered_dims));
     if (packed_values && ordered == nullptr) {
       ordered = s.ordered_acc.take(size_t(rows) * vd);
       std::fill(ordered, ordered + size_t(rows) * vd, 0.0f);
-      ordered_format = &seg.values;
+      ordered_ops = &value_ops, ordered_bits = seg.values.bits, ordered_dims = seg.values.dims;
     }
     const float* qsum = packed_keys ? group_sums(q, rows, qd, seg.keys.dims, seg.keys.group, s.qsum) : nullptr;
     float* qk = packed_keys ? s.ordered_q.take(size_t(rows) * qd) : nullptr;
-    if (packed_keys) ops.order(q, rows, qd, seg.keys, qk, qd);
+    if (packed_keys) key_ops.order(q, rows, qd, seg.keys.dims, seg.keys.bits, qk, qd);
     for (int64_t j0 = std::max(t.k0, start); j0 < std::min(t.k1, start + seg.count); j0 += kKeys) {
       const int n = int(std::min<int64_t>(kKeys, std::min(t.k1, start + seg.count) - j0));
       if (packed_keys) {
-        ops.packed_scores(qk, rows, qd, qsum, seg.keys, t.b, t.h, j0 - start, n, scores, kKeys);
+        key_ops.packed_scores(qk, rows, qd, qsum, seg.keys, t.b, t.h, j0 - start, n, scores, kKeys);
       } else {
         int64_t ks;
         const float* k = rows_at(seg.keys, ops, t.b, t.h, j0 - start, n, kd, s.k, ks);
@@ -459,7 +451,7 @@ void run_task(const void* ctx, int index) {
         s.top[i] = top;
       }
       if (packed_values) {
-        ops.packed_accumulate(scores, rows, kKeys, seg.values, t.b, t.h, j0 - start, n, ordered, vd);
+        value_ops.packed_accumulate(scores, rows, kKeys, seg.values, t.b, t.h, j0 - start, n, ordered, vd);
       } else {
         int64_t vs;
         const float* v = rows_at(seg.values, ops, t.b, t.h, j0 - start, n, vdims, s.v, vs);
@@ -467,7 +459,7 @@ void run_task(const void* ctx, int index) {
       }
     }
   }
-  if (ordered != nullptr) ops.add_ordered(ordered, rows, vd, *ordered_format, acc, vd);
+  if (ordered != nullptr) ordered_ops->add_ordered(ordered, rows, vd, ordered_dims, ordered_bits, acc, vd);
   if (t.parts > 1) {
     float* out = plan.partial_at(t.slot + t.part);
     std::copy(s.top.begin(), s.top.end(), out);

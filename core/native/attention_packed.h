@@ -48,21 +48,13 @@ inline void add_ordered_rows(const float* x, int rows, int xs, int dims, float* 
         for (int m = 0; m < V::W; ++m) out[i * os + c + S * m + k] += x[i * xs + c + k * V::W + m];
 }
 
-/* A query's rows in the chunk order of `format` (packed keys), and sums kept in it back in feature order. */
-inline void order(const float* x, int rows, int xs, const Rows& format, float* out, int os) {
-  const int dims = format.dims;
-  return format.bits == 8 ? order_rows<8>(x, rows, xs, dims, out, os) : order_rows<4>(x, rows, xs, dims, out, os);
+inline void order(const float* x, int rows, int xs, int dims, int bits, float* out, int os) {
+  return bits == 8 ? order_rows<8>(x, rows, xs, dims, out, os) : order_rows<4>(x, rows, xs, dims, out, os);
 }
 
-inline void add_ordered(const float* x, int rows, int xs, const Rows& format, float* out, int os) {
-  const int dims = format.dims;
-  return format.bits == 8 ? add_ordered_rows<8>(x, rows, xs, dims, out, os)
-                          : add_ordered_rows<4>(x, rows, xs, dims, out, os);
-}
-
-/* The 32-bit lanes of the words these loops read `format`'s rows in. */
-inline int lanes(const Rows&) {
-  return V::W;
+inline void add_ordered(const float* x, int rows, int xs, int dims, int bits, float* out, int os) {
+  return bits == 8 ? add_ordered_rows<8>(x, rows, xs, dims, out, os)
+                   : add_ordered_rows<4>(x, rows, xs, dims, out, os);
 }
 
 /* Where packed rows lie from position `at` of (b, h) on. */
