@@ -153,7 +153,7 @@ def _rows_setting() -> int:
     if not text:
         return -1
     if text.isdigit():
-        return int(text)
+        return min(int(text), 2**31 - 1)  # (a C int: a longer number would wrap)
     warnings.warn(f"mlxchat: MLXCHAT_ROWS={text!r} is not a whole number; the CPU's default is used",
                   RuntimeWarning, stacklevel=2)
     return -1

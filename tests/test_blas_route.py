@@ -101,7 +101,7 @@ def test_the_few_rows_kernel_takes_every_product_by_default_where_it_runs_on_avx
 
 
 def test_a_rows_setting_that_is_not_a_whole_number_is_ignored_with_a_warning(monkeypatch: pytest.MonkeyPatch) -> None:
-    for text, rows in (("", -1), ("0", 0), (" 40 ", 40), ("300", 300)):
+    for text, rows in (("", -1), ("0", 0), (" 40 ", 40), ("300", 300), ("9" * 20, 2**31 - 1)):
         monkeypatch.setenv("MLXCHAT_ROWS", text)
         assert runtime._rows_setting() == rows
     for text in ("1.5", "-3", "many"):
