@@ -4,9 +4,10 @@ For each model and context length, each engine in its own fresh process (the eng
 from one length to the next): a prompt of that many tokens, then greedy decoding at that depth. A row gives
 prefill tokens/s (the prompt over the time to first token), the time to first token, decode tokens/s over
 the decoded tokens, and peak memory (MLX's allocator where the engine keeps one, and the process RSS).
-Engines: mlxchat with float KV, 8-bit KV (``kv_bits=8``) and 4-bit KV, llama.cpp F32 with its default (F16) and
-its q8_0 KV cache (``-ctk q8_0 -ctv q8_0``), mlx-lm, and on hybrid models a ChatSession turn whose user
-message is that long (``mlxchat-session``, at the largest length unless ``--engines`` names it).
+Engines: mlxchat with float KV, float16 KV (``kv_bits=16``), 8-bit KV (``kv_bits=8``) and 4-bit KV, llama.cpp
+F32 with its default (F16) and its q8_0 KV cache (``-ctk q8_0 -ctv q8_0``), mlx-lm, and on hybrid models a
+ChatSession turn whose user message is that long (``mlxchat-session``, at the largest length unless
+``--engines`` names it).
 
 A multi-hour run must not fail or waste hours, so:
 
@@ -43,7 +44,8 @@ from .checkpoints import HERE, MARKER, MODELS
 from .engines import KV_BITS, LABELS
 from .limits import BYTES_PER_PARAM, token_work
 
-ENGINES = ("mlxchat", "mlxchat-kv8", "mlxchat-kv4", "llama.cpp-f32", "llama.cpp-f32-kv8", "mlx-lm", "mlxchat-session")
+ENGINES = ("mlxchat", "mlxchat-kv16", "mlxchat-kv8", "mlxchat-kv4", "llama.cpp-f32", "llama.cpp-f32-kv8", "mlx-lm",
+           "mlxchat-session")
 SESSION = "mlxchat-session"
 """Measured by default on hybrid models at the run's largest length only (issue 27's goal: a 32k-token
 session turn on Qwen3.5-0.8B shapes runs); everywhere when ``--engines`` names it."""
@@ -70,6 +72,8 @@ OVERHEAD = 0.6e9
 
 def kv_format(engine: str, compute_dtype: str) -> tuple[str, float]:
     """The KV cache an engine keeps: its name and bytes per cached element."""
+    if KV_BITS.get(engine) == 16:
+        return "float16", 2.0
     if engine in KV_BITS:
         bits = KV_BITS[engine]
         return f"{bits}-bit, groups of {KV_GROUP}", bits / 8 + 2 * BYTES_PER_PARAM[compute_dtype] / KV_GROUP

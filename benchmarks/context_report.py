@@ -78,7 +78,7 @@ def engine_notes(results: dict[str, Any]) -> list[str]:
 def shape_line(shape: Shape, dtype: str, lengths: list[int]) -> str:
     longest = max(lengths)
     formats = []
-    for engine in ("mlxchat", "llama.cpp-f32", "mlxchat-kv8", "llama.cpp-f32-kv8", "mlxchat-kv4"):
+    for engine in ("mlxchat", "llama.cpp-f32", "mlxchat-kv16", "mlxchat-kv8", "llama.cpp-f32-kv8", "mlxchat-kv4"):
         name = kv_format(engine, dtype)[0]
         formats.append(f"{name}: {shape.kv_bytes(engine, dtype, 1) / 1e3:.1f} KB a token, "
                        f"{shape.kv_bytes(engine, dtype, longest) / 1e9:.2f} GB at {longest}")
@@ -126,12 +126,14 @@ def goals(model: dict[str, Any], results: dict[str, Any]) -> list[str]:
 
     lines = ["Against llama.cpp F32 (goals: decode >= 1.00x at every depth; at 16384 also prefill >= 1.00x):", "",
              "| context | decode: mlxchat ÷ llama.cpp F32 | prefill: mlxchat ÷ llama.cpp F32 | decode: mlxchat "
-             "8-bit KV ÷ llama.cpp q8_0 KV | decode: mlxchat 8-bit KV ÷ mlxchat |",
-             "| ---: | ---: | ---: | ---: | ---: |"]
+             "float16 KV ÷ llama.cpp F32 (F16 KV) | decode: mlxchat 8-bit KV ÷ llama.cpp q8_0 KV | decode: mlxchat "
+             "8-bit KV ÷ mlxchat |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: |"]
     for n in lengths:
         mark = " (goal depth)" if n == GOAL_DEPTH else ""
         lines.append(f"| {n}{mark} | {ratio('decode_tps', 'mlxchat', 'llama.cpp-f32', n)} | "
                      f"{ratio('prefill_tps', 'mlxchat', 'llama.cpp-f32', n)} | "
+                     f"{ratio('decode_tps', 'mlxchat-kv16', 'llama.cpp-f32', n)} | "
                      f"{ratio('decode_tps', 'mlxchat-kv8', 'llama.cpp-f32-kv8', n)} | "
                      f"{ratio('decode_tps', 'mlxchat-kv8', 'mlxchat', n)} |")
     if len(lengths) >= 2:

@@ -38,6 +38,7 @@ LABELS = {
     "llama.cpp-f16": "llama.cpp F16",
     "llama.cpp-q8_0": "llama.cpp Q8_0",
     "llama.cpp-q4_0": "llama.cpp Q4_0",
+    "mlxchat-kv16": "mlxchat, float16 KV",
     "mlxchat-kv8": "mlxchat, 8-bit KV",
     "mlxchat-kv4": "mlxchat, 4-bit KV",
     "llama.cpp-f32-kv8": "llama.cpp F32, q8_0 KV",
@@ -47,8 +48,8 @@ LABELS = {
 VISION_ENGINES = ("mlxchat", "mlx-vlm")
 """The engines of the image rows."""
 QUANTIZED_BITS = {"mlxchat-8bit": 8, "mlxchat-4bit": 4}
-KV_BITS = {"mlxchat-kv8": 8, "mlxchat-kv4": 4}
-"""mlxchat with a quantized KV cache (``kv_bits``, groups of 64: its default)."""
+KV_BITS = {"mlxchat-kv16": 16, "mlxchat-kv8": 8, "mlxchat-kv4": 4}
+"""mlxchat with a float16 or quantized KV cache (``kv_bits``; quantized in groups of 64: its default)."""
 COMPARISONS = {
     "mlxchat": ("mlx-lm", "mlx-lm-default", "llama.cpp-f32", "llama.cpp-f16", "llama.cpp-q8_0", "llama.cpp-q4_0"),
     "mlxchat-8bit": ("llama.cpp-q8_0", "mlxchat"),

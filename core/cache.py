@@ -176,6 +176,8 @@ class KVCache(KeysValues):
     The buffer grows in steps so that decode writes in place instead of concatenating every token. A cache
     that copied a long prefix from another (:meth:`copy_from`) reads it where it lies, in a
     :class:`SharedPrefix` the two (and every later copy) hold once; its buffer holds only the tokens after it.
+    ``dtype``: what keys and values are stored as (``None``: as they come; ``mx.float16``, ``kv_bits=16``,
+    halves a float32 model's cache and what each decode step reads of it).
     """
 
     step = 256
@@ -184,7 +186,8 @@ class KVCache(KeysValues):
     """Tokens a copy must take before it reads them where they lie instead of copying them (below this the
     saving is small and every attention call would read two parts)."""
 
-    def __init__(self) -> None:
+    def __init__(self, dtype: mx.Dtype | None = None) -> None:
+        self.dtype = dtype
         self.keys: mx.array | None = None
         self.values: mx.array | None = None
         self.offset = 0
@@ -259,15 +262,17 @@ class KVCache(KeysValues):
     def load_state(self, arrays: Arrays, fields: dict[str, Any], like: Arrays | None = None) -> None:
         offset = _count(fields, "offset")
         self.keys, self.values = _pair(arrays, offset, "a KV cache", like)
-        if offset and self.keys is None:
+        if offset and (self.keys is None or self.values is None):
             raise SavedStateError("a KV cache that holds tokens was saved without its keys and values")
+        if self.dtype is not None and self.keys is not None and self.values is not None:
+            self.keys, self.values = self._stored(self.keys), self._stored(self.values)
         self.offset = offset
         self.shifts = _shifts(fields, offset)
         self.shared, self.base = None, 0
 
     def can_copy_from(self, source: LayerCache) -> bool:
         """Whether :meth:`copy_from` takes ``source`` (a cache of this kind and format)."""
-        return type(source) is type(self)
+        return type(source) is type(self) and str(source.dtype) == str(self.dtype)  # type: ignore[attr-defined]
 
     def copy_from(self, source: KVCache, length: int) -> None:
         """Become a copy of ``source``'s first ``length`` tokens. A copy of :attr:`share_from` tokens or more reads
@@ -319,9 +324,17 @@ class KVCache(KeysValues):
         return [mx.concatenate([old[..., :start, :], mx.zeros((*a.shape[:2], size - start, a.shape[3]), a.dtype)],
                                axis=2) for old, a in zip(buffers, chunk, strict=True)]
 
+    def _stored(self, x: mx.array) -> mx.array:
+        """``x`` as :attr:`dtype` (float16 saturating at its largest value rather than becoming infinite)."""
+        if self.dtype is None or x.dtype == self.dtype:
+            return x
+        top = mx.finfo(self.dtype).max
+        return mx.clip(x, -top, top).astype(self.dtype)
+
     def _append(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Write a chunk after the held tokens into the buffer (grown in :meth:`capacity`'s steps); return the
         buffer's used part."""
+        keys, values = self._stored(keys), self._stored(values)
         start, length = self.offset - self.base, keys.shape[2]
         if self.keys is None or self.values is None or start + length > self.keys.shape[2]:
             held = None if self.keys is None or self.values is None else [self.keys, self.values]
@@ -335,6 +348,8 @@ class KVCache(KeysValues):
 
 KV_BITS = (2, 3, 4, 5, 6, 8)
 """Bits a quantized KV cache may store per value (those ``mx.quantize`` takes)."""
+KV_HALF = 16
+"""``kv_bits`` of a KV cache that stores float16 keys and values (no groups)."""
 KV_GROUP_SIZES = (32, 64, 128)
 
 Quantized = tuple[mx.array, mx.array, mx.array]
@@ -342,11 +357,11 @@ Quantized = tuple[mx.array, mx.array, mx.array]
 
 
 def check_kv_format(bits: Any, group_size: Any) -> None:
-    """A quantized KV format mlxchat can run (:class:`InvalidInputError` naming what would)."""
-    if isinstance(bits, bool) or bits not in KV_BITS:
-        raise InvalidInputError(f"kv_bits must be one of {', '.join(map(str, KV_BITS))} (or None for float "
-                                f"keys and values), got {bits!r}")
-    if isinstance(group_size, bool) or group_size not in KV_GROUP_SIZES:
+    """A KV format mlxchat can run, float16 or quantized (:class:`InvalidInputError` naming what would)."""
+    if isinstance(bits, bool) or bits not in (*KV_BITS, KV_HALF):
+        raise InvalidInputError(f"kv_bits must be one of {', '.join(map(str, KV_BITS))} (quantized), {KV_HALF} "
+                                f"(float16) or None (the model's float keys and values), got {bits!r}")
+    if bits != KV_HALF and (isinstance(group_size, bool) or group_size not in KV_GROUP_SIZES):
         raise InvalidInputError(f"kv_group_size must be one of {', '.join(map(str, KV_GROUP_SIZES))}, "
                                 f"got {group_size!r}")
 
@@ -593,14 +608,18 @@ def padded(x: mx.array, group_size: int) -> mx.array:
     return x if not pad else mx.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)])
 
 
-def quantized_kv(make_layers: Callable[[], list[LayerCache]], bits: int, group_size: int
+def kv_formatted(make_layers: Callable[[], list[LayerCache]], bits: int, group_size: int
                  ) -> Callable[[], list[LayerCache]]:
-    """``make_layers`` with every full-attention :class:`KVCache` it makes replaced by a
-    :class:`QuantizedKVCache` (sliding windows, recurrent states and subclasses stay as they are)."""
+    """``make_layers`` with every full-attention :class:`KVCache` it makes replaced by one of this format: a
+    float16 one (``bits`` 16) or a :class:`QuantizedKVCache` (sliding windows, recurrent states and subclasses
+    stay as they are)."""
     check_kv_format(bits, group_size)
 
+    def one() -> LayerCache:
+        return KVCache(mx.float16) if bits == KV_HALF else QuantizedKVCache(bits, group_size)
+
     def make() -> list[LayerCache]:
-        return [QuantizedKVCache(bits, group_size) if type(layer) is KVCache else layer for layer in make_layers()]
+        return [one() if type(layer) is KVCache else layer for layer in make_layers()]
 
     return make
 

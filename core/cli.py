@@ -68,9 +68,9 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
                         help="most tokens (prompt and reply) a generation may hold (default: the model's own)")
     parser.add_argument("--adapter", metavar="DIR",
                         help="a LoRA adapter in peft's layout (folder or Hub repo) applied to the model, unfused")
-    parser.add_argument("--kv-bits", type=int, choices=[2, 3, 4, 5, 6, 8], metavar="BITS",
-                        help="store attention keys and values group-wise quantized, BITS a value (8 or 4; "
-                             "default: float)")
+    parser.add_argument("--kv-bits", type=int, choices=[2, 3, 4, 5, 6, 8, 16], metavar="BITS",
+                        help="store attention keys and values in BITS a value: 16 as float16, 8 or 4 group-wise "
+                             "quantized (default: the compute dtype)")
     parser.add_argument("--kv-group-size", type=int, choices=[32, 64, 128], default=64,
                         help="features per quantization group of --kv-bits")
     parser.add_argument("--distributed", choices=["tensor", "pipeline"],

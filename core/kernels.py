@@ -6,7 +6,7 @@ exponentials) cost more than every matrix product together; and on the CPU ``mx.
 ``mx.fast.rope`` and ``mx.fast.scaled_dot_product_attention`` fall back to half a dozen or more separate
 operations each, so a decode step's graph holds over 4,000 of them, each with its own dispatch.
 ``mlxchat._kernels`` (C++ in ``core/native/``, built like ``mlxchat._quantized``) does attention in one
-fused pass over float32 or 4/8-bit quantized keys and values (``attention.cpp``), ``silu(g) * x`` and RMS
+fused pass over float32, float16 or 4/8-bit quantized keys and values (``attention.cpp``), ``silu(g) * x`` and RMS
 normalization each in one vectorized pass, rotate-half RoPE, and ``exp`` and ``silu`` alone (Qwen3.5's
 DeltaNet), as MLX primitives.
 
@@ -47,6 +47,16 @@ def _applies(*arrays: mx.array) -> ModuleType | None:
     if module is None or mx.default_device().type != mx.DeviceType.cpu:
         return None
     return module if all(a.dtype == mx.float32 for a in arrays) else None
+
+
+KV_DTYPES = (mx.float32, mx.float16)
+"""Float keys and values the attention kernel reads as they lie (float16 converted as it loads them)."""
+
+
+def _attending(queries: mx.array, *held: mx.array) -> ModuleType | None:
+    """The extension where it attends float32 queries over these keys and values."""
+    module = _applies(queries)
+    return module if all(a.dtype in KV_DTYPES for a in held) else None
 
 
 def flush_denormals() -> bool:
@@ -121,7 +131,8 @@ def _attends(module: ModuleType | None, queries: mx.array, keys: mx.array, value
     return (module is not None and queries.ndim == keys.ndim == values.ndim == 4 and keys.shape[1] > 0
             and queries.shape[1] % keys.shape[1] == 0 and queries.shape[3] == keys.shape[3]
             and queries.shape[2] <= keys.shape[2]
-            and (prefix is None or (_applies(*prefix) is not None and prefix[0].ndim == prefix[1].ndim == 4
+            and (prefix is None or (all(a.dtype in KV_DTYPES for a in prefix)
+                                    and prefix[0].ndim == prefix[1].ndim == 4
                                     and prefix[0].shape[:2] == keys.shape[:2] and prefix[0].shape[3] == keys.shape[3]
                                     and prefix[1].shape[:3] == prefix[0].shape[:3]
                                     and prefix[1].shape[3] == values.shape[3])))
@@ -131,15 +142,15 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
               window: int | None = None, prefix: tuple[mx.array, mx.array] | None = None) -> mx.array | None:
     """Causal attention of ``[B, heads, L, D]`` queries, the last ``L`` of the ``T`` positions, over
     ``[B, kv_heads, T, D]`` keys and values (grouped-query: query head ``h`` reads KV head
-    ``h // (heads / kv_heads)``); with a ``window``, each query sees only the ``window`` last keys up to its
-    own. A ``prefix``'s keys and values come before them (a shared prefix: the two parts read where each
+    ``h // (heads / kv_heads)``), float32 or float16; with a ``window``, each query sees only the ``window`` last
+    keys up to its own. A ``prefix``'s keys and values come before them (a shared prefix: the two parts read where each
     lies). ``None`` where the kernel does not apply (the caller's MLX attention runs).
 
     One fused pass (online softmax over blocks of keys, split over the cores): keys and values are read once
     per block of queries, in place (a cache's used part is a view of its buffer, not copied), and the
     scratch is a block's, whatever the context.
     """
-    module = _applies(queries, keys, values)
+    module = _attending(queries, keys, values)
     if not _attends(module, queries, keys, values, prefix):
         return None
     assert module is not None
@@ -152,7 +163,7 @@ def attention_parts(queries: mx.array, keys: mx.array, values: mx.array, scale: 
     """:func:`attention` (no window) and each query row's log-sum-exp of its scaled scores, ``[B, heads, L, 1]``:
     what merging it with attention over other keys takes (:func:`mlxchat.layers.attention.attend_shared`).
     ``None`` where the kernel does not apply."""
-    module = _applies(queries, keys, values)
+    module = _attending(queries, keys, values)
     if not _attends(module, queries, keys, values, prefix):
         return None
     assert module is not None
@@ -168,7 +179,8 @@ def quantized_attention(queries: mx.array, held: QuantizedKeysValues, scale: flo
     if not held.packed:
         return attention(queries, held.keys, held.values, scale, window)
     *shared, ((packed_keys, key_scales, key_biases), (packed_values, value_scales, value_biases)) = held.packed
-    module = _applies(queries, held.keys, held.values, *(a for part in held.packed for x in part for a in x[1:]))
+    scales = [a for part in held.packed for x in part for a in x[1:]]
+    module = _attending(queries, held.keys, held.values) if all(a.dtype == mx.float32 for a in scales) else None
     if held.bits not in (4, 8) or not _attends(module, queries, held.keys, held.values):
         return None
     assert module is not None

@@ -88,7 +88,8 @@ def load_model(
 
     ``kv_bits`` (2-8, typically 8 or 4; ``kv_group_size`` 32, 64 or 128): the model's prompt caches store
     full-attention keys and values group-wise quantized (:class:`~mlxchat.cache.QuantizedKVCache`), a
-    quarter or an eighth of float32's memory; a session can choose its own (``ChatSession(kv_bits=...)``).
+    quarter or an eighth of float32's memory; ``kv_bits=16``: as float16, half of it (no groups); a session
+    can choose its own (``ChatSession(kv_bits=...)``).
 
     ``prefill_step_budget``: the most prompt tokens one step of the worker prefills beside a decode token for
     every running generation, so a long prompt goes in a chunk a step while other streams keep decoding

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict
 from . import profiling
 from .architecture import Architecture, ModelModule
 from .batching import DEFAULT_PREFILL_STEP_BUDGET, lockstep
-from .cache import LayerCache, check_kv_format, quantized_kv
+from .cache import LayerCache, check_kv_format, kv_formatted
 from .chat_template import ChatTemplate
 from .config import ModelConfig
 from .constraints import (
@@ -429,8 +429,8 @@ class GenerativeModel:
                           = "model", kv_group_size: int | None = None) -> PromptCache:
         """A fresh, empty prompt cache (made on the caller's thread: it holds no arrays until a prefill, so it
         never waits for the worker). ``kv_bits``: its KV format, by default the model's (``load_model``'s
-        ``kv_bits``); ``None`` is float keys and values, 2-8 bits quantized (``kv_group_size``, by default the
-        model's)."""
+        ``kv_bits``); ``None`` is float keys and values in the compute dtype, 16 float16, 2-8 bits quantized
+        (``kv_group_size``, by default the model's)."""
         make_layers, kv_format = self.layer_caches(kv_bits, kv_group_size)
         return PromptCache(make_layers, max_snapshots, kv_format, lambda: self.weights_version)
 
@@ -442,7 +442,7 @@ class GenerativeModel:
         if bits is None:
             return self.module.make_cache, None
         group_size = self.kv_group_size if kv_group_size is None else kv_group_size
-        return quantized_kv(self.module.make_cache, bits, group_size), (bits, group_size)
+        return kv_formatted(self.module.make_cache, bits, group_size), (bits, group_size)
 
     def logits(self, token_ids: Sequence[int] | MultimodalPrompt,
                images: Sequence[ImageInput] | None = None) -> mx.array:

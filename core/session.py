@@ -129,7 +129,7 @@ class ChatSession:
         ``input_handler`` answers a tool's :meth:`~mlxchat.tools.ToolContext.request_input`.
 
         ``kv_bits`` / ``kv_group_size``: this session's KV format when it makes its cache (by default the
-        model's, ``load_model(kv_bits=...)``; ``None`` float, 2-8 bits group-wise quantized); a ``cache``
+        model's, ``load_model(kv_bits=...)``; ``None`` float, 16 float16, 2-8 bits group-wise quantized); a ``cache``
         given keeps its own.
 
         ``prefix_cache`` (by default the model's ``prefix_cache``, if it has one): a pool this session shares

@@ -1,5 +1,5 @@
 """Attention through the fused native kernel (mlxchat.kernels.attention, core/native/attention.cpp) equals a
-plain MLX attention: float and 4/8-bit quantized caches, grouped-query heads, causal chunks of uneven
+plain MLX attention: float32, float16 and 4/8-bit quantized caches, grouped-query heads, causal chunks of uneven
 lengths and single tokens, sliding windows, cache lengths around the quantization groups and the kernel's
 key blocks, batch rows of different lengths, on every instruction set the CPU has; it reads the cache in
 place (no copy of the used part, no scores), Gemma 4's quantized layers included; it gives each row's
@@ -81,12 +81,13 @@ def run_chunks(cache: KVCache, lengths: tuple[int, ...], heads: int, kv_heads: i
     for length in lengths:
         q = mx.array(rng.standard_normal((1, heads, length, dims)).astype(np.float32))
         k, v = (mx.array(rng.standard_normal((1, kv_heads, length, dims)).astype(np.float32)) for _ in range(2))
+        stored_k, stored_v = (x.astype(cache.dtype).astype(mx.float32) if cache.dtype else x for x in (k, v))
         if cache.offset:
             before_k, before_v = held(cache)
             before_k, before_v = before_k[..., :dims], before_v[..., :dims]
-            all_k, all_v = mx.concatenate([before_k, k], 2), mx.concatenate([before_v, v], 2)
+            all_k, all_v = mx.concatenate([before_k, stored_k], 2), mx.concatenate([before_v, stored_v], 2)
         else:
-            all_k, all_v = k, v
+            all_k, all_v = stored_k, stored_v
         expected = plain_attention(q, all_k, all_v, dims**-0.5, window)
         got = attend(q, k, v, cache, dims**-0.5, window=window)
         errors.append(float(mx.abs(got - expected).max()))
@@ -97,13 +98,35 @@ CHUNKS = (1, 70, 1, 1, 63, 1, 129, 2, 1, 300, 1)
 """Chunk lengths that end the cache before, on and after groups of 32 and 64 and the kernel's blocks of 64 keys."""
 
 
-@pytest.mark.parametrize("kind", ["float", "8-bit", "4-bit"])
+def make_cache(kind: str, group_size: int = 64) -> KVCache:
+    if kind in ("float", "float16"):
+        return KVCache(mx.float16 if kind == "float16" else None)
+    return QuantizedKVCache(8 if kind == "8-bit" else 4, group_size)
+
+
+@pytest.mark.parametrize("kind", ["float", "float16", "8-bit", "4-bit"])
 @pytest.mark.parametrize(("heads", "kv_heads", "dims"), [(4, 4, 64), (4, 2, 80), (6, 2, 48), (8, 1, 80)])
 def test_attention_over_a_cache_equals_plain_attention(isa: str, kind: str, heads: int, kv_heads: int,
                                                        dims: int) -> None:
-    cache = KVCache() if kind == "float" else QuantizedKVCache(8 if kind == "8-bit" else 4, 32 if dims == 80 else 64)
-    errors = run_chunks(cache, CHUNKS, heads, kv_heads, dims)
+    """A float16 cache is read as it lies, each half converted exactly: as plain attention over the float16 values."""
+    errors = run_chunks(make_cache(kind, 32 if dims == 80 else 64), CHUNKS, heads, kv_heads, dims)
     assert max(errors) < 2e-5, errors
+
+
+@pytest.mark.parametrize("dims", [40, 24])
+def test_float_rows_of_features_not_a_multiple_of_16_are_staged(isa: str, dims: int) -> None:
+    for kind in ("float", "float16"):
+        assert max(run_chunks(make_cache(kind), (1, 70, 1, 65, 1), 4, 2, dims)) < 2e-5
+
+
+def test_float16_keys_and_values_laid_out_otherwise_are_read_as_they_are(isa: str) -> None:
+    """Features not contiguous (a transposed array): the kernel copies them as they are, two bytes each."""
+    rng = np.random.default_rng(8)
+    q = mx.array(rng.standard_normal((1, 4, 3, 32)).astype(np.float32))
+    k, v = (mx.array(rng.standard_normal((1, 2, 32, 90)).astype(np.float16)).swapaxes(2, 3) for _ in range(2))
+    out = kernels.attention(q, k, v, 0.3)
+    assert out is not None
+    assert float(mx.abs(out - plain_attention(q, k.astype(mx.float32), v.astype(mx.float32), 0.3)).max()) < 2e-5
 
 
 @pytest.mark.parametrize("window", [1, 7, 128, 200])
@@ -131,8 +154,8 @@ def test_long_contexts_and_a_single_key() -> None:
 
 def test_rows_of_different_lengths_each_attend_over_their_own(isa: str) -> None:
     rng = np.random.default_rng(2)
-    for kind in ("float", "8-bit"):
-        rows = [KVCache() if kind == "float" else QuantizedKVCache(8, 32) for _ in range(3)]
+    for kind in ("float", "float16", "8-bit"):
+        rows = [make_cache(kind, 32) for _ in range(3)]
         for row, length in zip(rows, (40, 3, 97), strict=True):
             k, v = (mx.array(rng.standard_normal((1, 2, length, 32)).astype(np.float32)) for _ in range(2))
             row.update_and_fetch(k, v)
@@ -141,8 +164,9 @@ def test_rows_of_different_lengths_each_attend_over_their_own(isa: str) -> None:
         expected = []
         for i, row in enumerate(rows):
             before_k, before_v = (x[..., :32] for x in held(row))
-            expected.append(plain_attention(q[i : i + 1], mx.concatenate([before_k, k[i : i + 1]], 2),
-                                            mx.concatenate([before_v, v[i : i + 1]], 2), 0.2))
+            new_k, new_v = (x[i : i + 1].astype(row.dtype or mx.float32) for x in (k, v))
+            expected.append(plain_attention(q[i : i + 1], mx.concatenate([before_k, new_k], 2).astype(mx.float32),
+                                            mx.concatenate([before_v, new_v], 2).astype(mx.float32), 0.2))
         got = attend(q, k, v, RowCaches(rows), 0.2)  # type: ignore[arg-type]
         assert float(mx.abs(got - mx.concatenate(expected, 0)).max()) < 2e-5
 
@@ -320,11 +344,11 @@ def test_a_copy_reads_a_long_prefix_where_it_lies_and_holds_the_same_keys() -> N
     assert first.shared is None
 
 
-@pytest.mark.parametrize("kind", ["float", "8-bit"])
+@pytest.mark.parametrize("kind", ["float", "float16", "8-bit"])
 def test_decoding_reads_the_cache_in_place(kind: str) -> None:
     """A decode step over 16k cached keys (16 MB or more) allocates its output and the new token: neither a copy
     of the cache's used part nor scores (1 MB in MLX's attention)."""
-    cache = KVCache() if kind == "float" else QuantizedKVCache(8, 64)
+    cache = make_cache(kind)
     cache.update_and_fetch(mx.random.normal((1, 8, 16384, 64)), mx.random.normal((1, 8, 16384, 64)))
     mx.eval(cache.state)
     step = [mx.random.normal((1, 16, 1, 64)), mx.random.normal((1, 8, 1, 64)), mx.random.normal((1, 8, 1, 64))]
@@ -368,8 +392,10 @@ def test_mlx_attention_runs_where_the_kernel_does_not_apply(monkeypatch: pytest.
     assert kernels.attention(half, half[:, :2], half[:, :2], 0.5) is None
     q, k, v = mx.random.normal((1, 4, 6, 32)), mx.random.normal((1, 2, 6, 32)), mx.random.normal((1, 2, 6, 32))
     fused = attend(q, k, v, None, 0.3, window=4)
+    fused_half = attend(q, k, v, KVCache(mx.float16), 0.3)
     monkeypatch.setattr(kernels, "attention", lambda *args: None)
     assert float(mx.abs(attend(q, k, v, None, 0.3, window=4) - fused).max()) < 1e-5
+    assert float(mx.abs(attend(q, k, v, KVCache(mx.float16), 0.3) - fused_half).max()) < 1e-5  # float16 keys cast
 
 
 def test_gemma4_reads_a_quantized_cache_without_dequantizing_it(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -80,7 +80,7 @@ def test_a_cache_file_that_does_not_fit_its_layers_is_refused(tmp_path) -> None:
         load_prompt_cache(model, tmp_path / "off.cache")
 
 
-@pytest.mark.parametrize(("name", "kv_bits"), [("qwen3", None), ("qwen3", 8), ("lfm2", None)])
+@pytest.mark.parametrize(("name", "kv_bits"), [("qwen3", None), ("qwen3", 8), ("qwen3", 16), ("lfm2", None)])
 def test_a_cache_file_of_another_shape_is_refused_at_load(name, kv_bits, tmp_path) -> None:
     """A tensor-parallel rank's file holds part of each layer's heads (or channels): it passes the header
     check (same model) and must fail at load, not later as a GenerationError."""

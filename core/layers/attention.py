@@ -158,6 +158,8 @@ def attend_over(queries: mx.array, held: Attended, scale: float, mask: mx.array 
             mask = window_mask(queries.shape[2], keys.shape[2], window)
         elif queries.shape[2] > 1:
             mask = "causal"
+    if keys.dtype != queries.dtype:  # a float16 cache (kv_bits=16) where the kernel does not read it
+        keys, values = keys.astype(queries.dtype), values.astype(queries.dtype)
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
 
 

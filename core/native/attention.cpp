@@ -6,7 +6,7 @@
  * task computes the rows' scores, masks them (causal, sliding window) by position as it goes, folds them
  * into each row's running maximum and sum (rescaling what it has summed when the maximum grows) and adds
  * the block's values weighted by them. So keys and values are read once per block of rows, straight from
- * the cache's buffers (strided views: float32 in place; packed rows dequantized a block at a time into the
+ * the cache's buffers (strided views: float32 and float16 in place; packed rows dequantized a block at a time into the
  * task's scratch, or, for one or two rows, converted in registers where they lie: attention_packed.h), and
  * the scratch is a block's, whatever the context. A decode step has one block of rows per KV head; when that
  * makes too few tasks for the cores, each block's keys are split among several tasks whose partial sums are
@@ -52,6 +52,10 @@ struct Ops {
   void (*scores)(const float* q, int rows, int qs, const float* k, int64_t ks, int n, int dims, float* s, int ss);
   void (*accumulate)(const float* p, int rows, int ps, const float* v, int64_t vs, int n, int dims, float* acc,
                      int as);
+  void (*half_scores)(const float* q, int rows, int qs, const uint16_t* k, int64_t ks, int n, int dims, float* s,
+                      int ss);
+  void (*half_accumulate)(const float* p, int rows, int ps, const uint16_t* v, int64_t vs, int n, int dims,
+                          float* acc, int as);
   void (*dequantize)(const Rows& rows, int b, int h, int64_t at, int n, float* out);
   float (*row_max)(const float* x, int n);
   float (*exp_sum)(float* x, int n, float shift);
@@ -69,7 +73,7 @@ struct Ops {
 
 #if defined(__x86_64__)
 #pragma GCC push_options
-#pragma GCC target("avx2,fma")
+#pragma GCC target("avx2,fma,f16c")
 namespace avx2 {
 using Vec = __m256;
 struct V {
@@ -77,6 +81,7 @@ struct V {
   static Vec zero() { return _mm256_setzero_ps(); }
   static Vec set1(float x) { return _mm256_set1_ps(x); }
   static Vec load(const float* p) { return _mm256_loadu_ps(p); }
+  static Vec load(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
   static void store(float* p, Vec v) { _mm256_storeu_ps(p, v); }
   static Vec fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
   static Vec add(Vec a, Vec b) { return _mm256_add_ps(a, b); }
@@ -137,8 +142,8 @@ struct V {
 };
 #include "attention_ops.h"
 #include "attention_packed.h"
-const Ops ops = {scores, accumulate, dequantize, row_max, exp_sum, scale,
-                 V::W, order, add_ordered, packed_scores, packed_accumulate};
+const Ops ops = {scores<float>, accumulate<float>, scores<uint16_t>, accumulate<uint16_t>, dequantize, row_max, exp_sum,
+                 scale, V::W, order, add_ordered, packed_scores, packed_accumulate};
 }  // namespace avx2
 #pragma GCC pop_options
 
@@ -151,6 +156,9 @@ struct V {
   static Vec zero() { return _mm512_setzero_ps(); }
   static Vec set1(float x) { return _mm512_set1_ps(x); }
   static Vec load(const float* p) { return _mm512_loadu_ps(p); }
+  static Vec load(const uint16_t* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
   static void store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
   static Vec fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
   static Vec add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
@@ -201,14 +209,15 @@ struct V {
 #include "attention_ops.h"
 namespace wide {
 #include "attention_packed.h"
-const Ops ops = {scores, accumulate, dequantize, row_max, exp_sum, scale,
-                 V::W, order, add_ordered, packed_scores, packed_accumulate};
+const Ops ops = {scores<float>, accumulate<float>, scores<uint16_t>, accumulate<uint16_t>, dequantize, row_max, exp_sum,
+                 scale, V::W, order, add_ordered, packed_scores, packed_accumulate};
 }  // namespace wide
 /* Packed rows are read 16 lanes at a time where a group holds a chunk of such words (8-bit values in groups of 64
  * or more), else by AVX2's loops (a 4-bit chunk would be 128 values, more than a group of 32 or 64 holds): wider
  * words halve the instructions a packed key or value costs, which bound the 8-bit loops, not the memory. */
-const Ops ops = {scores, accumulate, dequantize, row_max, exp_sum, scale, avx2::ops.lanes, avx2::ops.order,
-                 avx2::ops.add_ordered, avx2::ops.packed_scores, avx2::ops.packed_accumulate, &wide::ops};
+const Ops ops = {scores<float>, accumulate<float>, scores<uint16_t>, accumulate<uint16_t>, dequantize, row_max, exp_sum,
+                 scale, avx2::ops.lanes, avx2::ops.order, avx2::ops.add_ordered, avx2::ops.packed_scores,
+                 avx2::ops.packed_accumulate, &wide::ops};
 }  // namespace avx512
 #pragma GCC pop_options
 #endif
@@ -220,6 +229,7 @@ struct V {
   static Vec zero() { return 0.0f; }
   static Vec set1(float x) { return x; }
   static Vec load(const float* p) { return *p; }
+  static Vec load(const uint16_t* p) { return mlxchat_simd::half_to_float(*p); }
   static void store(float* p, Vec v) { *p = v; }
   static Vec fma(Vec a, Vec b, Vec c) { return a * b + c; }
   static Vec add(Vec a, Vec b) { return a + b; }
@@ -250,8 +260,8 @@ struct V {
 };
 #include "attention_ops.h"
 #include "attention_packed.h"
-const Ops ops = {scores, accumulate, dequantize, row_max, exp_sum, scale,
-                 V::W, order, add_ordered, packed_scores, packed_accumulate};
+const Ops ops = {scores<float>, accumulate<float>, scores<uint16_t>, accumulate<uint16_t>, dequantize, row_max, exp_sum,
+                 scale, V::W, order, add_ordered, packed_scores, packed_accumulate};
 }  // namespace scalar
 
 std::atomic<Isa> active_isa{mlxchat_simd::isa};
@@ -327,13 +337,16 @@ Scratch& scratch() {
   return s;
 }
 
-/* `n` rows of `rows` from position `at` as float32 rows of `dims` (padded) features: in place when they are
- * float32 rows of whole multiples of kLanes features, else staged (dequantized, padded) into `into`. */
-const float* rows_at(const Rows& rows, const Ops& ops, int b, int h, int64_t at, int n, int dims,
-                     Buffer& into, int64_t& stride) {
+/* `n` rows of `rows` from position `at`, as rows of `dims` (padded) features the loops read: float32 or float16
+ * rows in place when they hold whole multiples of kLanes features (`half` says which), else float32 ones staged
+ * (dequantized, converted, padded) into `into`. */
+const void* rows_at(const Rows& rows, const Ops& ops, int b, int h, int64_t at, int n, int dims, Buffer& into,
+                    int64_t& stride, bool& half) {
+  half = false;
   if (rows.bits == 0 && rows.dims % kLanes == 0) {
     stride = rows.data.row;
-    return rows.data.at<float>(b, h, at);
+    half = rows.half;
+    return rows.half ? static_cast<const void*>(rows.data.at<uint16_t>(b, h, at)) : rows.data.at<float>(b, h, at);
   }
   float* staged = into.take(size_t(n) * dims);
   stride = dims;
@@ -343,10 +356,39 @@ const float* rows_at(const Rows& rows, const Ops& ops, int b, int h, int64_t at,
   }
   for (int j = 0; j < n; ++j) {
     float* out = staged + size_t(j) * dims;
-    std::memcpy(out, rows.data.at<float>(b, h, at + j), sizeof(float) * rows.dims);
+    if (rows.half) {
+      const uint16_t* x = rows.data.at<uint16_t>(b, h, at + j);
+      for (int d = 0; d < rows.dims; ++d) out[d] = mlxchat_simd::half_to_float(x[d]);
+    } else {
+      std::memcpy(out, rows.data.at<float>(b, h, at + j), sizeof(float) * rows.dims);
+    }
     std::fill(out + rows.dims, out + dims, 0.0f);
   }
   return staged;
+}
+
+/* The scores of `rows` queries against `n` keys from position `at` (however they are held but packed in place). */
+void score_block(const Ops& ops, const float* q, int rows, int qs, const Rows& keys, int b, int h, int64_t at, int n,
+                 int dims, Buffer& into, float* s, int ss) {
+  int64_t ks;
+  bool half;
+  const void* k = rows_at(keys, ops, b, h, at, n, dims, into, ks, half);
+  if (half)
+    ops.half_scores(q, rows, qs, static_cast<const uint16_t*>(k), ks, n, dims, s, ss);
+  else
+    ops.scores(q, rows, qs, static_cast<const float*>(k), ks, n, dims, s, ss);
+}
+
+/* acc += p v over `n` values from position `at` (however they are held but packed in place). */
+void accumulate_block(const Ops& ops, const float* p, int rows, int ps, const Rows& values, int b, int h, int64_t at,
+                      int n, int dims, Buffer& into, float* acc, int as) {
+  int64_t vs;
+  bool half;
+  const void* v = rows_at(values, ops, b, h, at, n, dims, into, vs, half);
+  if (half)
+    ops.half_accumulate(p, rows, ps, static_cast<const uint16_t*>(v), vs, n, dims, acc, as);
+  else
+    ops.accumulate(p, rows, ps, static_cast<const float*>(v), vs, n, dims, acc, as);
 }
 
 /* Each of `rows` query rows' sums over each group of `dims` features (what packed keys' biases multiply). */
@@ -426,9 +468,7 @@ void run_task(const void* ctx, int index) {
       if (packed_keys) {
         key_ops.packed_scores(qk, rows, qd, qsum, seg.keys, t.b, t.h, j0 - start, n, scores, kKeys);
       } else {
-        int64_t ks;
-        const float* k = rows_at(seg.keys, ops, t.b, t.h, j0 - start, n, kd, s.k, ks);
-        ops.scores(q, rows, qd, k, ks, n, kd, scores, kKeys);
+        score_block(ops, q, rows, qd, seg.keys, t.b, t.h, j0 - start, n, kd, s.k, scores, kKeys);
       }
       for (int i = 0; i < rows; ++i) {
         float* row = scores + size_t(i) * kKeys;
@@ -453,9 +493,7 @@ void run_task(const void* ctx, int index) {
       if (packed_values) {
         value_ops.packed_accumulate(scores, rows, kKeys, seg.values, t.b, t.h, j0 - start, n, ordered, vd);
       } else {
-        int64_t vs;
-        const float* v = rows_at(seg.values, ops, t.b, t.h, j0 - start, n, vdims, s.v, vs);
-        ops.accumulate(scores, rows, kKeys, v, vs, n, vdims, acc, vd);
+        accumulate_block(ops, scores, rows, kKeys, seg.values, t.b, t.h, j0 - start, n, vdims, s.v, acc, vd);
       }
     }
   }

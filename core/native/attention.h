@@ -2,7 +2,7 @@
  * Fused causal attention on the CPU (mlxchat._kernels' attention primitive; see attention.cpp).
  *
  * Plain data: what to attend and where it lies, with every array read in place through its strides (a KV
- * cache's used prefix is a strided view of its buffer), float32 or mx.quantize's packed rows.
+ * cache's used prefix is a strided view of its buffer), float32, float16 or mx.quantize's packed rows.
  */
 #pragma once
 
@@ -24,12 +24,14 @@ struct View {
   }
 };
 
-/* Keys (or values) of consecutive positions: float32 rows of `dims` features, or (bits 4 or 8) mx.quantize's
- * affine layout: `dims` features packed into uint32 words, a float32 scale and bias per `group` of them. */
+/* Keys (or values) of consecutive positions: float32 rows of `dims` features (float16 ones with `half`), or
+ * (bits 4 or 8) mx.quantize's affine layout: `dims` features packed into uint32 words, a float32 scale and bias
+ * per `group` of them. */
 struct Rows {
   int bits = 0;
   int group = 0;
   int dims = 0;
+  bool half = false;
   View data, scales, biases;
 };
 

@@ -1,20 +1,21 @@
 /*
  * The inner loops of mlxchat's fused attention (attention.cpp), written once over a vector type V and
  * included once per instruction set, inside that set's `#pragma GCC target` region and namespace, where V is
- * defined: W lanes of float32 (Vec); zero, set1, load, store, fma, add, sub, mul, max; sum and top of one
+ * defined: W lanes of float32 (Vec); zero, set1, load (of W floats, or of W IEEE halves as floats), store, fma, add, sub, mul, max; sum and top of one
  * vector's lanes; sums(acc), the W sums of W vectors in one vector (lane p holds the sum of acc[input(p)]),
  * and store_rows<R>, which writes that vector's R rows of W / R lanes; exp; bytes8/bytes4, the W 8- or 4-bit
  * values from feature c on, and bytes4x2 the 2W 4-bit ones, in two vectors; kAcc and kMaxC, the accumulators
  * and value chunks the registers hold.
  *
- * Feature counts (`dims`) are whole multiples of 16 (attention.cpp pads what it stages), so of W.
+ * Feature counts (`dims`) are whole multiples of 16 (attention.cpp pads what it stages), so of W. Keys and values
+ * read as they lie are T: float (float32) or uint16_t (float16, converted as they are loaded).
  */
 
 /* s[i * ss + j] = q_i . k_j for R rows of q and n keys, one key at a time. */
-template <int R>
-inline void score_each(const float* q, int qs, const float* k, int64_t ks, int n, int dims, float* s, int ss) {
+template <int R, typename T>
+inline void score_each(const float* q, int qs, const T* k, int64_t ks, int n, int dims, float* s, int ss) {
   for (int j = 0; j < n; ++j) {
-    const float* kj = k + j * ks;
+    const T* kj = k + j * ks;
     Vec acc[R];
     for (int i = 0; i < R; ++i) acc[i] = V::zero();
     for (int c = 0; c < dims; c += V::W) {
@@ -27,8 +28,8 @@ inline void score_each(const float* q, int qs, const float* k, int64_t ks, int n
 
 /* The same for R rows and W / R keys at a time: W accumulators, whose lanes are summed together at the end
  * (V::sums), so a score costs a fraction of a horizontal sum. */
-template <int R>
-inline void score_rows(const float* q, int qs, const float* k, int64_t ks, int n, int dims, float* s, int ss) {
+template <int R, typename T>
+inline void score_rows(const float* q, int qs, const T* k, int64_t ks, int n, int dims, float* s, int ss) {
   constexpr int K = V::W / R;
   int j = 0;
   for (; j + K <= n; j += K) {
@@ -47,7 +48,8 @@ inline void score_rows(const float* q, int qs, const float* k, int64_t ks, int n
   score_each<R>(q, qs, k + j * ks, ks, n - j, dims, s + j, ss);
 }
 
-inline void scores(const float* q, int rows, int qs, const float* k, int64_t ks, int n, int dims, float* s, int ss) {
+template <typename T>
+inline void scores(const float* q, int rows, int qs, const T* k, int64_t ks, int n, int dims, float* s, int ss) {
   int r = 0;
   if constexpr (V::W >= 4)
     for (; r + 4 <= rows; r += 4) score_rows<4>(q + r * qs, qs, k, ks, n, dims, s + r * ss, ss);
@@ -57,8 +59,8 @@ inline void scores(const float* q, int rows, int qs, const float* k, int64_t ks,
 }
 
 /* acc[i * as + f] += sum over j of p[i * ps + j] * v[j * vs + f], for R rows and C * W features. */
-template <int R, int C>
-inline void accumulate_tile(const float* p, int ps, const float* v, int64_t vs, int n, float* acc, int as) {
+template <int R, int C, typename T>
+inline void accumulate_tile(const float* p, int ps, const T* v, int64_t vs, int n, float* acc, int as) {
   Vec a[R][C];
   for (int i = 0; i < R; ++i)
     for (int c = 0; c < C; ++c) a[i][c] = V::load(acc + i * as + c * V::W);
@@ -74,8 +76,8 @@ inline void accumulate_tile(const float* p, int ps, const float* v, int64_t vs, 
     for (int c = 0; c < C; ++c) V::store(acc + i * as + c * V::W, a[i][c]);
 }
 
-template <int R>
-inline void accumulate_rows(const float* p, int ps, const float* v, int64_t vs, int n, int dims, float* acc, int as) {
+template <int R, typename T>
+inline void accumulate_rows(const float* p, int ps, const T* v, int64_t vs, int n, int dims, float* acc, int as) {
   constexpr int C = V::kAcc / R < V::kMaxC ? V::kAcc / R : V::kMaxC;
   const int chunks = dims / V::W;
   int c = 0;
@@ -83,7 +85,8 @@ inline void accumulate_rows(const float* p, int ps, const float* v, int64_t vs, 
   for (; c < chunks; ++c) accumulate_tile<R, 1>(p, ps, v + c * V::W, vs, n, acc + c * V::W, as);
 }
 
-inline void accumulate(const float* p, int rows, int ps, const float* v, int64_t vs, int n, int dims, float* acc,
+template <typename T>
+inline void accumulate(const float* p, int rows, int ps, const T* v, int64_t vs, int n, int dims, float* acc,
                        int as) {
   int r = 0;
   for (; r + 4 <= rows; r += 4) accumulate_rows<4>(p + r * ps, ps, v, vs, n, dims, acc + r * as, as);

@@ -5,7 +5,7 @@
  * On the CPU, MLX computes exp one value at a time (about 16 ns each here), so a SwiGLU gate and the softmax
  * of attention cost more than the matrix products around them in a prefill; mx.fast.rms_norm falls back to
  * seven separate operations (mx.fast.rope to about twenty), and attention to products whose scores grow with
- * the context. These primitives do each in one pass: attention over float32 or packed keys and values
+ * the context. These primitives do each in one pass: attention over float32, float16 or packed keys and values
  * (attention.cpp: online softmax, keys and values read in place, split over the cores), silu(g) * u, RMS
  * normalization, rotate-half RoPE, and exp and silu alone (vectorized: simd.h).
  *
@@ -180,12 +180,13 @@ mx::Stream cpu_stream() {
 }
 
 /*
- * Copies any float32 array into contiguous row-major order, a row of the last axis at a time (a memcpy when
- * that axis is contiguous, as after a transpose of the head and position axes): walking the index per element
- * made a 128-token prefill's RoPE on transposed queries and keys cost a fifth of the prefill.
+ * Copies any array of T (float32, or float16 as uint16_t) into contiguous row-major order, a row of the last axis
+ * at a time (a memcpy when that axis is contiguous, as after a transpose of the head and position axes): walking
+ * the index per element made a 128-token prefill's RoPE on transposed queries and keys cost a fifth of the prefill.
  */
-void copy_contiguous(const mx::array& a, float* out) {
-  const float* src = a.data<float>();
+template <typename T = float>
+void copy_contiguous(const mx::array& a, T* out) {
+  const T* src = a.data<T>();
   const int last = int(a.ndim()) - 1;
   if (last < 0) {
     *out = *src;
@@ -197,7 +198,7 @@ void copy_contiguous(const mx::array& a, float* out) {
     int64_t offset = 0;
     for (int d = 0; d < last; ++d) offset += int64_t(index[d]) * a.strides()[d];
     if (step == 1)
-      std::memcpy(out, src + offset, size_t(width) * sizeof(float));
+      std::memcpy(out, src + offset, size_t(width) * sizeof(T));
     else
       for (int64_t i = 0; i < width; ++i) out[i] = src[offset + i * step];
     for (int d = last - 1; d >= 0; --d) {
@@ -457,7 +458,7 @@ class Rope : public Kernel {
 
 /*
  * Causal attention of queries [B, heads, L, D] over keys and values read in place (mlxchat_attention::attend):
- * float32 keys and values [B, kv_heads, T, D|Dv], or (bits 4 or 8) mx.quantize's packed keys and values with
+ * float32 or float16 keys and values [B, kv_heads, T, D|Dv], or (bits 4 or 8) mx.quantize's packed keys and values with
  * their scales and biases followed by float32 ones (a quantized cache's float tail). Inputs: q, k, v; q, a prefix's
  * keys and values (a shared prefix, read where it lies), k, v; or q, then for each packed segment (a shared
  * prefix's, then the cache's own) packed keys, scales, biases, packed values, scales, biases, then tail keys, tail
@@ -490,8 +491,9 @@ class Attention : public Kernel {
       auto floats = [&](size_t k, size_t v) {
         att::Segment seg;
         seg.count = held[k].shape(2);
-        seg.keys.dims = held[k].shape(3), seg.keys.data = views[k];
+        seg.keys.dims = held[k].shape(3), seg.keys.data = views[k], seg.keys.half = held[k].dtype() == mx::float16;
         seg.values.dims = held[v].shape(3), seg.values.data = views[v];
+        seg.values.half = held[v].dtype() == mx::float16;
         return seg;
       };
       if (bits == 0) {
@@ -571,8 +573,11 @@ class Attention : public Kernel {
   static mlxchat_attention::View view(const mx::array& a, std::vector<float>& copy) {
     if (a.strides()[3] == 1 || a.shape(3) == 1)
       return {a.data<void>(), int64_t(a.strides()[0]), int64_t(a.strides()[1]), int64_t(a.strides()[2])};
-    copy.resize(a.size());  // 4-byte elements (float32, uint32) copied as they are
-    copy_contiguous(a, copy.data());
+    copy.resize((a.nbytes() + sizeof(float) - 1) / sizeof(float));  // elements copied as they are
+    if (a.itemsize() == 2)
+      copy_contiguous(a, reinterpret_cast<uint16_t*>(copy.data()));
+    else
+      copy_contiguous(a, copy.data());  // 4-byte elements (float32, uint32)
     return {copy.data(), int64_t(a.shape(1)) * a.shape(2) * a.shape(3), int64_t(a.shape(2)) * a.shape(3), a.shape(3)};
   }
 
@@ -663,11 +668,17 @@ void check_rows(const mx::array& a, mx::Dtype dtype, const char* what) {
                                 (dtype == mx::float32 ? "float32" : "uint32"));
 }
 
+void check_float_rows(const mx::array& a, const char* what) {
+  if ((a.dtype() != mx::float32 && a.dtype() != mx::float16) || a.ndim() != 4)
+    throw std::invalid_argument(std::string(what) + " must be [batch, heads, positions, features] of float32 or "
+                                "float16");
+}
+
 /* Checks the queries against float keys and values [B, kv_heads, T, D|Dv]: T counts every key the queries see. */
 void check_attention(const mx::array& q, const mx::array& k, const mx::array& v, int window) {
   check_rows(q, mx::float32, "queries");
-  check_rows(k, mx::float32, "keys");
-  check_rows(v, mx::float32, "values");
+  check_float_rows(k, "keys");
+  check_float_rows(v, "values");
   if (k.shape(0) != q.shape(0) || v.shape(0) != q.shape(0) || v.shape(1) != k.shape(1) || v.shape(2) != k.shape(2))
     throw std::invalid_argument("keys and values must have the queries' batch and one head and position count");
   if (k.shape(1) < 1 || q.shape(1) % k.shape(1)) throw std::invalid_argument("query heads must be a multiple of KV heads");
@@ -749,7 +760,7 @@ NB_MODULE(_kernels, m) {
         nb::arg("window") = 0, nb::arg("lse") = false, nb::arg("prefix_keys") = nb::none(),
         nb::arg("prefix_values") = nb::none(),
         "Causal attention of [B, heads, L, D] queries (the last L positions) over [B, kv_heads, T, D] keys and "
-        "values read in place, after a prefix's keys and values when they are given (read where they lie too); "
+        "values (float32 or float16) read in place, after a prefix's keys and values when they are given (read where they lie too); "
         "window > 0 limits each query to that many last keys; with lse each output row ends with the "
         "log-sum-exp of its scaled scores.");
   m.def("quantized_attention", &quantized_attention, nb::arg("queries"), nb::arg("packed_keys"),

@@ -1,6 +1,6 @@
 /*
  * SIMD helpers shared by mlxchat._kernels' sources: the instruction set the CPU offers (chosen once, at load)
- * and a vectorized exp (AVX-512, AVX2 and scalar forms of one function).
+ * a vectorized exp (AVX-512, AVX2 and scalar forms of one function) and a scalar IEEE half to float.
  *
  * exp is a degree-7 polynomial of 2^f with an exact power-of-two scaling (about 1 ulp; MLX's within a few ulp
  * of it), 0 below -87.3 and saturating at 3.3e38 above 88.7 (the softmax and the gates never reach that far).
@@ -8,11 +8,13 @@
 #pragma once
 
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
 #define MLXK_AVX512 __attribute__((target("avx512f,avx512dq,avx2,fma")))
-#define MLXK_AVX2 __attribute__((target("avx2,fma")))
+#define MLXK_AVX2 __attribute__((target("avx2,fma,f16c")))
 #endif
 
 namespace mlxchat_simd {
@@ -23,12 +25,26 @@ inline Isa best_isa() {
 #if defined(__x86_64__)
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq")) return Isa::avx512;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::avx2;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+    return Isa::avx2;
 #endif
   return Isa::scalar;
 }
 
 inline const Isa isa = best_isa();
+
+/* An IEEE half's value (what F16C's vcvtph2ps computes; for the scalar loops). */
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = uint32_t(h & 0x8000) << 16, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
+  if (exponent == 0) {  // zero or subnormal: mantissa * 2^-24
+    const float x = std::ldexp(float(mantissa), -24);
+    return sign ? -x : x;
+  }
+  const uint32_t bits = sign | (exponent == 31 ? 0x7f800000u : (exponent + 112) << 23) | mantissa << 13;
+  float x;
+  std::memcpy(&x, &bits, sizeof(x));
+  return x;
+}
 
 // -- exp ------------------------------------------------------------------------------------------------
 
