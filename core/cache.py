@@ -177,7 +177,7 @@ class KVCache(KeysValues):
     that copied a long prefix from another (:meth:`copy_from`) reads it where it lies, in a
     :class:`SharedPrefix` the two (and every later copy) hold once; its buffer holds only the tokens after it.
     ``dtype``: what keys and values are stored as (``None``: as they come; ``mx.float16``, ``kv_bits=16``,
-    halves a float32 model's cache and what each decode step reads of it).
+    halves a float32 model's cache and what each decode step reads of it; a bfloat16 model's it only narrows).
     """
 
     step = 256
@@ -325,11 +325,12 @@ class KVCache(KeysValues):
                                axis=2) for old, a in zip(buffers, chunk, strict=True)]
 
     def _stored(self, x: mx.array) -> mx.array:
-        """``x`` as :attr:`dtype` (float16 saturating at its largest value rather than becoming infinite)."""
+        """``x`` as :attr:`dtype` (float16 saturating at its largest value rather than becoming infinite; clipped
+        in float32, where that value is exact: bfloat16 would round it past float16's range)."""
         if self.dtype is None or x.dtype == self.dtype:
             return x
         top = mx.finfo(self.dtype).max
-        return mx.clip(x, -top, top).astype(self.dtype)
+        return mx.clip(x.astype(mx.float32), -top, top).astype(self.dtype)
 
     def _append(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Write a chunk after the held tokens into the buffer (grown in :meth:`capacity`'s steps); return the
@@ -400,6 +401,8 @@ class QuantizedKVCache(KVCache):
     def __init__(self, bits: int = 8, group_size: int = 64) -> None:
         super().__init__()
         check_kv_format(bits, group_size)
+        if bits == KV_HALF:
+            raise InvalidInputError("a quantized KV cache stores 2-8 bits a value (float16 is KVCache(mx.float16))")
         self.bits, self.group_size = bits, group_size
         self.packed_prefix: SharedPackedPrefix | None = None
         """Holds the first :attr:`base` tokens (read in place; none without one)."""

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict
 from . import profiling
 from .architecture import Architecture, ModelModule
 from .batching import DEFAULT_PREFILL_STEP_BUDGET, lockstep
-from .cache import LayerCache, check_kv_format, kv_formatted
+from .cache import KV_HALF, LayerCache, check_kv_format, kv_formatted
 from .chat_template import ChatTemplate
 from .config import ModelConfig
 from .constraints import (
@@ -442,6 +442,8 @@ class GenerativeModel:
         if bits is None:
             return self.module.make_cache, None
         group_size = self.kv_group_size if kv_group_size is None else kv_group_size
+        if bits == KV_HALF:
+            group_size = 0  # no groups: one format whatever the group size asked (prefixes shared across it)
         return kv_formatted(self.module.make_cache, bits, group_size), (bits, group_size)
 
     def logits(self, token_ids: Sequence[int] | MultimodalPrompt,

@@ -15,7 +15,7 @@ import pytest
 from test_quantized_kv import ARCHITECTURES, GREEDY, cached_logits, softmax
 
 import mlxchat
-from mlxchat.cache import KVCache, check_kv_format
+from mlxchat.cache import KVCache, QuantizedKVCache, check_kv_format
 from mlxchat.cli import build_parser
 from mlxchat.prefix_cache import PromptCachePool
 from mlxchat.testing import batched_decoding_problems, greedy_tokens, load_fixture, reference
@@ -61,6 +61,8 @@ def test_a_float16_cache_holds_half_saturates_and_copies_only_its_own_format() -
     held, _ = half.update_and_fetch(mx.full((1, 2, 1, 64), 1e6), mx.full((1, 2, 1, 64), -1e6))
     assert held.dtype == mx.float16 and half.nbytes * 2 == floats.nbytes
     assert float(held[..., -1, :].max()) == 65504 and float(half.values[..., 40, :].min()) == -65504  # not inf
+    wide = mx.array([70000.0, -1e6, 65519.0, 65530.0, 1.0], dtype=mx.bfloat16)  # a bfloat16 model's, clipped exactly
+    assert half._stored(wide).tolist() == [65504.0, -65504.0, 65504.0, 65504.0, 1.0]
     assert float(mx.abs(held[..., :40, :].astype(mx.float32) - keys).max()) < 2e-3
     copy = KVCache(mx.float16)
     assert copy.can_copy_from(half) and not copy.can_copy_from(floats) and not floats.can_copy_from(half)
@@ -77,12 +79,14 @@ def test_the_format_is_taken_from_outside_without_groups() -> None:
     check_kv_format(16, 48)  # float16 has no groups: the group size is not used
     with pytest.raises(mlxchat.InvalidInputError, match="16 \\(float16\\)"):
         check_kv_format(12, 64)
+    with pytest.raises(mlxchat.InvalidInputError, match="2-8 bits"):
+        QuantizedKVCache(16, 64)
     assert build_parser().parse_args(["serve", "--kv-bits", "16"]).kv_bits == 16
 
 
 def test_a_session_on_float16_kv_reuses_cuts_back_saves_and_resumes(tmp_path: Path) -> None:
     with mlxchat.load_model() as model:
-        session, floats = model.chat_session(kv_bits=16), model.chat_session()
+        session, floats = model.chat_session(kv_bits=16, kv_group_size=32), model.chat_session()
         assert half_layers(session.cache) and not half_layers(floats.cache)
         for text in ("Hello there, tell me about cats and everything they like to do all day.", "And dogs?"):
             second, expected = session.send(text, config=GREEDY), floats.send(text, config=GREEDY)
@@ -93,7 +97,7 @@ def test_a_session_on_float16_kv_reuses_cuts_back_saves_and_resumes(tmp_path: Pa
         session.save(tmp_path / "s.mlxchat")
         third = session.send("And birds?", config=GREEDY)
         resumed = mlxchat.ChatSession.load(model, tmp_path / "s.mlxchat")  # the file's format, not the model's
-        assert resumed.cache.kv_format == (16, 64) and half_layers(resumed.cache)
+        assert resumed.cache.kv_format == (16, 0) and half_layers(resumed.cache)  # no groups
         assert resumed.send("And birds?", config=GREEDY).text == third.text
 
 
@@ -103,7 +107,7 @@ def test_conversations_on_float16_kv_share_a_system_prompt_where_it_lies() -> No
         pool, config = PromptCachePool(), {**GREEDY, "max_tokens": 6}
         first = model.chat_session(system=system, prefix_cache=pool)
         first.send("Hello", config=config)
-        second = model.chat_session(system=system, prefix_cache=pool)
+        second = model.chat_session(system=system, prefix_cache=pool, kv_group_size=32)  # one format: no groups
         reply = second.send("Hi", config=config)
         alone = model.chat_session(system=system).send("Hi", config=config)
         assert reply.report.cached_prompt_tokens > KVCache.share_from and reply.tokens == alone.tokens

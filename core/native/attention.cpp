@@ -266,10 +266,20 @@ const Ops ops = {scores<float>, accumulate<float>, scores<uint16_t>, accumulate<
 
 std::atomic<Isa> active_isa{mlxchat_simd::isa};
 
+#if defined(__x86_64__)
+/* AVX2's loops where the CPU hides F16C: float16 rows converted by the scalar ones. */
+const Ops avx2_without_f16c = [] {
+  Ops o = avx2::ops;
+  o.half_scores = scalar::ops.half_scores, o.half_accumulate = scalar::ops.half_accumulate;
+  return o;
+}();
+#endif
+
 const Ops& ops() {
 #if defined(__x86_64__)
   if (active_isa.load() == Isa::avx512) return avx512::ops;
-  if (active_isa.load() == Isa::avx2) return avx2::ops;
+  static const bool f16c = mlxchat_simd::has_f16c();
+  if (active_isa.load() == Isa::avx2) return f16c ? avx2::ops : avx2_without_f16c;
 #endif
   return scalar::ops;
 }

@@ -14,7 +14,7 @@
 #if defined(__x86_64__)
 #include <immintrin.h>
 #define MLXK_AVX512 __attribute__((target("avx512f,avx512dq,avx2,fma")))
-#define MLXK_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define MLXK_AVX2 __attribute__((target("avx2,fma")))
 #endif
 
 namespace mlxchat_simd {
@@ -25,13 +25,22 @@ inline Isa best_isa() {
 #if defined(__x86_64__)
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq")) return Isa::avx512;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
-    return Isa::avx2;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::avx2;
 #endif
   return Isa::scalar;
 }
 
 inline const Isa isa = best_isa();
+
+/* Whether the CPU converts halves (F16C: every AVX2 processor, but a virtual machine may hide it). */
+inline bool has_f16c() {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("f16c");
+#else
+  return false;
+#endif
+}
 
 /* An IEEE half's value (what F16C's vcvtph2ps computes; for the scalar loops). */
 inline float half_to_float(uint16_t h) {
