@@ -12,13 +12,13 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from test_quantized_kv import ARCHITECTURES, GREEDY, cached_logits, softmax
+from test_quantized_kv import ARCHITECTURES, GREEDY, cached_logits, demo_greedy_tokens, softmax
 
 import mlxchat
 from mlxchat.cache import KVCache, QuantizedKVCache, check_kv_format
 from mlxchat.cli import build_parser
 from mlxchat.prefix_cache import PromptCachePool
-from mlxchat.testing import batched_decoding_problems, greedy_tokens, load_fixture, reference
+from mlxchat.testing import batched_decoding_problems, load_fixture, reference
 
 from conftest import FIXTURES
 
@@ -44,13 +44,7 @@ def test_float16_kv_logits_stay_close_to_float_kv(folder: Path) -> None:
 
 
 def test_float16_kv_greedy_tokens_equal_float_kv_on_the_demo_model_over_200_tokens() -> None:
-    with mlxchat.load_model() as model:
-        prompt = model.apply_chat_template([{"role": "user", "content": "Tell me a long story about a cat."}])
-        assert isinstance(prompt, list)
-        float_tokens = greedy_tokens(model, prompt, 200)
-    with mlxchat.load_model(kv_bits=16) as model:
-        assert half_layers(model.make_prompt_cache())
-        assert greedy_tokens(model, prompt, 200) == float_tokens
+    assert demo_greedy_tokens(16) == demo_greedy_tokens(None)
 
 
 def test_a_float16_cache_holds_half_saturates_and_copies_only_its_own_format() -> None:

@@ -142,8 +142,8 @@ struct V {
 };
 #include "attention_ops.h"
 #include "attention_packed.h"
-const Ops ops = {scores<float>, accumulate<float>, scores<uint16_t>, accumulate<uint16_t>, dequantize, row_max, exp_sum,
-                 scale, V::W, order, add_ordered, packed_scores, packed_accumulate};
+const Ops ops = {scores<float>, accumulate<float>, scores<uint16_t>, accumulate<uint16_t>, dequantize, row_max,
+                 exp_sum, scale, V::W, order, add_ordered, packed_scores, packed_accumulate};
 }  // namespace avx2
 #pragma GCC pop_options
 
@@ -209,14 +209,14 @@ struct V {
 #include "attention_ops.h"
 namespace wide {
 #include "attention_packed.h"
-const Ops ops = {scores<float>, accumulate<float>, scores<uint16_t>, accumulate<uint16_t>, dequantize, row_max, exp_sum,
-                 scale, V::W, order, add_ordered, packed_scores, packed_accumulate};
+const Ops ops = {scores<float>, accumulate<float>, scores<uint16_t>, accumulate<uint16_t>, dequantize, row_max,
+                 exp_sum, scale, V::W, order, add_ordered, packed_scores, packed_accumulate};
 }  // namespace wide
 /* Packed rows are read 16 lanes at a time where a group holds a chunk of such words (8-bit values in groups of 64
  * or more), else by AVX2's loops (a 4-bit chunk would be 128 values, more than a group of 32 or 64 holds): wider
  * words halve the instructions a packed key or value costs, which bound the 8-bit loops, not the memory. */
-const Ops ops = {scores<float>, accumulate<float>, scores<uint16_t>, accumulate<uint16_t>, dequantize, row_max, exp_sum,
-                 scale, avx2::ops.lanes, avx2::ops.order, avx2::ops.add_ordered, avx2::ops.packed_scores,
+const Ops ops = {scores<float>, accumulate<float>, scores<uint16_t>, accumulate<uint16_t>, dequantize, row_max,
+                 exp_sum, scale, avx2::ops.lanes, avx2::ops.order, avx2::ops.add_ordered, avx2::ops.packed_scores,
                  avx2::ops.packed_accumulate, &wide::ops};
 }  // namespace avx512
 #pragma GCC pop_options
@@ -260,8 +260,8 @@ struct V {
 };
 #include "attention_ops.h"
 #include "attention_packed.h"
-const Ops ops = {scores<float>, accumulate<float>, scores<uint16_t>, accumulate<uint16_t>, dequantize, row_max, exp_sum,
-                 scale, V::W, order, add_ordered, packed_scores, packed_accumulate};
+const Ops ops = {scores<float>, accumulate<float>, scores<uint16_t>, accumulate<uint16_t>, dequantize, row_max,
+                 exp_sum, scale, V::W, order, add_ordered, packed_scores, packed_accumulate};
 }  // namespace scalar
 
 std::atomic<Isa> active_isa{mlxchat_simd::isa};
@@ -347,22 +347,25 @@ Scratch& scratch() {
   return s;
 }
 
-/* `n` rows of `rows` from position `at`, as rows of `dims` (padded) features the loops read: float32 or float16
- * rows in place when they hold whole multiples of kLanes features (`half` says which), else float32 ones staged
- * (dequantized, converted, padded) into `into`. */
-const void* rows_at(const Rows& rows, const Ops& ops, int b, int h, int64_t at, int n, int dims, Buffer& into,
-                    int64_t& stride, bool& half) {
-  half = false;
+/* Rows as the loops read them: float32 or float16 ones (the other null) `stride` elements apart. */
+struct Block {
+  const float* floats = nullptr;
+  const uint16_t* halves = nullptr;
+  int64_t stride = 0;
+};
+
+/* `n` rows of `rows` from position `at`, as rows of `dims` (padded) features: float32 or float16 rows in place
+ * when they hold whole multiples of kLanes features, else float32 ones staged (dequantized, converted, padded)
+ * into `into`. */
+Block rows_at(const Rows& rows, const Ops& ops, int b, int h, int64_t at, int n, int dims, Buffer& into) {
   if (rows.bits == 0 && rows.dims % kLanes == 0) {
-    stride = rows.data.row;
-    half = rows.half;
-    return rows.half ? static_cast<const void*>(rows.data.at<uint16_t>(b, h, at)) : rows.data.at<float>(b, h, at);
+    if (rows.half) return {nullptr, rows.data.at<uint16_t>(b, h, at), rows.data.row};
+    return {rows.data.at<float>(b, h, at), nullptr, rows.data.row};
   }
   float* staged = into.take(size_t(n) * dims);
-  stride = dims;
   if (rows.bits != 0) {  // packed rows hold whole groups: `dims` features
     ops.dequantize(rows, b, h, at, n, staged);
-    return staged;
+    return {staged, nullptr, dims};
   }
   for (int j = 0; j < n; ++j) {
     float* out = staged + size_t(j) * dims;
@@ -374,31 +377,7 @@ const void* rows_at(const Rows& rows, const Ops& ops, int b, int h, int64_t at, 
     }
     std::fill(out + rows.dims, out + dims, 0.0f);
   }
-  return staged;
-}
-
-/* The scores of `rows` queries against `n` keys from position `at` (however they are held but packed in place). */
-void score_block(const Ops& ops, const float* q, int rows, int qs, const Rows& keys, int b, int h, int64_t at, int n,
-                 int dims, Buffer& into, float* s, int ss) {
-  int64_t ks;
-  bool half;
-  const void* k = rows_at(keys, ops, b, h, at, n, dims, into, ks, half);
-  if (half)
-    ops.half_scores(q, rows, qs, static_cast<const uint16_t*>(k), ks, n, dims, s, ss);
-  else
-    ops.scores(q, rows, qs, static_cast<const float*>(k), ks, n, dims, s, ss);
-}
-
-/* acc += p v over `n` values from position `at` (however they are held but packed in place). */
-void accumulate_block(const Ops& ops, const float* p, int rows, int ps, const Rows& values, int b, int h, int64_t at,
-                      int n, int dims, Buffer& into, float* acc, int as) {
-  int64_t vs;
-  bool half;
-  const void* v = rows_at(values, ops, b, h, at, n, dims, into, vs, half);
-  if (half)
-    ops.half_accumulate(p, rows, ps, static_cast<const uint16_t*>(v), vs, n, dims, acc, as);
-  else
-    ops.accumulate(p, rows, ps, static_cast<const float*>(v), vs, n, dims, acc, as);
+  return {staged, nullptr, dims};
 }
 
 /* Each of `rows` query rows' sums over each group of `dims` features (what packed keys' biases multiply). */
@@ -477,8 +456,10 @@ void run_task(const void* ctx, int index) {
       const int n = int(std::min<int64_t>(kKeys, std::min(t.k1, start + seg.count) - j0));
       if (packed_keys) {
         key_ops.packed_scores(qk, rows, qd, qsum, seg.keys, t.b, t.h, j0 - start, n, scores, kKeys);
+      } else if (const Block k = rows_at(seg.keys, ops, t.b, t.h, j0 - start, n, kd, s.k); k.halves != nullptr) {
+        ops.half_scores(q, rows, qd, k.halves, k.stride, n, kd, scores, kKeys);
       } else {
-        score_block(ops, q, rows, qd, seg.keys, t.b, t.h, j0 - start, n, kd, s.k, scores, kKeys);
+        ops.scores(q, rows, qd, k.floats, k.stride, n, kd, scores, kKeys);
       }
       for (int i = 0; i < rows; ++i) {
         float* row = scores + size_t(i) * kKeys;
@@ -502,8 +483,10 @@ void run_task(const void* ctx, int index) {
       }
       if (packed_values) {
         value_ops.packed_accumulate(scores, rows, kKeys, seg.values, t.b, t.h, j0 - start, n, ordered, vd);
+      } else if (const Block v = rows_at(seg.values, ops, t.b, t.h, j0 - start, n, vdims, s.v); v.halves != nullptr) {
+        ops.half_accumulate(scores, rows, kKeys, v.halves, v.stride, n, vdims, acc, vd);
       } else {
-        accumulate_block(ops, scores, rows, kKeys, seg.values, t.b, t.h, j0 - start, n, vdims, s.v, acc, vd);
+        ops.accumulate(scores, rows, kKeys, v.floats, v.stride, n, vdims, acc, vd);
       }
     }
   }

@@ -48,7 +48,7 @@ import os
 import threading
 from collections.abc import Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import mlx.core as mx
 
@@ -411,7 +411,7 @@ class ThreadHold:
         with self._lock:
             if self._cancelled:
                 return False
-            ticket = self._ticket = self._on_loop(self._reserve(reservation))
+            ticket = self._ticket = on_loop(self.loop, self._reserve(reservation))
         if ticket is None:
             raise GenerationError("the server has stopped")
         try:
@@ -466,12 +466,16 @@ class ThreadHold:
         with self._lock:
             hold, self._granted = self._granted, None
         if hold is not None:
-            self._on_loop(self.budget.release(hold))
+            on_loop(self.loop, self.budget.release(hold))
 
-    def _on_loop(self, work: Coroutine[Any, Any, Hold | None]) -> concurrent.futures.Future[Hold | None] | None:
-        """Run ``work`` on the server's loop; None once the server has stopped."""
-        try:
-            return asyncio.run_coroutine_threadsafe(work, self.loop)
-        except RuntimeError:  # the loop is closed
-            work.close()
-            return None
+
+T = TypeVar("T")
+
+
+def on_loop(loop: asyncio.AbstractEventLoop, work: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T] | None:
+    """Run ``work`` on the server's loop from any thread; None (``work`` closed) once the server has stopped."""
+    try:
+        return asyncio.run_coroutine_threadsafe(work, loop)
+    except RuntimeError:  # the loop is closed
+        work.close()
+        return None

@@ -46,7 +46,7 @@ from ..controller import ChatController, ChatState
 from ..errors import ImageError, MlxchatError
 from ..images import image_url_source
 from ..messages import ChatMessage
-from .admission import ThreadHold
+from .admission import ThreadHold, on_loop
 from .errors import ApiError, log, validated
 from .guard import read_json
 from .pool import IdleCache
@@ -210,10 +210,7 @@ class Conversations:
         """Run ``work`` on the server's loop (from any thread); logs ``lost`` when the server has stopped (a turn
         cancelled at shutdown ended after it)."""
         assert self.loop is not None
-        try:
-            asyncio.run_coroutine_threadsafe(work, self.loop)
-        except RuntimeError:
-            work.close()
+        if on_loop(self.loop, work) is None:
             log.warning("%s (the server had stopped)", lost)
 
     async def trim(self) -> None:
