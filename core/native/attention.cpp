@@ -6,8 +6,8 @@
  * task computes the rows' scores, masks them (causal, sliding window) by position as it goes, folds them
  * into each row's running maximum and sum (rescaling what it has summed when the maximum grows) and adds
  * the block's values weighted by them. So keys and values are read once per block of rows, straight from
- * the cache's buffers (strided views: float32 and float16 in place; packed rows dequantized a block at a time into the
- * task's scratch, or, for one or two rows, converted in registers where they lie: attention_packed.h), and
+ * the cache's buffers (strided views: float32 and float16 in place; packed rows dequantized a block at a time into
+ * the task's scratch, or, for one or two rows, converted in registers where they lie: attention_packed.h), and
  * the scratch is a block's, whatever the context. A decode step has one block of rows per KV head; when that
  * makes too few tasks for the cores, each block's keys are split among several tasks whose partial sums are
  * merged afterwards (flash decoding).

@@ -1,8 +1,9 @@
 /*
  * The inner loops of mlxchat's fused attention (attention.cpp), written once over a vector type V and
  * included once per instruction set, inside that set's `#pragma GCC target` region and namespace, where V is
- * defined: W lanes of float32 (Vec); zero, set1, load (of W floats, or of W IEEE halves as floats), store, fma, add, sub, mul, max; sum and top of one
- * vector's lanes; sums(acc), the W sums of W vectors in one vector (lane p holds the sum of acc[input(p)]),
+ * defined: W lanes of float32 (Vec); zero, set1, load (of W floats, or of W IEEE halves as floats), store, fma,
+ * add, sub, mul, max; sum and top of one vector's lanes; sums(acc), the W sums of W vectors in one vector (lane p
+ * holds the sum of acc[input(p)]),
  * and store_rows<R>, which writes that vector's R rows of W / R lanes; exp; bytes8/bytes4, the W 8- or 4-bit
  * values from feature c on, and bytes4x2 the 2W 4-bit ones, in two vectors; kAcc and kMaxC, the accumulators
  * and value chunks the registers hold.

@@ -458,13 +458,12 @@ class Rope : public Kernel {
 
 /*
  * Causal attention of queries [B, heads, L, D] over keys and values read in place (mlxchat_attention::attend):
- * float32 or float16 keys and values [B, kv_heads, T, D|Dv], or (bits 4 or 8) mx.quantize's packed keys and values with
- * their scales and biases followed by float32 ones (a quantized cache's float tail). Inputs: q, k, v; q, a prefix's
- * keys and values (a shared prefix, read where it lies), k, v; or q, then for each packed segment (a shared
- * prefix's, then the cache's own) packed keys, scales, biases, packed values, scales, biases, then tail keys, tail
- * values. The output is
- * [B, heads, L, Dv], or with `lse` [B, heads, L, Dv + 1]: each row's log-sum-exp of its scaled scores last (to
- * merge it with attention over other keys).
+ * float32 or float16 keys and values [B, kv_heads, T, D|Dv], or (bits 4 or 8) mx.quantize's packed keys and values
+ * with their scales and biases followed by float32 ones (a quantized cache's float tail). Inputs: q, k, v; q, a
+ * prefix's keys and values (a shared prefix, read where it lies), k, v; or q, then for each packed segment (a
+ * shared prefix's, then the cache's own) packed keys, scales, biases, packed values, scales, biases, then tail
+ * keys, tail values. The output is [B, heads, L, Dv], or with `lse` [B, heads, L, Dv + 1]: each row's log-sum-exp
+ * of its scaled scores last (to merge it with attention over other keys).
  */
 class Attention : public Kernel {
  public:
@@ -760,8 +759,8 @@ NB_MODULE(_kernels, m) {
         nb::arg("window") = 0, nb::arg("lse") = false, nb::arg("prefix_keys") = nb::none(),
         nb::arg("prefix_values") = nb::none(),
         "Causal attention of [B, heads, L, D] queries (the last L positions) over [B, kv_heads, T, D] keys and "
-        "values (float32 or float16) read in place, after a prefix's keys and values when they are given (read where they lie too); "
-        "window > 0 limits each query to that many last keys; with lse each output row ends with the "
+        "values (float32 or float16) read in place, after a prefix's keys and values when they are given (read where "
+        "they lie too); window > 0 limits each query to that many last keys; with lse each output row ends with the "
         "log-sum-exp of its scaled scores.");
   m.def("quantized_attention", &quantized_attention, nb::arg("queries"), nb::arg("packed_keys"),
         nb::arg("key_scales"), nb::arg("key_biases"), nb::arg("packed_values"), nb::arg("value_scales"),
