@@ -12,13 +12,20 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from test_quantized_kv import ARCHITECTURES, GREEDY, cached_logits, demo_greedy_tokens, softmax
+from test_quantized_kv import (
+    ARCHITECTURES,
+    GREEDY,
+    assert_speculative_decoding_rolls_back,
+    cached_logits,
+    demo_greedy_tokens,
+    softmax,
+)
 
 import mlxchat
 from mlxchat.cache import KVCache, QuantizedKVCache, check_kv_format
 from mlxchat.cli import build_parser
 from mlxchat.prefix_cache import PromptCachePool
-from mlxchat.testing import batched_decoding_problems, load_fixture, reference
+from mlxchat.testing import batched_decoding_problems, load_fixture
 
 from conftest import FIXTURES
 
@@ -113,13 +120,7 @@ def test_batched_and_speculative_decoding_run_on_float16_caches() -> None:
     with mlxchat.load_model(kv_bits=16) as model:
         prompts = [list(range(3, 3 + n)) for n in (70, 9, 130)]
         assert batched_decoding_problems(model, prompts, steps=40, tolerance=1e-3) == []
-    folder = FIXTURES / "qwen3"
-    prompt = reference(folder)["input_ids"][:30].tolist()
-    with mlxchat.load_model(folder, dtype="float32", kv_bits=16) as model:
-        plain = model.generate(prompt, {**GREEDY, "max_tokens": 30}).tokens
-        with mlxchat.load_model(folder, dtype="float32") as draft:
-            fast = model.with_draft(draft).generate(prompt, {**GREEDY, "max_tokens": 30, "draft_tokens": 4})
-    assert fast.report.draft_tokens > 0 and fast.tokens[:15] == plain[:15]
+    assert_speculative_decoding_rolls_back(16)
 
 
 def test_the_servers_memory_estimate_counts_float16_keys_and_values() -> None:
