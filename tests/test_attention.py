@@ -105,7 +105,7 @@ def make_cache(kind: str, group_size: int = 64) -> KVCache:
 
 
 @pytest.mark.parametrize("kind", ["float", "float16", "8-bit", "4-bit"])
-@pytest.mark.parametrize(("heads", "kv_heads", "dims"), [(4, 4, 64), (4, 2, 80), (6, 2, 48), (8, 1, 80)])
+@pytest.mark.parametrize(("heads", "kv_heads", "dims"), [(4, 4, 64), (4, 2, 128), (4, 2, 80), (6, 2, 48), (8, 1, 80)])
 def test_attention_over_a_cache_equals_plain_attention(isa: str, kind: str, heads: int, kv_heads: int,
                                                        dims: int) -> None:
     """A float16 cache is read as it lies, each half converted exactly: as plain attention over the float16 values."""

@@ -60,15 +60,15 @@ struct Ops {
   float (*row_max)(const float* x, int n);
   float (*exp_sum)(float* x, int n, float shift);
   void (*scale)(float* x, int dims, float by);
-  // packed rows read in place (attention_packed.h): words of `lanes` 32-bit lanes, rows put in their order
-  int lanes;
+  // packed rows read in place (attention_packed.h): chunks of `words` 32-bit words, rows put in their order
+  int words;
   void (*order)(const float* x, int rows, int xs, int dims, int bits, float* out, int os);
   void (*add_ordered)(const float* x, int rows, int xs, int dims, int bits, float* out, int os);
   void (*packed_scores)(const float* q, int rows, int qs, const float* qsum, const Rows& keys, int b, int h,
                         int64_t at, int n, float* s, int ss);
   void (*packed_accumulate)(const float* p, int rows, int ps, const Rows& values, int b, int h, int64_t at, int n,
                             float* acc, int as);
-  const Ops* wide = nullptr;  // packed loops over words of more lanes, for the formats whose groups hold their chunks
+  const Ops* wide = nullptr;  // packed loops over chunks of more words, for the formats whose groups hold their chunks
 };
 
 #if defined(__x86_64__)
@@ -125,9 +125,10 @@ struct V {
     const __m128i x = _mm_unpacklo_epi8(_mm_and_si128(b, m), _mm_and_si128(_mm_srli_epi16(b, 4), m));
     return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(x));
   }
+  static constexpr int kWords = W;
   using Int = __m256i;
   static Int words(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
-  template <int SHIFT, int BITS>
+  template <int F, int BITS, int SHIFT = F * BITS>
   static Vec field(Int x) {
     if constexpr (SHIFT > 0) x = _mm256_srli_epi32(x, SHIFT);
     if constexpr (SHIFT + BITS < 32) x = _mm256_and_si256(x, _mm256_set1_epi32((1 << BITS) - 1));
@@ -143,7 +144,7 @@ struct V {
 #include "attention_ops.h"
 #include "attention_packed.h"
 const Ops ops = {scores<float>, accumulate<float>, scores<uint16_t>, accumulate<uint16_t>, dequantize, row_max,
-                 exp_sum, scale, V::W, order, add_ordered, packed_scores, packed_accumulate};
+                 exp_sum, scale, V::kWords, order, add_ordered, packed_scores, packed_accumulate};
 }  // namespace avx2
 #pragma GCC pop_options
 
@@ -197,9 +198,10 @@ struct V {
     lo = bytes4(w, c);
     hi = bytes4(w, c + W);
   }
+  static constexpr int kWords = W;
   using Int = __m512i;
   static Int words(const uint8_t* p) { return _mm512_loadu_si512(p); }
-  template <int SHIFT, int BITS>
+  template <int F, int BITS, int SHIFT = F * BITS>
   static Vec field(Int x) {
     if constexpr (SHIFT > 0) x = _mm512_srli_epi32(x, SHIFT);
     if constexpr (SHIFT + BITS < 32) x = _mm512_and_si512(x, _mm512_set1_epi32((1 << BITS) - 1));
@@ -210,14 +212,31 @@ struct V {
 namespace wide {
 #include "attention_packed.h"
 const Ops ops = {scores<float>, accumulate<float>, scores<uint16_t>, accumulate<uint16_t>, dequantize, row_max,
-                 exp_sum, scale, V::W, order, add_ordered, packed_scores, packed_accumulate};
+                 exp_sum, scale, V::kWords, order, add_ordered, packed_scores, packed_accumulate};
 }  // namespace wide
-/* Packed rows are read 16 lanes at a time where a group holds a chunk of such words (8-bit values in groups of 64
- * or more), else by AVX2's loops (a 4-bit chunk would be 128 values, more than a group of 32 or 64 holds): wider
- * words halve the instructions a packed key or value costs, which bound the 8-bit loops, not the memory. */
+/* Packed rows read 8 words at a time (a chunk as AVX2's: 64 4-bit or 32 8-bit values, which groups of 64 and 32
+ * hold), each word in two lanes: vector F of a chunk is fields 2F and 2F + 1, shifted by one srlv. */
+namespace halves {
+struct V : avx512::V {
+  static constexpr int kWords = W / 2;
+  static Int words(const uint8_t* p) {
+    return _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  template <int F, int BITS>
+  static Vec field(Int x) {
+    constexpr int lo = 2 * F * BITS, hi = lo + BITS;
+    const __m512i shift = _mm512_inserti64x4(_mm512_set1_epi32(lo), _mm256_set1_epi32(hi), 1);
+    return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(x, shift), _mm512_set1_epi32((1 << BITS) - 1)));
+  }
+};
+#include "attention_packed.h"
+}  // namespace halves
+/* Packed rows are read 16 words at a time where a group holds a chunk of them (8-bit values in groups of 64 or
+ * more), else 8 (halves: 4-bit values, 8-bit ones in groups of 32): wider words halve the instructions a packed
+ * key or value costs, which bound these loops, not the memory. */
 const Ops ops = {scores<float>, accumulate<float>, scores<uint16_t>, accumulate<uint16_t>, dequantize, row_max,
-                 exp_sum, scale, avx2::ops.lanes, avx2::ops.order, avx2::ops.add_ordered, avx2::ops.packed_scores,
-                 avx2::ops.packed_accumulate, &wide::ops};
+                 exp_sum, scale, halves::V::kWords, halves::order, halves::add_ordered, halves::packed_scores,
+                 halves::packed_accumulate, &wide::ops};
 }  // namespace avx512
 #pragma GCC pop_options
 #endif
@@ -249,19 +268,20 @@ struct V {
     lo = bytes4(w, c);
     hi = bytes4(w, c + 1);
   }
+  static constexpr int kWords = W;
   using Int = uint32_t;
   static Int words(const uint8_t* p) {
     Int x;
     std::memcpy(&x, p, sizeof(x));
     return x;
   }
-  template <int SHIFT, int BITS>
-  static Vec field(Int x) { return float((x >> SHIFT) & ((1u << BITS) - 1)); }
+  template <int F, int BITS>
+  static Vec field(Int x) { return float((x >> (F * BITS)) & ((1u << BITS) - 1)); }
 };
 #include "attention_ops.h"
 #include "attention_packed.h"
 const Ops ops = {scores<float>, accumulate<float>, scores<uint16_t>, accumulate<uint16_t>, dequantize, row_max,
-                 exp_sum, scale, V::W, order, add_ordered, packed_scores, packed_accumulate};
+                 exp_sum, scale, V::kWords, order, add_ordered, packed_scores, packed_accumulate};
 }  // namespace scalar
 
 std::atomic<Isa> active_isa{mlxchat_simd::isa};
@@ -394,7 +414,7 @@ const float* group_sums(const float* q, int rows, int qs, int dims, int group, B
 
 /* Whether `ops`' packed loops read these packed rows (a chunk of their words within a group). */
 bool fits(const Ops& ops, const Rows& packed) {
-  return packed.bits != 0 && ops.lanes * 32 / packed.bits <= packed.group;
+  return packed.bits != 0 && ops.words * 32 / packed.bits <= packed.group;
 }
 
 /* The table whose packed loops read `packed`'s rows: the widest that fits them. */

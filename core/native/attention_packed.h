@@ -1,12 +1,13 @@
 /*
  * The fused attention's inner loops over packed keys and values (mx.quantize's affine layout) for one or two
  * query rows a KV head (a decode step; attention.cpp, kFusedRows), converting the packed values in registers.
- * Included per instruction set like attention_ops.h (after it), where V also has Int (W 32-bit words),
- * words(p) (the W words from byte p on) and field<SHIFT, BITS>(x) (each word's BITS-bit value at bit SHIFT, as
- * floats).
+ * Included per instruction set like attention_ops.h (after it), where V also has kWords (the 32-bit words a
+ * chunk reads: W, or W / 2 with each word in two lanes), Int (those words), words(p) (the kWords words from byte p
+ * on) and field<F, BITS>(x) (vector F of the chunk's BITS-bit values, as floats).
  *
- * A chunk of a packed row is W words, S = 32 / BITS values each; field k of the chunk's words is the vector of
- * its values S * m + k (m = 0..W-1). So a chunk is converted with shifts and masks only, no shuffles (4-bit
+ * A chunk of a packed row is kWords words, S = 32 / BITS values each; field k of its words (each word's value at
+ * bit k * BITS) holds its values S * m + k (m = 0..kWords-1), and its vector F is the fields F * P .. F * P + P - 1
+ * (P = W / kWords), one a kWords lanes. So a chunk is converted with shifts and masks only, no shuffles (4-bit
  * values were unpacked with several a vector: 1.5x slower on a Zen 3 EPYC; 8-bit ones ran as fast either way,
  * bound by their conversions and products). The rows these loops multiply follow the chunks' order: a query is
  * put in it once a task (`order`), and the sums of values are kept in it and put back in feature order at the
@@ -18,7 +19,10 @@ template <int BITS>
 constexpr int kPerWord = 32 / BITS;
 
 template <int BITS>
-constexpr int kChunk = V::W * kPerWord<BITS>;
+constexpr int kChunk = V::kWords * kPerWord<BITS>;
+
+template <int BITS>
+constexpr int kVectors = kChunk<BITS> / V::W;  // a chunk's vectors of values
 
 /* f(std::integral_constant<int, k>) for k = 0..N-1, unrolled. */
 template <int N, class F>
@@ -31,21 +35,21 @@ inline void each(F&& f) {
 /* out[i * os + ...] = the dims features of row i of x in chunk order, for `rows` rows. */
 template <int BITS>
 inline void order_rows(const float* x, int rows, int xs, int dims, float* out, int os) {
-  constexpr int S = kPerWord<BITS>, C = kChunk<BITS>;
+  constexpr int S = kPerWord<BITS>, C = kChunk<BITS>, M = V::kWords;
   for (int i = 0; i < rows; ++i)
     for (int c = 0; c < dims; c += C)
       for (int k = 0; k < S; ++k)
-        for (int m = 0; m < V::W; ++m) out[i * os + c + k * V::W + m] = x[i * xs + c + S * m + k];
+        for (int m = 0; m < M; ++m) out[i * os + c + k * M + m] = x[i * xs + c + S * m + k];
 }
 
 /* out (feature order) += x (chunk order) over dims features of `rows` rows. */
 template <int BITS>
 inline void add_ordered_rows(const float* x, int rows, int xs, int dims, float* out, int os) {
-  constexpr int S = kPerWord<BITS>, C = kChunk<BITS>;
+  constexpr int S = kPerWord<BITS>, C = kChunk<BITS>, M = V::kWords;
   for (int i = 0; i < rows; ++i)
     for (int c = 0; c < dims; c += C)
       for (int k = 0; k < S; ++k)
-        for (int m = 0; m < V::W; ++m) out[i * os + c + S * m + k] += x[i * xs + c + k * V::W + m];
+        for (int m = 0; m < M; ++m) out[i * os + c + S * m + k] += x[i * xs + c + k * M + m];
 }
 
 inline void order(const float* x, int rows, int xs, int dims, int bits, float* out, int os) {
@@ -76,7 +80,7 @@ struct Packed {
 template <int R, int BITS, int GROUP>
 inline void packed_scores_rows(const float* q, int qs, const float* qsum, const Rows& keys, int b, int h, int64_t at,
                                int n, float* s, int ss) {
-  constexpr int S = kPerWord<BITS>, C = kChunk<BITS>;
+  constexpr int C = kChunk<BITS>;
   const int groups = keys.dims / GROUP;
   const Packed k(keys, b, h, at);
   for (int j = 0; j < n; ++j) {
@@ -90,9 +94,9 @@ inline void packed_scores_rows(const float* q, int qs, const float* qsum, const 
       for (int i = 0; i < R; ++i) t[i][0] = t[i][1] = V::zero();
       for (int c = g * GROUP; c < (g + 1) * GROUP; c += C) {
         const typename V::Int x = V::words(w + c * BITS / 8);
-        each<S>([&](auto f) {
+        each<kVectors<BITS>>([&](auto f) {
           constexpr int F = decltype(f)::value;
-          const Vec values = V::template field<F * BITS, BITS>(x);
+          const Vec values = V::template field<F, BITS>(x);
           for (int i = 0; i < R; ++i) t[i][F % 2] = V::fma(V::load(q + i * qs + c + F * V::W), values, t[i][F % 2]);
         });
       }
@@ -117,7 +121,7 @@ inline void packed_scores(const float* q, int rows, int qs, const float* qsum, c
   });
 }
 
-/* acc[i * as + ...] += sum over j of weight[i * kKeys + j] * (field F0 + f of v_j's words, f < N) for the chunk
+/* acc[i * as + ...] += sum over j of weight[i * kKeys + j] * (vector F0 + f of v_j's chunk, f < N) for the chunk
  * from feature c, for R rows and n packed values. */
 template <int R, int BITS, int F0, int N>
 inline void packed_accumulate_tile(const float* weight, const Packed& v, int n, int c, float* acc, int as) {
@@ -130,7 +134,7 @@ inline void packed_accumulate_tile(const float* weight, const Packed& v, int n, 
     Vec times[R];
     for (int i = 0; i < R; ++i) times[i] = V::set1(weight[i * kKeys + j]);
     each<N>([&](auto f) {
-      const Vec values = V::template field<(F0 + decltype(f)::value) * BITS, BITS>(x);
+      const Vec values = V::template field<F0 + decltype(f)::value, BITS>(x);
       for (int i = 0; i < R; ++i) a[i][f] = V::fma(times[i], values, a[i][f]);
     });
   }
@@ -143,8 +147,8 @@ inline void packed_accumulate_tile(const float* weight, const Packed& v, int n, 
 template <int R, int BITS, int GROUP>
 inline void packed_accumulate_rows(const float* p, int ps, const Rows& values, int b, int h, int64_t at, int n,
                                    float* acc, int as) {
-  constexpr int S = kPerWord<BITS>, C = kChunk<BITS>;
-  constexpr int N = S < V::kAcc / R ? S : V::kAcc / R;  // fields a tile sums (the registers)
+  constexpr int C = kChunk<BITS>, K = kVectors<BITS>;
+  constexpr int N = K < V::kAcc / R ? K : V::kAcc / R;  // vectors a tile sums (the registers)
   const Packed v(values, b, h, at);
   float weight[R * kKeys];
   for (int g = 0; g < values.dims / GROUP; ++g) {
@@ -157,7 +161,7 @@ inline void packed_accumulate_rows(const float* p, int ps, const Rows& values, i
       }
     }
     for (int c = g * GROUP; c < (g + 1) * GROUP; c += C)
-      each<S / N>([&](auto tile) {
+      each<K / N>([&](auto tile) {
         packed_accumulate_tile<R, BITS, decltype(tile)::value * N, N>(weight, v, n, c, acc, as);
       });
     for (int i = 0; i < R; ++i) {
