@@ -29,16 +29,17 @@ from mlxchat.layers import attend, attend_over, fetch_attended
 
 pytestmark = pytest.mark.skipif(kernels._native()[0] is None, reason=f"fused kernels: {kernels._native()[1]}")
 
-ISAS = ["scalar", "avx2", "avx512"]
+ISAS = kernels._native()[0].attention_isas() if kernels._native()[0] else ["scalar"]
+"""What the kernel's loops run on here, the last its own (avx512 vnni: packed keys scored in integers)."""
 
 
-@pytest.fixture(params=ISAS[: ISAS.index(kernels._native()[0].isa()) + 1] if kernels._native()[0] else ISAS[:1])
+@pytest.fixture(params=ISAS)
 def isa(request: pytest.FixtureRequest) -> Iterator[str]:
     module = kernels._native()[0]
     assert module is not None
     module.set_attention_isa(request.param)
     yield request.param
-    module.set_attention_isa(module.isa())
+    module.set_attention_isa(ISAS[-1])
 
 
 def plain_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
@@ -98,6 +99,11 @@ CHUNKS = (1, 70, 1, 1, 63, 1, 129, 2, 1, 300, 1)
 """Chunk lengths that end the cache before, on and after groups of 32 and 64 and the kernel's blocks of 64 keys."""
 
 
+def tolerance(isa: str, kind: str) -> float:
+    """Packed keys scored in integers see the query rounded to int16 (attention_dot.h): outputs off by ~1e-4."""
+    return 2e-4 if isa == "avx512 vnni" and kind.endswith("-bit") else 2e-5
+
+
 def make_cache(kind: str, group_size: int = 64) -> KVCache:
     if kind in ("float", "float16"):
         return KVCache(mx.float16 if kind == "float16" else None)
@@ -110,7 +116,15 @@ def test_attention_over_a_cache_equals_plain_attention(isa: str, kind: str, head
                                                        dims: int) -> None:
     """A float16 cache is read as it lies, each half converted exactly: as plain attention over the float16 values."""
     errors = run_chunks(make_cache(kind, 32 if dims == 80 else 64), CHUNKS, heads, kv_heads, dims)
-    assert max(errors) < 2e-5, errors
+    assert max(errors) < tolerance(isa, kind), errors
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_packed_rows_in_groups_of_128(isa: str, bits: int) -> None:
+    """A group longer than the 64 bytes integer scoring reads at a time (8-bit), or filling them (4-bit)."""
+    for heads in (4, 2):
+        errors = run_chunks(QuantizedKVCache(bits, 128), (1, 200, 1, 1), heads, 2, 256)
+        assert max(errors) < tolerance(isa, f"{bits}-bit"), errors
 
 
 @pytest.mark.parametrize("dims", [40, 24])
@@ -168,7 +182,7 @@ def test_rows_of_different_lengths_each_attend_over_their_own(isa: str) -> None:
             expected.append(plain_attention(q[i : i + 1], mx.concatenate([before_k, new_k], 2).astype(mx.float32),
                                             mx.concatenate([before_v, new_v], 2).astype(mx.float32), 0.2))
         got = attend(q, k, v, RowCaches(rows), 0.2)  # type: ignore[arg-type]
-        assert float(mx.abs(got - mx.concatenate(expected, 0)).max()) < 2e-5
+        assert float(mx.abs(got - mx.concatenate(expected, 0)).max()) < tolerance(isa, kind)
 
 
 @pytest.mark.parametrize("keys", [37, 4096])  # one task a KV head, and keys split among tasks (merged after)

@@ -26,6 +26,10 @@ CHUNKS = (24, 5, 60, 3)
 """Prefill chunks of the logit comparison over :data:`LENGTH` tokens (the rest one token at a time): groups
 of 32 fill inside chunks and between steps."""
 LENGTH = 120
+NATIVE = kernels._native()[0]
+KERNEL_TOLERANCE = 2e-4 if NATIVE is not None and NATIVE.attention_isas()[-1] == "avx512 vnni" else 1e-5
+"""How far attention over packed keys may be from attention over their dequantized values: where the kernel scores
+packed keys in integers (AVX-512 VNNI, attention_dot.h), it sees the query rounded to int16."""
 
 
 def cached_logits(model: mlxchat.GenerativeModel, ids: list[int], kv_bits: int | None) -> np.ndarray:
@@ -74,7 +78,7 @@ def test_attention_on_packed_keys_equals_attention_on_their_dequantized_values(
         q, k, v = (mx.array(rng.standard_normal((1, h, length, head)).astype(np.float32)) for h in (4, 2, 2))
         expected = dequantized_reference(q, cache, k, v, head**-0.5)
         got = attend(q, k, v, cache, head**-0.5)
-        assert float(mx.abs(got - expected).max()) < 1e-5
+        assert float(mx.abs(got - expected).max()) < KERNEL_TOLERANCE
     assert (cache.offset, cache.held_quantized, cache.tail[0].shape[2] if cache.tail else 0) in (
         (181, 160, 21), (181, 128, 53))
 
@@ -125,7 +129,7 @@ def test_a_copy_reads_a_long_packed_prefix_where_it_lies_and_attends_as_over_its
     for length in (37, 1):  # a chunk, then a decode token, over the three parts
         q, (k, v) = mx.array(rng.standard_normal((1, 4, length, 64)).astype(np.float32)), kv(length)
         expected = dequantized_reference(q, second, k, v, 0.125)
-        assert float(mx.abs(attend(q, k, v, second, 0.125) - expected).max()) < 1e-5
+        assert float(mx.abs(attend(q, k, v, second, 0.125) - expected).max()) < KERNEL_TOLERANCE
     kept = [mx.array(a) for a in contents(second)]
     saved, fields = second.state_dict()  # saved whole; loaded back as a cache of its own
     second.load_state(saved, fields)

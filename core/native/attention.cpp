@@ -42,6 +42,7 @@ constexpr int kSplitKeys = 512;  // the fewest keys a task of a split block gets
  * 3 and 4 rows ran 5-20% slower fused on an AVX2 EPYC, where 1 and 2 rows ran 21-42% faster;
  * benchmarks/results/quantized_kv_decode.md). */
 constexpr int kFusedRows = 2;
+constexpr int kQueryRoom = 64;  // floats past a row's features a table's `order` may write (attention_dot.h)
 constexpr double kInline = 1 << 18;  // multiply-adds under which a problem runs on the calling thread
 
 int padded(int n) {
@@ -237,6 +238,42 @@ struct V : avx512::V {
 const Ops ops = {scores<float>, accumulate<float>, scores<uint16_t>, accumulate<uint16_t>, dequantize, row_max,
                  exp_sum, scale, halves::V::kWords, halves::order, halves::add_ordered, halves::packed_scores,
                  halves::packed_accumulate, &wide::ops};
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512dq,avx512bw,avx512vnni,avx2,fma")
+/* The same tables with packed keys scored in integers (attention_dot.h) where they have at most kMaxBlocks blocks
+ * (every head size in use), else by Float's loops: the query's layout is chosen by the same test. */
+namespace dot {
+using halves::Packed;
+#include "attention_dot.h"
+
+template <const Ops& Float>
+void order(const float* x, int rows, int xs, int dims, int bits, float* out, int os) {
+  if (!dot_reads(bits, dims)) return Float.order(x, rows, xs, dims, bits, out, os);
+  return bits == 8 ? dot_order_rows<8>(x, rows, xs, dims, out, os) : dot_order_rows<4>(x, rows, xs, dims, out, os);
+}
+
+template <const Ops& Float>
+void packed_scores(const float* q, int rows, int qs, const float* qsum, const Rows& keys, int b, int h, int64_t at,
+                   int n, float* s, int ss) {
+  if (!dot_reads(keys.bits, keys.dims)) return Float.packed_scores(q, rows, qs, qsum, keys, b, h, at, n, s, ss);
+  by_format(keys, [&](auto bits, auto group) {
+    constexpr int B = decltype(bits)::value, G = decltype(group)::value;
+    if (rows == 2) return dot_scores_rows<2, B, G>(q, qs, qsum, keys, b, h, at, n, s, ss);
+    dot_scores_rows<1, B, G>(q, qs, qsum, keys, b, h, at, n, s, ss);
+  });
+}
+
+template <const Ops& Float>
+Ops with_integer_scores(const Ops* wide) {
+  Ops o = Float;
+  o.order = order<Float>, o.packed_scores = packed_scores<Float>, o.wide = wide;
+  return o;
+}
+
+const Ops wide_ops = with_integer_scores<wide::ops>(nullptr);
+const Ops ops = with_integer_scores<avx512::ops>(&wide_ops);
+}  // namespace dot
+#pragma GCC pop_options
 }  // namespace avx512
 #pragma GCC pop_options
 #endif
@@ -295,9 +332,12 @@ const Ops avx2_without_f16c = [] {
 }();
 #endif
 
+std::atomic<bool> integer_keys{true};
+
 const Ops& ops() {
 #if defined(__x86_64__)
-  if (active_isa.load() == Isa::avx512) return avx512::ops;
+  static const bool vnni = mlxchat_simd::has_avx512_vnni();
+  if (active_isa.load() == Isa::avx512) return vnni && integer_keys.load() ? avx512::dot::ops : avx512::ops;
   static const bool f16c = mlxchat_simd::has_f16c();
   if (active_isa.load() == Isa::avx2) return f16c ? avx2::ops : avx2_without_f16c;
 #endif
@@ -470,12 +510,13 @@ void run_task(const void* ctx, int index) {
       ordered_ops = &value_ops, ordered_bits = seg.values.bits, ordered_dims = seg.values.dims;
     }
     const float* qsum = packed_keys ? group_sums(q, rows, qd, seg.keys.dims, seg.keys.group, s.qsum) : nullptr;
-    float* qk = packed_keys ? s.ordered_q.take(size_t(rows) * qd) : nullptr;
-    if (packed_keys) key_ops.order(q, rows, qd, seg.keys.dims, seg.keys.bits, qk, qd);
+    const int qks = qd + kQueryRoom;
+    float* qk = packed_keys ? s.ordered_q.take(size_t(rows) * qks) : nullptr;
+    if (packed_keys) key_ops.order(q, rows, qd, seg.keys.dims, seg.keys.bits, qk, qks);
     for (int64_t j0 = std::max(t.k0, start); j0 < std::min(t.k1, start + seg.count); j0 += kKeys) {
       const int n = int(std::min<int64_t>(kKeys, std::min(t.k1, start + seg.count) - j0));
       if (packed_keys) {
-        key_ops.packed_scores(qk, rows, qd, qsum, seg.keys, t.b, t.h, j0 - start, n, scores, kKeys);
+        key_ops.packed_scores(qk, rows, qks, qsum, seg.keys, t.b, t.h, j0 - start, n, scores, kKeys);
       } else if (const Block k = rows_at(seg.keys, ops, t.b, t.h, j0 - start, n, kd, s.k); k.halves != nullptr) {
         ops.half_scores(q, rows, qd, k.halves, k.stride, n, kd, scores, kKeys);
       } else {
@@ -605,8 +646,9 @@ int threads() {
   return pool().threads();
 }
 
-void use_isa(Isa isa) {
+void use_isa(Isa isa, bool integer_scores) {
   active_isa.store(std::min(isa, mlxchat_simd::isa));
+  integer_keys.store(integer_scores);
 }
 
 }  // namespace mlxchat_attention

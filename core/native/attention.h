@@ -65,7 +65,8 @@ void attend(const Problem& problem);
 /* The threads attend splits its work over. */
 int threads();
 
-/* The instruction set attend's inner loops use from now on (at most the CPU's; for tests). */
-void use_isa(mlxchat_simd::Isa isa);
+/* The instruction set attend's inner loops use from now on (at most the CPU's; for tests), and whether AVX-512
+ * scores packed keys in integers where the CPU can (mlxchat_simd::has_avx512_vnni). */
+void use_isa(mlxchat_simd::Isa isa, bool integer_scores = true);
 
 }  // namespace mlxchat_attention

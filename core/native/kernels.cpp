@@ -777,8 +777,17 @@ NB_MODULE(_kernels, m) {
            std::to_string(MLX_VERSION_PATCH);
   });
   m.def("set_attention_isa", [](const std::string& name) {
-    mlxchat_attention::use_isa(name == "avx512" ? Isa::avx512 : name == "avx2" ? Isa::avx2 : Isa::scalar);
-  }, nb::arg("isa"), "Run attention's inner loops on this instruction set (avx512, avx2, scalar; at most the CPU's).");
+    const bool avx512 = name.rfind("avx512", 0) == 0;
+    mlxchat_attention::use_isa(avx512 ? Isa::avx512 : name == "avx2" ? Isa::avx2 : Isa::scalar, name != "avx512");
+  }, nb::arg("isa"), "Run attention's inner loops on one of attention_isas() (at most the CPU's).");
+  m.def("attention_isas", [] {
+    std::vector<std::string> names = {"scalar"};
+    if (isa >= Isa::avx2) names.push_back("avx2");
+    if (isa >= Isa::avx512) names.push_back("avx512");
+    if (isa >= Isa::avx512 && mlxchat_simd::has_avx512_vnni()) names.push_back("avx512 vnni");
+    return names;
+  }, "The instruction sets attention's inner loops run on here, the last the one they use (avx512 vnni: AVX-512 "
+     "with packed keys scored in integers).");
   m.def("threads", &mlxchat_attention::threads, "The threads attention splits its work over.");
   m.def("isa", [] { return std::string(isa == Isa::avx512 ? "avx512" : isa == Isa::avx2 ? "avx2" : "scalar"); });
 }

@@ -42,6 +42,16 @@ inline bool has_f16c() {
 #endif
 }
 
+/* Whether the CPU multiplies int16 pairs into int32 sums in one instruction (AVX-512 BW and VNNI). */
+inline bool has_avx512_vnni() {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
+#else
+  return false;
+#endif
+}
+
 /* An IEEE half's value (what F16C's vcvtph2ps computes; for the scalar loops). */
 inline float half_to_float(uint16_t h) {
   const uint32_t sign = uint32_t(h & 0x8000) << 16, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
