@@ -75,7 +75,8 @@ def flush_denormals() -> bool:
 def kernel_info() -> dict[str, Any]:
     """What the fused kernels run on here (for :func:`mlxchat.runtime_info`)."""
     module, why = _native()
-    return {"fused_kernels": f"mlxchat native ({module.isa()}, attention on {module.threads()} threads)"
+    return {"fused_kernels": f"mlxchat native ({module.isa()}, attention on {module.attention_isas()[-1]}, "
+                             f"{module.threads()} threads)"
             if module is not None else f"MLX's own ({why})"}
 
 

@@ -127,6 +127,25 @@ def test_packed_rows_in_groups_of_128(isa: str, bits: int) -> None:
         assert max(errors) < tolerance(isa, f"{bits}-bit"), errors
 
 
+@pytest.mark.parametrize(("bits", "dims"), [(4, 192), (8, 576)])
+def test_packed_keys_of_a_partial_last_block_or_past_integer_scoring(isa: str, bits: int, dims: int) -> None:
+    """Integer scoring reads 64 bytes at a time: 4-bit keys of 192 features end in half a block (its second
+    group); 8-bit ones of 576 are more blocks than it takes, and are scored in float."""
+    errors = run_chunks(QuantizedKVCache(bits, 64), (1, 70, 1, 1), 4, 2, dims)
+    assert max(errors) < tolerance(isa, f"{bits}-bit"), errors
+
+
+def test_a_query_of_tiny_values_over_packed_keys_attends_evenly(isa: str) -> None:
+    """Its int16 scale stays a normal float: the scores come out about 0, not infinite."""
+    cache, rng = QuantizedKVCache(8, 64), np.random.default_rng(4)
+    k, v = (mx.array(rng.standard_normal((1, 2, 100, 64)).astype(np.float32)) for _ in range(2))
+    cache.update_and_fetch(k, v)
+    q = mx.array(rng.standard_normal((1, 4, 1, 64)).astype(np.float32)) * 1e-37
+    new_k, new_v = (mx.array(rng.standard_normal((1, 2, 1, 64)).astype(np.float32)) for _ in range(2))
+    got = attend(q, new_k, new_v, cache, 0.125)
+    assert float(mx.abs(got - mx.repeat(held(cache)[1].mean(2, keepdims=True), 2, 1)).max()) < 1e-5
+
+
 @pytest.mark.parametrize("dims", [40, 24])
 def test_float_rows_of_features_not_a_multiple_of_16_are_staged(isa: str, dims: int) -> None:
     for kind in ("float", "float16"):

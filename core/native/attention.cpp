@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cfloat>
 #include <cmath>
 #include <cstring>
 #include <numeric>
@@ -144,7 +145,7 @@ struct V {
 };
 #include "attention_ops.h"
 #include "attention_packed.h"
-const Ops ops = {scores<float>, accumulate<float>, scores<uint16_t>, accumulate<uint16_t>, dequantize, row_max,
+constexpr Ops ops = {scores<float>, accumulate<float>, scores<uint16_t>, accumulate<uint16_t>, dequantize, row_max,
                  exp_sum, scale, V::kWords, order, add_ordered, packed_scores, packed_accumulate};
 }  // namespace avx2
 #pragma GCC pop_options
@@ -212,7 +213,7 @@ struct V {
 #include "attention_ops.h"
 namespace wide {
 #include "attention_packed.h"
-const Ops ops = {scores<float>, accumulate<float>, scores<uint16_t>, accumulate<uint16_t>, dequantize, row_max,
+constexpr Ops ops = {scores<float>, accumulate<float>, scores<uint16_t>, accumulate<uint16_t>, dequantize, row_max,
                  exp_sum, scale, V::kWords, order, add_ordered, packed_scores, packed_accumulate};
 }  // namespace wide
 /* Packed rows read 8 words at a time (a chunk as AVX2's: 64 4-bit or 32 8-bit values, which groups of 64 and 32
@@ -235,7 +236,7 @@ struct V : avx512::V {
 /* Packed rows are read 16 words at a time where a group holds a chunk of them (8-bit values in groups of 64 or
  * more), else 8 (halves: 4-bit values, 8-bit ones in groups of 32): wider words halve the instructions a packed
  * key or value costs, which bound these loops, not the memory. */
-const Ops ops = {scores<float>, accumulate<float>, scores<uint16_t>, accumulate<uint16_t>, dequantize, row_max,
+constexpr Ops ops = {scores<float>, accumulate<float>, scores<uint16_t>, accumulate<uint16_t>, dequantize, row_max,
                  exp_sum, scale, halves::V::kWords, halves::order, halves::add_ordered, halves::packed_scores,
                  halves::packed_accumulate, &wide::ops};
 #pragma GCC push_options
@@ -263,15 +264,16 @@ void packed_scores(const float* q, int rows, int qs, const float* qsum, const Ro
   });
 }
 
+/* Constant (built at compile time): code run while the library loads must not be AVX-512's. */
 template <const Ops& Float>
-Ops with_integer_scores(const Ops* wide) {
+constexpr Ops with_integer_scores(const Ops* wide) {
   Ops o = Float;
   o.order = order<Float>, o.packed_scores = packed_scores<Float>, o.wide = wide;
   return o;
 }
 
-const Ops wide_ops = with_integer_scores<wide::ops>(nullptr);
-const Ops ops = with_integer_scores<avx512::ops>(&wide_ops);
+constexpr Ops wide_ops = with_integer_scores<wide::ops>(nullptr);
+constexpr Ops ops = with_integer_scores<avx512::ops>(&wide_ops);
 }  // namespace dot
 #pragma GCC pop_options
 }  // namespace avx512
@@ -317,7 +319,7 @@ struct V {
 };
 #include "attention_ops.h"
 #include "attention_packed.h"
-const Ops ops = {scores<float>, accumulate<float>, scores<uint16_t>, accumulate<uint16_t>, dequantize, row_max,
+constexpr Ops ops = {scores<float>, accumulate<float>, scores<uint16_t>, accumulate<uint16_t>, dequantize, row_max,
                  exp_sum, scale, V::kWords, order, add_ordered, packed_scores, packed_accumulate};
 }  // namespace scalar
 

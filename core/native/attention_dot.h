@@ -50,7 +50,7 @@ inline void dot_order_rows(const float* x, int rows, int xs, int dims, float* ou
       top = std::max(top, std::fabs(row[d]));
     }
     // A query of infinities or NaNs scores NaN, as in float.
-    const float scale = !finite ? NAN : top > 0.0f ? top / 32767.0f : 1.0f;
+    const float scale = !finite ? NAN : top > 0.0f ? std::max(top / 32767.0f, FLT_MIN) : 1.0f;
     auto* q = reinterpret_cast<int16_t*>(out + size_t(i) * os);
     for (int v = 0; v < blocks<BITS>(dims) * N; ++v) {
       const int d = v / N * N + F * (v % 32) + v % N / 32;
@@ -73,10 +73,13 @@ inline __m512i lane_field(__m512i x) {
  * them (masked ones stalled the loop 3x, Zen 4). */
 template <int M>
 inline Vec spread(const float* p, __m512i lane_group) {
-  if constexpr (M == 1) return _mm512_set1_ps(*p);
-  if constexpr (M == 2)
-    return _mm512_permutexvar_ps(lane_group, _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(p)))));
-  return _mm512_permutexvar_ps(lane_group, _mm512_castps128_ps512(_mm_loadu_ps(p)));
+  if constexpr (M == 1) {
+    return _mm512_set1_ps(*p);
+  } else if constexpr (M == 2) {
+    return _mm512_permutexvar_ps(lane_group, _mm512_castps128_ps512(_mm_castsi128_ps(_mm_loadu_si64(p))));
+  } else {
+    return _mm512_permutexvar_ps(lane_group, _mm512_castps128_ps512(_mm_loadu_ps(p)));
+  }
 }
 
 /* a[i] += field f.. of every lane of x times row i's query from value `at` on, for R rows (unrolled: a lambda
