@@ -35,6 +35,7 @@
 #include "mlx/version.h"
 #include "pool.h"
 #include "qmatmul_amx.h"
+#include "qmatmul_int8.h"
 #include "qmatmul_kernels.h"
 
 namespace nb = nanobind;
@@ -64,6 +65,10 @@ std::atomic<Isa> active_isa{detected_isa};
  * crossover on a 2-core AVX-512 machine: between 48 and 64 rows at 4 bits; on a 2-core AVX2 EPYC, between
  * 48 and 128 rows by product, at 4 and 8 bits). */
 std::atomic<int> small_rows{48};
+
+/* Products asked to (int8=True) round x to 8-bit integers (qmatmul_int8.h) where they have at least this many rows
+ * of x and the CPU has AVX-512 VNNI; fewer rows keep float32 x. */
+std::atomic<int> int8_rows{8};
 
 const char* isa_name(Isa isa) {
   return isa == Isa::amx ? "amx" : isa == Isa::avx512 ? "avx512" : isa == Isa::avx2 ? "avx2" : "scalar";
@@ -121,6 +126,7 @@ struct Segment {
 struct Product {
   int K, N, G, gs, bits;
   Isa isa;
+  bool int8;  // x rounded to 8 bits where the rows are many (see goes_to_int8)
   float* out;
   std::vector<Segment> segments;
   std::vector<long> out_at;    // where each ordered row's output starts in out
@@ -129,6 +135,10 @@ struct Product {
 
 bool goes_to_gemm(const Segment& s) {
   return process_sgemm() != nullptr && s.rows > small_rows.load();
+}
+
+bool goes_to_int8(const Product& p, const Segment& s) {
+  return p.int8 && p.isa >= Isa::avx512 && mlxchat_q::int8_usable() && s.rows >= int8_rows.load();
 }
 
 struct Chunk {
@@ -195,7 +205,7 @@ void gemm_segment(const Product& p, const Segment& s) {
 // -- AMX: segments of several rows through tiles ------------------------------------------------------
 
 bool goes_to_amx(const Product& p, const Segment& s) {
-  return p.isa == Isa::amx && s.rows >= amx_rows.load();
+  return p.isa == Isa::amx && s.rows >= amx_rows.load() && !goes_to_int8(p, s);
 }
 
 /* A 64-byte line: buffers of them are aligned for AVX-512 stores (allocated without zeroing: all is written). */
@@ -275,6 +285,57 @@ void compute_amx(const Product& p, const float* const* rows) {
   pool().run(int(job.tasks.size()), run_amx_task, &job);
 }
 
+// -- 8-bit x: segments of many rows with x rounded to integers ---------------------------------------
+
+struct Int8Job {
+  struct Task {
+    int segment, first, count;  // rounding: rows [first, first + count) of segment; product: columns
+  };
+  const Product* product;
+  const float* const* rows;
+  std::vector<int> segments;                 // indices into product->segments
+  mutable std::vector<mlxchat_q::Int8Rows> x;  // each segment's rows of x, rounded (by the rounding tasks)
+  std::vector<Task> rounding, tasks;
+};
+
+void run_int8_round(const void* ctx, int index) {
+  const auto& job = *static_cast<const Int8Job*>(ctx);
+  const Product& p = *job.product;
+  const Int8Job::Task& t = job.rounding[index];
+  const Segment& s = p.segments[job.segments[t.segment]];
+  mlxchat_q::round_rows(job.rows + s.row0, t.first, t.count, p.K, p.gs, p.bits, job.x[t.segment]);
+}
+
+void run_int8_task(const void* ctx, int index) {
+  const auto& job = *static_cast<const Int8Job*>(ctx);
+  const Product& p = *job.product;
+  const Int8Job::Task& t = job.tasks[index];
+  mlxchat_q::rows_int8(panel_of(p, p.segments[job.segments[t.segment]]), p.isa, job.x[t.segment], t.first,
+                       t.first + t.count);
+}
+
+/* The segments with 8-bit x: their rows rounded (16 rows a task), then tasks of (segment, weight rows in
+ * multiples of 16) on the pool. */
+void compute_int8(const Product& p, const float* const* rows) {
+  Int8Job job;
+  job.product = &p;
+  job.rows = rows;
+  for (int i = 0; i < int(p.segments.size()); ++i)
+    if (goes_to_int8(p, p.segments[i])) job.segments.push_back(i);
+  if (job.segments.empty()) return;
+  job.x.resize(job.segments.size());
+  const int pieces = std::min(4 * pool().threads(), (p.N + 15) / 16);
+  const int step = ((p.N + pieces - 1) / pieces + 15) / 16 * 16;
+  for (int i = 0; i < int(job.segments.size()); ++i) {
+    const Segment& s = p.segments[job.segments[i]];
+    mlxchat_q::size_rows(s.rows, p.K, p.gs, job.x[i]);
+    for (int m = 0; m < s.rows; m += 16) job.rounding.push_back({i, m, std::min(16, s.rows - m)});
+    for (int n0 = 0; n0 < p.N; n0 += step) job.tasks.push_back({i, n0, std::min(step, p.N - n0)});
+  }
+  pool().run(int(job.rounding.size()), run_int8_round, &job);
+  pool().run(int(job.tasks.size()), run_int8_task, &job);
+}
+
 /* Copies any float32 array into contiguous row-major order. */
 void copy_contiguous(const mx::array& a, float* out) {
   const float* src = a.data<float>();
@@ -313,13 +374,13 @@ void compute(Product& p, const mx::array& x, const std::vector<int>& source, con
   const int threads = pool().threads();
   const bool small_weight = (size_t)p.N * p.K * p.bits / 8 < (1u << 16);  // not worth waking other threads
   for (int i = 0; i < int(p.segments.size()); ++i) {
-    if (goes_to_amx(p, p.segments[i]) || goes_to_gemm(p.segments[i])) continue;
+    if (goes_to_int8(p, p.segments[i]) || goes_to_amx(p, p.segments[i]) || goes_to_gemm(p.segments[i])) continue;
     const int pieces = small_weight ? 1 : std::min(4 * threads, std::max(1, p.N / 16));
     const int step = ((p.N + pieces - 1) / pieces + 3) / 4 * 4;  // whole tiles of 4 weight rows
     for (int n0 = 0; n0 < p.N; n0 += step) job.chunks.push_back({i, n0, std::min(n0 + step, p.N)});
   }
   const bool others = !job.chunks.empty() || std::any_of(p.segments.begin(), p.segments.end(), [&](const Segment& s) {
-    return !goes_to_amx(p, s) && goes_to_gemm(s);
+    return !goes_to_int8(p, s) && !goes_to_amx(p, s) && goes_to_gemm(s);
   });
   if (others) {  // x in the order the ISA's AVX kernels read it (all rows: few when decoding)
     p.x.resize((size_t)count * p.K);
@@ -327,12 +388,13 @@ void compute(Product& p, const mx::array& x, const std::vector<int>& source, con
     mlxchat_q::prepare_x(rows.data(), count, p.K, p.gs, p.bits, p.isa, p.x.data(), p.xsum.data());
   }
   if (!job.chunks.empty()) pool().run(int(job.chunks.size()), run_chunk, &job);
+  compute_int8(p, rows.data());
   compute_amx(p, rows.data());
   for (const Segment& s : p.segments)
-    if (!goes_to_amx(p, s) && goes_to_gemm(s)) gemm_segment(p, s);
+    if (!goes_to_int8(p, s) && !goes_to_amx(p, s) && goes_to_gemm(s)) gemm_segment(p, s);
 }
 
-Product product_for(const mx::array& x, int n, int gs, int bits, mx::array& out) {
+Product product_for(const mx::array& x, int n, int gs, int bits, bool int8, mx::array& out) {
   Product p;
   p.K = x.shape(-1);
   p.N = n;
@@ -340,14 +402,15 @@ Product product_for(const mx::array& x, int n, int gs, int bits, mx::array& out)
   p.bits = bits;
   p.G = p.K / gs;
   p.isa = active_isa.load();
+  p.int8 = int8;
   p.out = out.data<float>();
   return p;
 }
 
 class QuantizedMatmul : public mx::UnaryPrimitive {
  public:
-  QuantizedMatmul(mx::Stream stream, int group_size, int bits)
-      : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits) {}
+  QuantizedMatmul(mx::Stream stream, int group_size, int bits, bool int8)
+      : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits), int8_(int8) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     out.set_data(mx::allocator::malloc(out.nbytes()));
@@ -356,8 +419,8 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
     encoder.set_output_array(out);
     encoder.dispatch([x = mx::array::unsafe_weak_copy(inputs[0]), w = mx::array::unsafe_weak_copy(inputs[1]),
                       scales = mx::array::unsafe_weak_copy(inputs[2]), biases = mx::array::unsafe_weak_copy(inputs[3]),
-                      out = mx::array::unsafe_weak_copy(out), gs = group_size_, bits = bits_]() mutable {
-      Product p = product_for(x, w.shape(0), gs, bits, out);
+                      out = mx::array::unsafe_weak_copy(out), gs = group_size_, bits = bits_, int8 = int8_]() mutable {
+      Product p = product_for(x, w.shape(0), gs, bits, int8, out);
       const int rows = int(x.size() / p.K);
       std::vector<int> order(rows);
       for (int i = 0; i < rows; ++i) order[i] = i;
@@ -391,7 +454,7 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
 
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const QuantizedMatmul&>(other);
-    return group_size_ == o.group_size_ && bits_ == o.bits_;
+    return group_size_ == o.group_size_ && bits_ == o.bits_ && int8_ == o.int8_;
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
@@ -402,6 +465,7 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
 
  private:
   int group_size_, bits_;
+  bool int8_;
 };
 
 /* Offset of the i-th element (row-major order) of a possibly strided array. */
@@ -570,8 +634,8 @@ class GatherMatmul : public mx::UnaryPrimitive {
 
 class GatherQuantizedMatmul : public mx::UnaryPrimitive {
  public:
-  GatherQuantizedMatmul(mx::Stream stream, int group_size, int bits)
-      : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits) {}
+  GatherQuantizedMatmul(mx::Stream stream, int group_size, int bits, bool int8)
+      : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits), int8_(int8) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     out.set_data(mx::allocator::malloc(out.nbytes()));
@@ -581,8 +645,8 @@ class GatherQuantizedMatmul : public mx::UnaryPrimitive {
     encoder.dispatch([x = mx::array::unsafe_weak_copy(inputs[0]), w = mx::array::unsafe_weak_copy(inputs[1]),
                       scales = mx::array::unsafe_weak_copy(inputs[2]), biases = mx::array::unsafe_weak_copy(inputs[3]),
                       indices = mx::array::unsafe_weak_copy(inputs[4]), out = mx::array::unsafe_weak_copy(out),
-                      gs = group_size_, bits = bits_]() mutable {
-      Product p = product_for(x, w.shape(1), gs, bits, out);
+                      gs = group_size_, bits = bits_, int8 = int8_]() mutable {
+      Product p = product_for(x, w.shape(1), gs, bits, int8, out);
       const int experts = w.shape(0);
       const ExpertOrder order = order_by_expert(x, indices, out, experts);
       const std::vector<int>& start = order.start;
@@ -627,7 +691,7 @@ class GatherQuantizedMatmul : public mx::UnaryPrimitive {
 
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const GatherQuantizedMatmul&>(other);
-    return group_size_ == o.group_size_ && bits_ == o.bits_;
+    return group_size_ == o.group_size_ && bits_ == o.bits_ && int8_ == o.int8_;
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
@@ -636,6 +700,7 @@ class GatherQuantizedMatmul : public mx::UnaryPrimitive {
 
  private:
   int group_size_, bits_;
+  bool int8_;
 };
 
 // -- the operations -------------------------------------------------------------------------------------
@@ -668,12 +733,12 @@ mx::array row_contiguous(const mx::array& a) {
 }
 
 mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
-                           int group_size, int bits) {
+                           int group_size, int bits, bool int8) {
   if (w.ndim() != 2) throw std::invalid_argument("w must be 2-dimensional");
   check_common(x, w, scales, biases, group_size, bits);
   auto shape = x.shape();
   shape.back() = w.shape(0);
-  return mx::array(shape, mx::float32, std::make_shared<QuantizedMatmul>(cpu_stream(), group_size, bits),
+  return mx::array(shape, mx::float32, std::make_shared<QuantizedMatmul>(cpu_stream(), group_size, bits, int8),
                    {x, row_contiguous(w), row_contiguous(scales), row_contiguous(biases)});
 }
 
@@ -692,14 +757,15 @@ mx::array gather_matmul(const mx::array& x, const mx::array& w, const mx::array&
 
 /* x [..., M, K] times expert indices[...] of w [E, N, K*bits/32]: out [..., M, N] (batch shapes broadcast). */
 mx::array gather_quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales,
-                                  const mx::array& biases, const mx::array& indices, int group_size, int bits) {
+                                  const mx::array& biases, const mx::array& indices, int group_size, int bits,
+                                  bool int8) {
   if (w.ndim() != 3) throw std::invalid_argument("w must be 3-dimensional [experts, out, in]");
   if (x.ndim() < 2) throw std::invalid_argument("x must have at least two dimensions");
   if (indices.dtype() != mx::uint32 && indices.dtype() != mx::int32)
     throw std::invalid_argument("indices must be int32 or uint32");
   check_common(x, w, scales, biases, group_size, bits);
   return mx::array(gathered_shape(x, w, indices), mx::float32,
-                   std::make_shared<GatherQuantizedMatmul>(cpu_stream(), group_size, bits),
+                   std::make_shared<GatherQuantizedMatmul>(cpu_stream(), group_size, bits, int8),
                    {x, row_contiguous(w), row_contiguous(scales), row_contiguous(biases), indices});
 }
 
@@ -708,10 +774,11 @@ mx::array gather_quantized_matmul(const mx::array& x, const mx::array& w, const 
 NB_MODULE(_quantized, m) {
   m.doc() = "Affine-quantized matmuls on the CPU as MLX primitives (see mlxchat.quantized).";
   m.def("quantized_matmul", &quantized_matmul, nb::arg("x"), nb::arg("w"), nb::arg("scales"), nb::arg("biases"),
-        nb::arg("group_size"), nb::arg("bits"),
-        "x @ dequantize(w, scales, biases).T for float32 x on the CPU stream.");
+        nb::arg("group_size"), nb::arg("bits"), nb::arg("int8") = false,
+        "x @ dequantize(w, scales, biases).T for float32 x on the CPU stream (int8: x rounded to 8 bits where rows "
+        "are many and the CPU has AVX-512 VNNI).");
   m.def("gather_quantized_matmul", &gather_quantized_matmul, nb::arg("x"), nb::arg("w"), nb::arg("scales"),
-        nb::arg("biases"), nb::arg("indices"), nb::arg("group_size"), nb::arg("bits"),
+        nb::arg("biases"), nb::arg("indices"), nb::arg("group_size"), nb::arg("bits"), nb::arg("int8") = false,
         "x @ dequantize(w[indices]).T, one expert per index (mx.gather_qmm with rhs_indices, transpose=True).");
   m.def("gather_matmul", &gather_matmul, nb::arg("x"), nb::arg("w"), nb::arg("indices"),
         "x @ w[indices].T for float32 experts w [E, out, in], rows grouped by expert (mx.gather_mm with "
@@ -736,6 +803,9 @@ NB_MODULE(_quantized, m) {
   m.def("has_sgemm", [] { return process_sgemm() != nullptr; });
   m.def("small_rows", [] { return small_rows.load(); });
   m.def("set_small_rows", [](int rows) { small_rows.store(std::max(1, rows)); });
+  m.def("int8_usable", [] { return mlxchat_q::int8_usable(); });
+  m.def("int8_rows", [] { return int8_rows.load(); });
+  m.def("set_int8_rows", [](int rows) { int8_rows.store(std::max(1, rows)); });
   m.def("amx_rows", [] { return amx_rows.load(); });
   m.def("set_amx_rows", [](int rows) { amx_rows.store(std::max(1, rows)); });
 }

@@ -1,0 +1,238 @@
+/*
+ * x @ dequantize(w).T with x rounded to 8-bit integers, on AVX-512 VNNI, for many rows of x (a prefill chunk).
+ * Opt-in (mlxchat.quantized.set_int8_activations): llama.cpp's arithmetic, not MLX's.
+ *
+ * Why: a float32 product does at most 16 multiply-adds a cycle a core (one 512-bit FMA); vpdpbusd does 64
+ * (four unsigned bytes times four signed bytes into each of 16 int32 lanes). With a prompt's rows of x the
+ * dequantize-then-sgemm path runs at ~90% of the float32 GEMM bound, so integers are the only way past it,
+ * and llama.cpp's Q4_0 and Q8_0 products round activations to 8 bits the same way.
+ *
+ * Per row m of x and quantization group g: sx = max|x| / 127, xq = round(x / sx), xs = sx * sum of xq, and
+ *   out[m, n] = sum_g (scale[n, g] * sx[m, g] * sum_{k in g} q[n, k] * xq[m, k] + bias[n, g] * xs[m, g]),
+ * the product of the rounded x with the dequantized weights. (With the exact sum of x in the bias term instead,
+ * the rounding errors meet q's mean, 7.5 at 4 bits, without the bias's cancelling them: 2.7x the error.)
+ * The inner sums are exact integers and a row's float steps do not depend on the other rows, so a row's result
+ * is the same whatever rows it is computed with; it differs from the float product by x's rounding (up to
+ * half of sx per value: outputs move by ~1e-3 relative). A group holding an infinity or a NaN gives NaN.
+ *
+ * Layout: a task copies 16 weight rows at a time into a buffer a 32-bit word at a time (word i of the 16 rows
+ * side by side: one register), with their scales and biases as [G][16]. At 4 bits word i's low nibbles are
+ * k = 8i, 8i+2, 8i+4, 8i+6 and its high nibbles the odd k, so each 8 values of a row of xq are stored as the
+ * even four, then the odd four; at 8 bits word i is k = 4i..4i+3 and xq keeps its order. Other widths are
+ * repacked to 4 or 8 bits first (repacked_rows). Rows of x go through in tiles of INT8_ROWS (the last padded
+ * with zero rows), each tile's int32 and float accumulators in registers.
+ */
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "qmatmul_kernels.h"
+
+namespace mlxchat_q {
+
+constexpr int INT8_ROWS = 12;  // rows of x a tile keeps in registers: 12 int32 and 12 float accumulators
+
+/* Whether this CPU has the instructions (AVX-512 BW and VNNI). */
+inline bool int8_usable() {
+#if defined(__x86_64__)
+  static const bool usable = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+           __builtin_cpu_supports("avx512vnni");
+  }();
+  return usable;
+#else
+  return false;
+#endif
+}
+
+/* Rows of x rounded for the kernel: [M][K] int8 (in the kernel's order), [M][G] scales and sums; M whole tiles. */
+struct Int8Rows {
+  std::vector<int8_t> q;
+  std::vector<float> scale, sum;
+  int M = 0;
+};
+
+#if defined(__x86_64__)
+#define MLXQ_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma")))
+
+/* Row `row` (K values) rounded into slot m of `x` (kernel_bits: 4 or 8, the order the kernel reads). */
+MLXQ_VNNI inline void round_row(const float* row, int K, int gs, int bits, Int8Rows& x, int m) {
+  const int G = K / gs;
+  const __m512i order = bits == 4 ? _mm512_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15)
+                                  : _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  int8_t* q = x.q.data() + (size_t)m * K;
+  for (int g = 0; g < G; ++g) {
+    const float* v = row + (size_t)g * gs;
+    __m512 peak = _mm512_setzero_ps(), total = _mm512_setzero_ps();
+    for (int k = 0; k < gs; k += 16) {
+      const __m512 a = _mm512_loadu_ps(v + k);
+      peak = _mm512_max_ps(peak, _mm512_abs_ps(a));
+      total = _mm512_add_ps(total, a);
+    }
+    const float amax = _mm512_reduce_max_ps(peak), scale = amax / 127.0f;
+    // groups below 1e-30 (where 127 / max could overflow) round to zeros: they add less than 1e-28
+    const __m512 inv = _mm512_set1_ps(amax > 1e-30f ? 127.0f / amax : 0.0f);
+    __m512i rounded_total = _mm512_setzero_si512();
+    for (int k = 0; k < gs; k += 16) {
+      const __m512i rounded = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(v + k), inv));
+      rounded_total = _mm512_add_epi32(rounded_total, rounded);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + (size_t)g * gs + k),
+                       _mm512_cvtsepi32_epi8(_mm512_permutexvar_epi32(order, rounded)));
+    }
+    // (total - total): 0, or NaN where the group holds an infinity or a NaN (which max may have dropped)
+    const float total_x = _mm512_reduce_add_ps(total);
+    x.scale[(size_t)m * G + g] = scale;
+    x.sum[(size_t)m * G + g] = scale * float(_mm512_reduce_add_epi32(rounded_total)) + (total_x - total_x);
+  }
+}
+
+/* dst[i * 16 + r] = 32-bit value i of row r, for `values` values of rows [0, count) (count <= 16) `stride` bytes
+ * apart; rows past count are zero. 16 values at a time: 16 rows loaded, transposed in registers. */
+MLXQ_VNNI inline void transpose_rows(const uint8_t* rows, size_t stride, int count, int values, uint32_t* dst) {
+  for (int i0 = 0; i0 < values; i0 += 16) {
+    const __mmask16 live = __mmask16(values - i0 >= 16 ? 0xFFFF : (1u << (values - i0)) - 1);
+    __m512i r[16], t[16], u[16];
+    for (int j = 0; j < 16; ++j)
+      r[j] = j < count ? _mm512_maskz_loadu_epi32(live, rows + j * stride + 4 * (size_t)i0) : _mm512_setzero_si512();
+    for (int j = 0; j < 16; j += 2) {  // t[j] lane L: r[j][4L], r[j+1][4L], r[j][4L+1], r[j+1][4L+1]; t[j+1]: +2
+      t[j] = _mm512_unpacklo_epi32(r[j], r[j + 1]);
+      t[j + 1] = _mm512_unpackhi_epi32(r[j], r[j + 1]);
+    }
+    for (int b = 0; b < 16; b += 4) {  // u[b + c] lane L: rows b..b+3 at 4L + c
+      u[b] = _mm512_unpacklo_epi64(t[b], t[b + 2]);
+      u[b + 1] = _mm512_unpackhi_epi64(t[b], t[b + 2]);
+      u[b + 2] = _mm512_unpacklo_epi64(t[b + 1], t[b + 3]);
+      u[b + 3] = _mm512_unpackhi_epi64(t[b + 1], t[b + 3]);
+    }
+    for (int c = 0; c < 4; ++c) {  // value 4L + c of all rows: lane L of u[c], u[4 + c], u[8 + c], u[12 + c]
+      const __m512i even_lo = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x88), odd_lo = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xDD);
+      const __m512i even_hi = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x88);
+      const __m512i odd_hi = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xDD);
+      const __m512i out[4] = {_mm512_shuffle_i32x4(even_lo, even_hi, 0x88), _mm512_shuffle_i32x4(odd_lo, odd_hi, 0x88),
+                              _mm512_shuffle_i32x4(even_lo, even_hi, 0xDD), _mm512_shuffle_i32x4(odd_lo, odd_hi, 0xDD)};
+      for (int L = 0; L < 4; ++L)
+        if (i0 + 4 * L + c < values) _mm512_storeu_si512(dst + (size_t)(i0 + 4 * L + c) * 16, out[L]);
+    }
+  }
+}
+
+/* Weight rows [0, count) of a kernel-width panel (count <= 16) into the task's buffers (rows past count: zero). */
+MLXQ_VNNI inline void gather_words(const Panel& p, int count, std::vector<uint32_t>& words,
+                                   std::vector<float>& scales, std::vector<float>& biases) {
+  const int row_words = p.K * p.bits / 32;
+  words.resize((size_t)row_words * 16);
+  scales.resize((size_t)p.G * 16);
+  biases.resize((size_t)p.G * 16);
+  transpose_rows(p.w, (size_t)row_words * 4, count, row_words, words.data());
+  transpose_rows(reinterpret_cast<const uint8_t*>(p.scales), (size_t)p.G * 4, count, p.G,
+                 reinterpret_cast<uint32_t*>(scales.data()));
+  transpose_rows(reinterpret_cast<const uint8_t*>(p.biases), (size_t)p.G * 4, count, p.G,
+                 reinterpret_cast<uint32_t*>(biases.data()));
+}
+
+/* One tile: INT8_ROWS rows of x (from m0) against 16 gathered weight rows; out[r] (null: a padding row). */
+template <int BITS, int GS>
+MLXQ_VNNI void tile_int8(const uint32_t* words, const float* scales, const float* biases, const Int8Rows& x, int m0,
+                         int K, float* const* out, __mmask16 columns) {
+  constexpr int R = INT8_ROWS, WORDS = GS * BITS / 32;
+  const int G = K / GS;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const int8_t* xq = x.q.data() + (size_t)m0 * K;
+  const float* sx = x.scale.data() + (size_t)m0 * G;
+  const float* xs = x.sum.data() + (size_t)m0 * G;
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int g = 0; g < G; ++g) {
+    __m512i dots[R];
+    for (int r = 0; r < R; ++r) dots[r] = _mm512_setzero_si512();
+    for (int i = 0; i < WORDS; ++i) {
+      const __m512i w = _mm512_loadu_si512(words + (size_t)(g * WORDS + i) * 16);
+      const int8_t* xi = xq + (size_t)g * GS + i * (32 / BITS);
+      if constexpr (BITS == 4) {
+        const __m512i even = _mm512_and_si512(w, low), odd = _mm512_and_si512(_mm512_srli_epi32(w, 4), low);
+        for (int r = 0; r < R; ++r) {
+          int32_t e, o;
+          std::memcpy(&e, xi + (size_t)r * K, 4);
+          std::memcpy(&o, xi + (size_t)r * K + 4, 4);
+          dots[r] = _mm512_dpbusd_epi32(dots[r], even, _mm512_set1_epi32(e));
+          dots[r] = _mm512_dpbusd_epi32(dots[r], odd, _mm512_set1_epi32(o));
+        }
+      } else {
+        for (int r = 0; r < R; ++r) {
+          int32_t v;
+          std::memcpy(&v, xi + (size_t)r * K, 4);
+          dots[r] = _mm512_dpbusd_epi32(dots[r], w, _mm512_set1_epi32(v));
+        }
+      }
+    }
+    const __m512 scale = _mm512_loadu_ps(scales + (size_t)g * 16), bias = _mm512_loadu_ps(biases + (size_t)g * 16);
+    for (int r = 0; r < R; ++r) {
+      const __m512 dot = _mm512_mul_ps(_mm512_cvtepi32_ps(dots[r]), scale);
+      acc[r] = _mm512_fmadd_ps(dot, _mm512_set1_ps(sx[(size_t)r * G + g]), acc[r]);
+      acc[r] = _mm512_fmadd_ps(bias, _mm512_set1_ps(xs[(size_t)r * G + g]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    if (out[r] != nullptr) _mm512_mask_storeu_ps(out[r], columns, acc[r]);
+}
+
+template <int BITS>
+MLXQ_VNNI void tile_int8(int gs, const uint32_t* words, const float* scales, const float* biases, const Int8Rows& x,
+                         int m0, int K, float* const* out, __mmask16 columns) {
+  if (gs == 32) return tile_int8<BITS, 32>(words, scales, biases, x, m0, K, out, columns);
+  if (gs == 64) return tile_int8<BITS, 64>(words, scales, biases, x, m0, K, out, columns);
+  tile_int8<BITS, 128>(words, scales, biases, x, m0, K, out, columns);
+}
+#endif
+
+/* Room for M rows of x rounded, in whole tiles (slots past M stay zero). */
+inline void size_rows(int M, int K, int gs, Int8Rows& x) {
+  x.M = (M + INT8_ROWS - 1) / INT8_ROWS * INT8_ROWS;
+  x.q.assign((size_t)x.M * K, 0);
+  x.scale.assign((size_t)x.M * (K / gs), 0.0f);
+  x.sum.assign((size_t)x.M * (K / gs), 0.0f);
+}
+
+/* Rows [first, first + count) of x rounded into their slots, for weights of `bits`. */
+inline void round_rows(const float* const* rows, int first, int count, int K, int gs, int bits, Int8Rows& x) {
+#if defined(__x86_64__)
+  for (int m = first; m < first + count; ++m) round_row(rows[m], K, gs, kernel_bits(bits), x, m);
+#endif
+}
+
+/* Output columns [n0, n1) of the product for every row of a panel (p.M rows; x rounded from them). */
+inline void rows_int8(const Panel& p, Isa isa, const Int8Rows& x, int n0, int n1) {
+#if defined(__x86_64__)
+  thread_local std::vector<uint8_t> repacked;
+  thread_local std::vector<uint32_t> words;
+  thread_local std::vector<float> scales, biases;
+  for (int n = n0; n < n1; n += 16) {
+    const int count = std::min(16, n1 - n);
+    Panel q = p;  // row 0 is weight row n
+    if (repacked_width(p.bits)) {
+      q = repacked_rows(p, isa, n, count, repacked);
+    } else {
+      q.w += (size_t)n * p.K * p.bits / 8;
+      q.scales += (size_t)n * p.G;
+      q.biases += (size_t)n * p.G;
+    }
+    gather_words(q, count, words, scales, biases);
+    const __mmask16 columns = __mmask16((1u << count) - 1);
+    for (int m0 = 0; m0 < x.M; m0 += INT8_ROWS) {
+      float* out[INT8_ROWS];
+      for (int r = 0; r < INT8_ROWS; ++r) out[r] = m0 + r < p.M ? p.out + p.out_at[m0 + r] + n : nullptr;
+      if (q.bits == 4)
+        tile_int8<4>(p.gs, words.data(), scales.data(), biases.data(), x, m0, p.K, out, columns);
+      else
+        tile_int8<8>(p.gs, words.data(), scales.data(), biases.data(), x, m0, p.K, out, columns);
+    }
+  }
+#endif
+}
+
+}  // namespace mlxchat_q
