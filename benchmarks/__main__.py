@@ -34,7 +34,8 @@ RESULTS = HERE / "results"
 SHORT = ("mlx-lm-default",)
 """Engines measured once, on the shortest prompt with a short decode (bfloat16 on the reference BLAS
 runs at a few tokens per second on a CPU)."""
-ROW_DTYPES = {"mlx-lm-default": "bfloat16", "mlxchat-8bit": "8-bit", "mlxchat-4bit": "4-bit", "llama.cpp-f32": "f32",
+ROW_DTYPES = {"mlx-lm-default": "bfloat16", "mlxchat-8bit": "8-bit", "mlxchat-4bit": "4-bit",
+              "mlxchat-8bit-x8": "8-bit", "mlxchat-4bit-x8": "4-bit", "llama.cpp-f32": "f32",
               "llama.cpp-f16": "f16", "llama.cpp-q8_0": "q8_0", "llama.cpp-q4_0": "q4_0"}
 
 

@@ -22,7 +22,8 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any, cast
 
-ENGINES = ("mlxchat", "mlxchat-8bit", "mlxchat-4bit", "mlx-lm", "mlx-lm-default", "llama.cpp-f32", "llama.cpp-f16",
+ENGINES = ("mlxchat", "mlxchat-8bit", "mlxchat-4bit", "mlxchat-8bit-x8", "mlxchat-4bit-x8", "mlx-lm", "mlx-lm-default",
+           "llama.cpp-f32", "llama.cpp-f16",
            "llama.cpp-q8_0", "llama.cpp-q4_0")
 SPLIT = {"mlxchat-tensor": "tensor", "mlxchat-pipeline": "pipeline"}
 """mlxchat split over several local processes (``--distributed``): one model over ``--ranks`` ranks."""
@@ -32,6 +33,8 @@ LABELS = {
     "mlxchat-pipeline": "mlxchat, pipeline parallel",
     "mlxchat-8bit": "mlxchat 8-bit",
     "mlxchat-4bit": "mlxchat 4-bit",
+    "mlxchat-8bit-x8": "mlxchat 8-bit, 8-bit x",
+    "mlxchat-4bit-x8": "mlxchat 4-bit, 8-bit x",
     "mlx-lm": "mlx-lm (same dtype, OpenBLAS)",
     "mlx-lm-default": "mlx-lm (defaults)",
     "llama.cpp-f32": "llama.cpp F32",
@@ -47,13 +50,18 @@ LABELS = {
 }
 VISION_ENGINES = ("mlxchat", "mlx-vlm")
 """The engines of the image rows."""
-QUANTIZED_BITS = {"mlxchat-8bit": 8, "mlxchat-4bit": 4}
+QUANTIZED_BITS = {"mlxchat-8bit": 8, "mlxchat-4bit": 4, "mlxchat-8bit-x8": 8, "mlxchat-4bit-x8": 4}
+INT8_ACTIVATIONS = ("mlxchat-8bit-x8", "mlxchat-4bit-x8")
+"""Quantized rows whose prompts' products round x to 8 bits (``mlxchat.quantized.set_int8_activations``), as
+llama.cpp's quantized products do."""
 KV_BITS = {"mlxchat-kv16": 16, "mlxchat-kv8": 8, "mlxchat-kv4": 4}
 """mlxchat with a float16 or quantized KV cache (``kv_bits``; quantized in groups of 64: its default)."""
 COMPARISONS = {
     "mlxchat": ("mlx-lm", "mlx-lm-default", "llama.cpp-f32", "llama.cpp-f16", "llama.cpp-q8_0", "llama.cpp-q4_0"),
     "mlxchat-8bit": ("llama.cpp-q8_0", "mlxchat"),
     "mlxchat-4bit": ("llama.cpp-q4_0", "mlxchat"),
+    "mlxchat-8bit-x8": ("llama.cpp-q8_0", "mlxchat-8bit"),
+    "mlxchat-4bit-x8": ("llama.cpp-q4_0", "mlxchat-4bit"),
 }
 """The ratio rows of the table: each mlxchat row over the engines it is held against (same bits first)."""
 
@@ -134,10 +142,12 @@ class Mlxchat(MlxEngine):
     """mlxchat with its defaults; on an MLX-quantized checkpoint the dtype column says the bits."""
 
     def __init__(self, folder: Path, name: str = "mlxchat", distributed: str | None = None,
-                 kv_bits: int | None = None):
+                 kv_bits: int | None = None, int8_activations: bool = False):
         import mlxchat
+        import mlxchat.quantized
 
         self.name, self.kv_bits = name, kv_bits
+        mlxchat.quantized.set_int8_activations(int8_activations)
         self.model = mlxchat.load_model(folder, distributed=distributed, kv_bits=kv_bits)  # type: ignore[arg-type]
         info = mlxchat.runtime_info()
         self.info = info
@@ -281,7 +291,7 @@ def open_engine(name: str, folder: Path, *, blas_path: str | None, dtype: str | 
     if name in QUANTIZED_BITS:
         from .mlx_quantized import folder_for
 
-        return Mlxchat(folder_for(folder, QUANTIZED_BITS[name]), name)
+        return Mlxchat(folder_for(folder, QUANTIZED_BITS[name]), name, int8_activations=name in INT8_ACTIVATIONS)
     if name in SPLIT:
         return Mlxchat(folder, name, SPLIT[name])
     if name == "mlx-lm":

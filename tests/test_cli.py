@@ -181,3 +181,14 @@ def test_generate_json_schema_errors_before_loading(capsys: pytest.CaptureFixtur
     assert main(["generate", "--json-schema", str(tmp_path / "missing.json"), "x"]) == 2
     assert main(["generate", "--json", "--thinking", "hide", "--max-tokens", "8", "x"]) == 0
     assert capsys.readouterr().out.startswith("{")
+
+
+def test_int8_activations_flag_switches_the_quantized_products(monkeypatch: pytest.MonkeyPatch,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    import mlxchat.quantized as mq
+
+    monkeypatch.setattr(mq, "_int8", False)  # restored after the test: the setting is the process's
+    assert main(["generate", "--model", MODEL, "--int8-activations", "--max-tokens", "2", "Hi"]) == 0
+    assert mq._int8
+    native = mq._native()[0]
+    assert mq.int8_activations() == bool(native is not None and native.int8_usable())
