@@ -16,11 +16,13 @@ The same extension gives float32 experts (``gather_matmul``) one sgemm per exper
 ``gather_mm``, which multiplies every row alone.
 
 ``MLXCHAT_QUANT=off`` keeps MLX's kernels. Results equal MLX's up to the order of float32 additions, unless
-8-bit activations are switched on (:func:`set_int8_activations`, or ``MLXCHAT_QUANT_INT8=1``): then products
-with at least ``int8_rows()`` rows of ``x`` (a prompt's prefill; 8 by default) round each group of ``x`` to
-8-bit integers and multiply them by the packed weights as integers (AVX-512 VNNI), as llama.cpp's quantized
-products do: prefill about twice as fast, outputs off by ~1e-3 relative, and the follow-up turns of a session
-then match a stateless run to that precision rather than to float32's (decode steps keep float ``x``).
+8-bit activations are switched on (:func:`set_int8_activations`, or ``MLXCHAT_QUANT_INT8=1``; taken when a
+product is built): then products with at least 8 rows of ``x`` (``mlxchat._quantized.set_int8_rows``; a
+prompt's prefill, a batched step of 8 or more generations, a speculative check of 7 or more drafted tokens, an
+expert's share of a prompt) round each group of ``x`` to 8-bit integers and multiply them by the packed weights
+as integers (AVX-512 VNNI), as llama.cpp's quantized products do: prefill about twice as fast, outputs off by
+~1e-3 relative. A single generation's decode steps keep float ``x``, so its follow-up turns match a stateless run
+to that precision rather than to float32's, and a step's results then depend on how many rows it holds.
 Tuning (rarely needed): ``MLXCHAT_QUANT_THREADS`` (default: the cores this process may use),
 ``MLXCHAT_QUANT_SPIN_US`` (how long idle workers spin before sleeping, default 50: longer helps a quiet
 machine a little and hurts a shared one a lot) and

@@ -111,6 +111,30 @@ def test_non_finite_groups_give_nan_and_tiny_ones_round_to_zero(every_row: None)
     _assert_equals_oracle(mx.array(ours[3:]), expected, bound)
 
 
+def test_huge_finite_groups_stay_finite_and_no_outputs_is_fine(every_row: None) -> None:
+    packed, scales, biases = _quantized(20, 64, 32, 4)
+    x = mx.full((2, 64), 2e37)  # a group's sum would overflow float32; its product with weights of ~0.5 does not
+    ours = native.quantized_matmul(x, packed * 0, scales * 1e-3, biases * 1e-3, 32, 4, True)
+    assert np.isfinite(np.array(ours)).all()
+    empty = native.quantized_matmul(mx.random.normal((16, 64)), packed[:0], scales[:0], biases[:0], 32, 4, True)
+    assert empty.shape == (16, 0)
+
+
+def test_experts_with_few_rows_keep_float_x_beside_those_with_many() -> None:
+    """Whether a product takes 8-bit x is decided per expert: its own rows against int8_rows()."""
+    packed, scales, biases = _quantized(40, 128, 64, 4, experts=3)
+    few = native.int8_rows() - 1
+    indices = mx.array([0] * few + [1] * 20 + [2] * few, dtype=mx.int32)  # experts 0 and 2: few rows
+    x = mx.random.normal((indices.size, 1, 128))
+    ours = np.array(native.gather_quantized_matmul(x, packed, scales, biases, indices, 64, 4, True))
+    theirs = np.array(mx.gather_qmm(x, packed, scales, biases, rhs_indices=indices, transpose=True, group_size=64,
+                                    bits=4))
+    float_rows = np.r_[0:few, few + 20:2 * few + 20]
+    np.testing.assert_allclose(ours[float_rows], theirs[float_rows], rtol=1e-5, atol=1e-5)
+    expected, bound = _oracle(x[few:few + 20, 0], packed[1], scales[1], biases[1], 64, 4)
+    _assert_equals_oracle(mx.array(ours[few:few + 20, 0]), expected, bound)
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 def test_gathered_experts_round_x_too(every_row: None, bits: int) -> None:
     packed, scales, biases = _quantized(48, 256, 64, bits, experts=4)

@@ -1,25 +1,27 @@
 /*
- * x @ dequantize(w).T with x rounded to 8-bit integers, on AVX-512 VNNI, for many rows of x (a prefill chunk).
- * Opt-in (mlxchat.quantized.set_int8_activations): llama.cpp's arithmetic, not MLX's.
+ * x @ dequantize(w).T with x rounded to 8-bit integers, on AVX-512 VNNI, for products of many rows of x (a prefill
+ * chunk, a batched or speculative step of 8 rows or more). Opt-in (mlxchat.quantized.set_int8_activations):
+ * llama.cpp's arithmetic, not MLX's.
  *
  * Why: a float32 product does at most 16 multiply-adds a cycle a core (one 512-bit FMA); vpdpbusd does 64
  * (four unsigned bytes times four signed bytes into each of 16 int32 lanes). With a prompt's rows of x the
  * dequantize-then-sgemm path runs at ~90% of the float32 GEMM bound, so integers are the only way past it,
  * and llama.cpp's Q4_0 and Q8_0 products round activations to 8 bits the same way.
  *
- * Per row m of x and quantization group g: sx = max|x| / 127, xq = round(x / sx), xs = sx * sum of xq, and
- *   out[m, n] = sum_g (scale[n, g] * sx[m, g] * sum_{k in g} q[n, k] * xq[m, k] + bias[n, g] * xs[m, g]),
+ * Per row m of x and quantization group g: sx = max|x| / 127, xq = round(x / sx), and
+ *   out[m, n] = sum_g sx[m, g] * (scale[n, g] * sum_{k in g} q[n, k] * xq[m, k] + bias[n, g] * sum_{k in g} xq[m, k]),
  * the product of the rounded x with the dequantized weights. (With the exact sum of x in the bias term instead,
  * the rounding errors meet q's mean, 7.5 at 4 bits, without the bias's cancelling them: 2.7x the error.)
- * The inner sums are exact integers and a row's float steps do not depend on the other rows, so a row's result
- * is the same whatever rows it is computed with; it differs from the float product by x's rounding (up to
- * half of sx per value: outputs move by ~1e-3 relative). A group holding an infinity or a NaN gives NaN.
+ * The inner sums are exact integers and a row's float steps do not depend on the other rows, so on this path a
+ * row's result is the same whatever rows it is computed with (whether a product takes the path depends on its
+ * rows' count); it differs from the float product by x's rounding (up to half of sx per value: outputs move by
+ * ~1e-3 relative). A group holding an infinity or a NaN gives NaN.
  *
  * Layout: a task copies 16 weight rows at a time into a buffer a 32-bit word at a time (word i of the 16 rows
  * side by side: one register), with their scales and biases as [G][16]. At 4 bits word i's low nibbles are
  * k = 8i, 8i+2, 8i+4, 8i+6 and its high nibbles the odd k, so each 8 values of a row of xq are stored as the
  * even four, then the odd four; at 8 bits word i is k = 4i..4i+3 and xq keeps its order. Other widths are
- * repacked to 4 or 8 bits first (repacked_rows). Rows of x go through in tiles of INT8_ROWS (the last padded
+ * repacked to 4 or 8 bits first (repacked_rows). Rows of x go through in tiles of 12, then 8 or 4 (the last padded
  * with zero rows), each tile's int32 and float accumulators in registers.
  */
 #pragma once
@@ -27,13 +29,15 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "qmatmul_kernels.h"
 
 namespace mlxchat_q {
 
-constexpr int INT8_ROWS = 12;  // rows of x a tile keeps in registers: 12 int32 and 12 float accumulators
+constexpr int INT8_ROWS = 12;  // most rows of x a tile keeps in registers: 12 int32 and 12 float accumulators
+constexpr int INT8_MIN_ROWS = 4;  // the smallest tile (8 and 4 take the rows past the 12s: at most 3 padded)
 
 /* Whether this CPU has the instructions (AVX-512 BW and VNNI). */
 inline bool int8_usable() {
@@ -50,7 +54,8 @@ inline bool int8_usable() {
 #endif
 }
 
-/* Rows of x rounded for the kernel: [M][K] int8 (in the kernel's order), [M][G] scales and sums; M whole tiles. */
+/* Rows of x rounded for the kernel: [M][K] int8 (in the kernel's order), [M][G] scales sx and sums of xq (NaN for a
+ * group holding an infinity or a NaN); M a multiple of INT8_MIN_ROWS. */
 struct Int8Rows {
   std::vector<int8_t> q;
   std::vector<float> scale, sum;
@@ -68,11 +73,12 @@ MLXQ_VNNI inline void round_row(const float* row, int K, int gs, int bits, Int8R
   int8_t* q = x.q.data() + (size_t)m * K;
   for (int g = 0; g < G; ++g) {
     const float* v = row + (size_t)g * gs;
-    __m512 peak = _mm512_setzero_ps(), total = _mm512_setzero_ps();
+    __m512 peak = _mm512_setzero_ps();
+    __mmask16 special = 0;  // lanes that held an infinity or a NaN (max_ps may drop a NaN)
     for (int k = 0; k < gs; k += 16) {
       const __m512 a = _mm512_loadu_ps(v + k);
       peak = _mm512_max_ps(peak, _mm512_abs_ps(a));
-      total = _mm512_add_ps(total, a);
+      special |= _mm512_fpclass_ps_mask(a, 0x99);  // quiet NaN, +inf, -inf, signalling NaN
     }
     const float amax = _mm512_reduce_max_ps(peak), scale = amax / 127.0f;
     // groups below 1e-30 (where 127 / max could overflow) round to zeros: they add less than 1e-28
@@ -84,10 +90,9 @@ MLXQ_VNNI inline void round_row(const float* row, int K, int gs, int bits, Int8R
       _mm_storeu_si128(reinterpret_cast<__m128i*>(q + (size_t)g * gs + k),
                        _mm512_cvtsepi32_epi8(_mm512_permutexvar_epi32(order, rounded)));
     }
-    // (total - total): 0, or NaN where the group holds an infinity or a NaN (which max may have dropped)
-    const float total_x = _mm512_reduce_add_ps(total);
     x.scale[(size_t)m * G + g] = scale;
-    x.sum[(size_t)m * G + g] = scale * float(_mm512_reduce_add_epi32(rounded_total)) + (total_x - total_x);
+    x.sum[(size_t)m * G + g] =
+        special ? std::numeric_limits<float>::quiet_NaN() : float(_mm512_reduce_add_epi32(rounded_total));
   }
 }
 
@@ -135,11 +140,11 @@ MLXQ_VNNI inline void gather_words(const Panel& p, int count, std::vector<uint32
                  reinterpret_cast<uint32_t*>(biases.data()));
 }
 
-/* One tile: INT8_ROWS rows of x (from m0) against 16 gathered weight rows; out[r] (null: a padding row). */
-template <int BITS, int GS>
+/* One tile: R rows of x (from m0) against 16 gathered weight rows; out[r] (null: a padding row). */
+template <int BITS, int GS, int R>
 MLXQ_VNNI void tile_int8(const uint32_t* words, const float* scales, const float* biases, const Int8Rows& x, int m0,
                          int K, float* const* out, __mmask16 columns) {
-  constexpr int R = INT8_ROWS, WORDS = GS * BITS / 32;
+  constexpr int WORDS = GS * BITS / 32;
   const int G = K / GS;
   const __m512i low = _mm512_set1_epi8(0x0F);
   const int8_t* xq = x.q.data() + (size_t)m0 * K;
@@ -171,28 +176,38 @@ MLXQ_VNNI void tile_int8(const uint32_t* words, const float* scales, const float
       }
     }
     const __m512 scale = _mm512_loadu_ps(scales + (size_t)g * 16), bias = _mm512_loadu_ps(biases + (size_t)g * 16);
-    for (int r = 0; r < R; ++r) {
-      const __m512 dot = _mm512_mul_ps(_mm512_cvtepi32_ps(dots[r]), scale);
+    for (int r = 0; r < R; ++r) {  // (scale * dot + bias * sum of xq) * sx: no overflow where x is huge
+      const __m512 dot = _mm512_fmadd_ps(bias, _mm512_set1_ps(xs[(size_t)r * G + g]),
+                                         _mm512_mul_ps(_mm512_cvtepi32_ps(dots[r]), scale));
       acc[r] = _mm512_fmadd_ps(dot, _mm512_set1_ps(sx[(size_t)r * G + g]), acc[r]);
-      acc[r] = _mm512_fmadd_ps(bias, _mm512_set1_ps(xs[(size_t)r * G + g]), acc[r]);
     }
   }
   for (int r = 0; r < R; ++r)
     if (out[r] != nullptr) _mm512_mask_storeu_ps(out[r], columns, acc[r]);
 }
 
-template <int BITS>
+template <int BITS, int R>
 MLXQ_VNNI void tile_int8(int gs, const uint32_t* words, const float* scales, const float* biases, const Int8Rows& x,
                          int m0, int K, float* const* out, __mmask16 columns) {
-  if (gs == 32) return tile_int8<BITS, 32>(words, scales, biases, x, m0, K, out, columns);
-  if (gs == 64) return tile_int8<BITS, 64>(words, scales, biases, x, m0, K, out, columns);
-  tile_int8<BITS, 128>(words, scales, biases, x, m0, K, out, columns);
+  if (gs == 32) return tile_int8<BITS, 32, R>(words, scales, biases, x, m0, K, out, columns);
+  if (gs == 64) return tile_int8<BITS, 64, R>(words, scales, biases, x, m0, K, out, columns);
+  tile_int8<BITS, 128, R>(words, scales, biases, x, m0, K, out, columns);
+}
+
+/* The tile for the rows from m0 (of x.M, a multiple of INT8_MIN_ROWS); returns how many it took. */
+template <int BITS>
+MLXQ_VNNI int tile_int8(int gs, const uint32_t* words, const float* scales, const float* biases, const Int8Rows& x,
+                        int m0, int K, float* const* out, __mmask16 columns) {
+  const int left = x.M - m0;
+  if (left >= 12) return tile_int8<BITS, 12>(gs, words, scales, biases, x, m0, K, out, columns), 12;
+  if (left >= 8) return tile_int8<BITS, 8>(gs, words, scales, biases, x, m0, K, out, columns), 8;
+  return tile_int8<BITS, 4>(gs, words, scales, biases, x, m0, K, out, columns), 4;
 }
 #endif
 
-/* Room for M rows of x rounded, in whole tiles (slots past M stay zero). */
+/* Room for M rows of x rounded, padded to a multiple of INT8_MIN_ROWS (slots past M stay zero). */
 inline void size_rows(int M, int K, int gs, Int8Rows& x) {
-  x.M = (M + INT8_ROWS - 1) / INT8_ROWS * INT8_ROWS;
+  x.M = (M + INT8_MIN_ROWS - 1) / INT8_MIN_ROWS * INT8_MIN_ROWS;
   x.q.assign((size_t)x.M * K, 0);
   x.scale.assign((size_t)x.M * (K / gs), 0.0f);
   x.sum.assign((size_t)x.M * (K / gs), 0.0f);
@@ -217,19 +232,23 @@ inline void rows_int8(const Panel& p, Isa isa, const Int8Rows& x, int n0, int n1
     if (repacked_width(p.bits)) {
       q = repacked_rows(p, isa, n, count, repacked);
     } else {
-      q.w += (size_t)n * p.K * p.bits / 8;
+      const size_t row_bytes = (size_t)p.K * p.bits / 8;
+      q.w += (size_t)n * row_bytes;
       q.scales += (size_t)n * p.G;
       q.biases += (size_t)n * p.G;
+      // the next 16 rows (one contiguous run): read a column of lines at a time, 16 streams the hardware
+      // prefetcher does not follow soon enough (with 8 rows of x, the transposes were a third of a step)
+      if (n + 16 < n1)
+        for (size_t at = 0; at < 16 * row_bytes; at += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(q.w + 16 * row_bytes + at), _MM_HINT_T0);
     }
     gather_words(q, count, words, scales, biases);
     const __mmask16 columns = __mmask16((1u << count) - 1);
-    for (int m0 = 0; m0 < x.M; m0 += INT8_ROWS) {
+    for (int m0 = 0; m0 < x.M;) {
       float* out[INT8_ROWS];
       for (int r = 0; r < INT8_ROWS; ++r) out[r] = m0 + r < p.M ? p.out + p.out_at[m0 + r] + n : nullptr;
-      if (q.bits == 4)
-        tile_int8<4>(p.gs, words.data(), scales.data(), biases.data(), x, m0, p.K, out, columns);
-      else
-        tile_int8<8>(p.gs, words.data(), scales.data(), biases.data(), x, m0, p.K, out, columns);
+      m0 += q.bits == 4 ? tile_int8<4>(p.gs, words.data(), scales.data(), biases.data(), x, m0, p.K, out, columns)
+                        : tile_int8<8>(p.gs, words.data(), scales.data(), biases.data(), x, m0, p.K, out, columns);
     }
   }
 #endif

@@ -115,30 +115,37 @@ sgemm_fn process_sgemm() {
 
 // -- computing one product ------------------------------------------------------------------------------
 
+/* How a segment is computed: the few-rows kernels, dequantized tiles and sgemm, AMX tiles, or 8-bit x. */
+enum class Route { rows, gemm, amx, int8 };
+
 /* Rows of x that go through one weight matrix (one expert of a gathered product, or the whole of a plain one). */
 struct Segment {
   int row0, rows;  // rows [row0, row0 + rows) of the ordered x
   const uint8_t* w;
   const float* scales;
   const float* biases;
+  Route route = Route::rows;  // set by route_segments
 };
 
 struct Product {
   int K, N, G, gs, bits;
   Isa isa;
-  bool int8;  // x rounded to 8 bits where the rows are many (see goes_to_int8)
+  bool int8;  // x rounded to 8 bits where the rows are many (see route_segments)
   float* out;
   std::vector<Segment> segments;
   std::vector<long> out_at;    // where each ordered row's output starts in out
   std::vector<float> x, xsum;  // the ordered rows of x, prepared for the ISA's kernels (see prepare_x)
 };
 
-bool goes_to_gemm(const Segment& s) {
-  return process_sgemm() != nullptr && s.rows > small_rows.load();
-}
-
-bool goes_to_int8(const Product& p, const Segment& s) {
-  return p.int8 && p.isa >= Isa::avx512 && mlxchat_q::int8_usable() && s.rows >= int8_rows.load();
+/* Each segment's route, the thresholds read once (a setter on another thread cannot leave a segment on none). */
+void route_segments(Product& p) {
+  const int small = small_rows.load(), amx = amx_rows.load(), int8 = int8_rows.load();
+  const bool sgemm = process_sgemm() != nullptr, integers = p.int8 && p.isa >= Isa::avx512 && mlxchat_q::int8_usable();
+  for (Segment& s : p.segments)
+    s.route = integers && s.rows >= int8           ? Route::int8
+              : p.isa == Isa::amx && s.rows >= amx ? Route::amx
+              : sgemm && s.rows > small            ? Route::gemm
+                                                   : Route::rows;
 }
 
 struct Chunk {
@@ -159,9 +166,12 @@ void run_chunk(const void* ctx, int index) {
   mlxchat_q::rows(panel_of(p, p.segments[c.segment]), p.isa, c.n0, c.n1);
 }
 
+/* (x and xsum stay empty when every segment rounds x to 8 bits: no prepared rows then.) */
 Panel panel_of(const Product& p, const Segment& s) {
-  return Panel{p.x.data() + (size_t)s.row0 * p.K, p.xsum.data() + (size_t)s.row0 * p.G, p.out_at.data() + s.row0,
-               s.rows, p.K, p.G, p.gs, p.bits, s.w, s.scales, s.biases, p.out};
+  const bool prepared = !p.x.empty();
+  return Panel{prepared ? p.x.data() + (size_t)s.row0 * p.K : nullptr,
+               prepared ? p.xsum.data() + (size_t)s.row0 * p.G : nullptr, p.out_at.data() + s.row0, s.rows, p.K, p.G,
+               p.gs, p.bits, s.w, s.scales, s.biases, p.out};
 }
 
 struct DequantizeJob {
@@ -203,10 +213,6 @@ void gemm_segment(const Product& p, const Segment& s) {
 }
 
 // -- AMX: segments of several rows through tiles ------------------------------------------------------
-
-bool goes_to_amx(const Product& p, const Segment& s) {
-  return p.isa == Isa::amx && s.rows >= amx_rows.load() && !goes_to_int8(p, s);
-}
 
 /* A 64-byte line: buffers of them are aligned for AVX-512 stores (allocated without zeroing: all is written). */
 struct alignas(64) Line {
@@ -252,7 +258,7 @@ void compute_amx(const Product& p, const float* const* rows) {
   job.rows = rows;
   int blocks = 0;
   for (const Segment& s : p.segments)
-    if (goes_to_amx(p, s)) {
+    if (s.route == Route::amx) {
       job.first_block.push_back(blocks);
       job.first_row.push_back(s.row0);
       blocks += mlxchat_q::amx_blocks(s.rows);
@@ -263,7 +269,7 @@ void compute_amx(const Product& p, const float* const* rows) {
   job.tiles = reinterpret_cast<uint32_t*>(tiles.get());
   job.group_sums = group_sums.data();
   for (const Segment& s : p.segments)
-    if (goes_to_amx(p, s)) {
+    if (s.route == Route::amx) {
       const int b = job.first_block[job.panels.size()];
       job.panels.push_back({job.tiles + (size_t)b * chunks * mlxchat_q::AMX_TILE, job.group_sums + (size_t)b * p.G * 16,
                             p.out_at.data() + s.row0, s.rows, p.K, p.G, p.gs, p.bits, s.w, s.scales, s.biases, p.out});
@@ -321,8 +327,8 @@ void compute_int8(const Product& p, const float* const* rows) {
   job.product = &p;
   job.rows = rows;
   for (int i = 0; i < int(p.segments.size()); ++i)
-    if (goes_to_int8(p, p.segments[i])) job.segments.push_back(i);
-  if (job.segments.empty()) return;
+    if (p.segments[i].route == Route::int8) job.segments.push_back(i);
+  if (job.segments.empty() || p.N == 0) return;
   job.x.resize(job.segments.size());
   const int pieces = std::min(4 * pool().threads(), (p.N + 15) / 16);
   const int step = ((p.N + pieces - 1) / pieces + 15) / 16 * 16;
@@ -370,17 +376,18 @@ void compute(Product& p, const mx::array& x, const std::vector<int>& source, con
     rows[i] = data + (size_t)source[i] * p.K;
     p.out_at[i] = long(target[i]) * p.N;
   }
+  route_segments(p);
   SmallJob job{&p, {}};
   const int threads = pool().threads();
   const bool small_weight = (size_t)p.N * p.K * p.bits / 8 < (1u << 16);  // not worth waking other threads
   for (int i = 0; i < int(p.segments.size()); ++i) {
-    if (goes_to_int8(p, p.segments[i]) || goes_to_amx(p, p.segments[i]) || goes_to_gemm(p.segments[i])) continue;
+    if (p.segments[i].route != Route::rows) continue;
     const int pieces = small_weight ? 1 : std::min(4 * threads, std::max(1, p.N / 16));
     const int step = ((p.N + pieces - 1) / pieces + 3) / 4 * 4;  // whole tiles of 4 weight rows
     for (int n0 = 0; n0 < p.N; n0 += step) job.chunks.push_back({i, n0, std::min(n0 + step, p.N)});
   }
   const bool others = !job.chunks.empty() || std::any_of(p.segments.begin(), p.segments.end(), [&](const Segment& s) {
-    return !goes_to_int8(p, s) && !goes_to_amx(p, s) && goes_to_gemm(s);
+    return s.route == Route::gemm;
   });
   if (others) {  // x in the order the ISA's AVX kernels read it (all rows: few when decoding)
     p.x.resize((size_t)count * p.K);
@@ -391,7 +398,7 @@ void compute(Product& p, const mx::array& x, const std::vector<int>& source, con
   compute_int8(p, rows.data());
   compute_amx(p, rows.data());
   for (const Segment& s : p.segments)
-    if (!goes_to_int8(p, s) && !goes_to_amx(p, s) && goes_to_gemm(s)) gemm_segment(p, s);
+    if (s.route == Route::gemm) gemm_segment(p, s);
 }
 
 Product product_for(const mx::array& x, int n, int gs, int bits, bool int8, mx::array& out) {
