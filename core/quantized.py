@@ -20,9 +20,11 @@ The same extension gives float32 experts (``gather_matmul``) one sgemm per exper
 product is built): then products with at least 8 rows of ``x`` (``mlxchat._quantized.set_int8_rows``; a
 prompt's prefill, a batched step of 8 or more generations, a speculative check of 7 or more drafted tokens, an
 expert's share of a prompt) round each group of ``x`` to 8-bit integers and multiply them by the packed weights
-as integers (AVX-512 VNNI), as llama.cpp's quantized products do: prefill about twice as fast, outputs off by
-~1e-3 relative. A single generation's decode steps keep float ``x``, so its follow-up turns match a stateless run
-to that precision rather than to float32's, and a step's results then depend on how many rows it holds.
+as integers (AVX-512 VNNI's vpdpbusd, or AVX2's vpmaddubsw), as llama.cpp's quantized products do: prefill about
+twice as fast (AVX-512 VNNI), outputs off by ~1e-3 relative. A single generation's decode steps keep float ``x``,
+so its follow-up turns match a stateless run to that precision rather than to float32's, and a step's results
+then depend on how many rows it holds.
+
 Tuning (rarely needed): ``MLXCHAT_QUANT_THREADS`` (default: the cores this process may use),
 ``MLXCHAT_QUANT_SPIN_US`` (how long idle workers spin before sleeping, default 50: longer helps a quiet
 machine a little and hurts a shared one a lot) and
@@ -49,7 +51,7 @@ _int8 = os.environ.get("MLXCHAT_QUANT_INT8", "") == "1"
 
 def set_int8_activations(on: bool) -> None:
     """Round ``x`` to 8 bits in the quantized products built from now on, where they have many rows (see the
-    module's docstring); a no-op on CPUs without AVX-512 VNNI."""
+    module's docstring); a no-op on CPUs without AVX2."""
     global _int8
     _int8 = bool(on)
 
@@ -57,7 +59,7 @@ def set_int8_activations(on: bool) -> None:
 def int8_activations() -> bool:
     """Whether quantized products built now round many rows of ``x`` to 8 bits (and this CPU can)."""
     module = _native()[0]
-    return _int8 and module is not None and bool(module.int8_usable())
+    return _int8 and module is not None and bool(module.int8_kernel())
 
 
 @cache
@@ -148,5 +150,5 @@ def kernel_info() -> dict[str, Any]:
     module, why = _native()
     if module is None:
         return {"quantized_kernels": f"MLX's own ({why})"}
-    x = f", 8-bit x from {module.int8_rows()} rows" if int8_activations() else ""
+    x = f", 8-bit x on {module.int8_kernel()} from {module.int8_rows()} rows" if int8_activations() else ""
     return {"quantized_kernels": f"mlxchat native ({module.isa()}{x}, {module.threads()} threads)"}

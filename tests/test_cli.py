@@ -191,4 +191,4 @@ def test_int8_activations_flag_switches_the_quantized_products(monkeypatch: pyte
     assert main(["generate", "--model", MODEL, "--int8-activations", "--max-tokens", "2", "Hi"]) == 0
     assert mq._int8
     native = mq._native()[0]
-    assert mq.int8_activations() == bool(native is not None and native.int8_usable())
+    assert mq.int8_activations() == bool(native is not None and native.int8_kernel())

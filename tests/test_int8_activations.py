@@ -1,5 +1,5 @@
-"""Quantized products with 8-bit x (``mlxchat.quantized.set_int8_activations``, AVX-512 VNNI): each group of a
-row of ``x`` is rounded to int8 against its largest magnitude and multiplied by the packed weights as
+"""Quantized products with 8-bit x (``mlxchat.quantized.set_int8_activations``; AVX-512 VNNI or AVX2): each group
+of a row of ``x`` is rounded to int8 against its largest magnitude and multiplied by the packed weights as
 integers. The oracle is that arithmetic written in numpy (the rounded ``x`` times the dequantized weights, in
 float64): the kernel must equal it up to float32 rounding, whatever the width, group size, shape, or the other
 rows computed with it; a 4-bit model's logits stay close to float ``x``'s; with the setting off nothing changes.
@@ -15,15 +15,26 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from int8_support import oracle
 
 import mlxchat.quantized as mq
 from mlxchat.layers.quantized import quantize
 from mlxchat.registry import registry
 
 native = pytest.importorskip("mlxchat._quantized", reason="native quantized kernels not built here")
-pytestmark = pytest.mark.skipif(not native.int8_usable(), reason="8-bit x needs AVX-512 VNNI")
+ORDER = ["scalar", "avx2", "avx512", "amx"]
+ISAS = [isa for isa in ("avx2", "avx512") if isa in ORDER[: ORDER.index(native.detected_isa()) + 1]]
+pytestmark = pytest.mark.skipif(not ISAS, reason="8-bit x needs AVX2")
 
 FIXTURES = Path(__file__).parent / "fixtures"
+
+
+@pytest.fixture(autouse=True, params=ISAS)
+def kernel(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Every integer kernel this CPU has: AVX2's (vpmaddubsw), and AVX-512 VNNI's (vpdpbusd) where it has it."""
+    native.set_isa(request.param)
+    yield native.int8_kernel()
+    native.set_isa(native.detected_isa())
 
 
 @pytest.fixture
@@ -41,21 +52,10 @@ def _quantized(n: int, k: int, group_size: int, bits: int, experts: int | None =
     return mx.quantize(w, group_size, bits)
 
 
-def _rounded(x: np.ndarray, group_size: int) -> np.ndarray:
-    """x as the kernel sees it: each group rounded (half to even) to int8 against its largest magnitude."""
-    groups = x.astype(np.float32).reshape(*x.shape[:-1], -1, group_size)
-    peak = np.abs(groups).max(-1, keepdims=True)
-    inverse = np.where(peak > 1e-30, np.float32(127) / np.where(peak > 0, peak, 1), 0).astype(np.float32)
-    q = np.rint(groups * inverse)
-    return (q.astype(np.float64) * (peak / np.float32(127)).astype(np.float64)).reshape(x.shape)
-
-
 def _oracle(x: mx.array, packed: mx.array, scales: mx.array, biases: mx.array, group_size: int,
             bits: int) -> tuple[np.ndarray, np.ndarray]:
-    """The rounded x times the dequantized weights (float64), and sum |x| |w|: the scale of float32 rounding."""
     w = np.array(mx.dequantize(packed, scales, biases, group_size, bits), dtype=np.float64)
-    xr = _rounded(np.array(x), group_size)
-    return xr @ w.T, np.abs(xr) @ np.abs(w).T
+    return oracle(np.array(x), w, group_size)
 
 
 def _assert_equals_oracle(ours: mx.array, expected: np.ndarray, bound: np.ndarray) -> None:

@@ -39,19 +39,27 @@ namespace mlxchat_q {
 constexpr int INT8_ROWS = 12;  // most rows of x a tile keeps in registers: 12 int32 and 12 float accumulators
 constexpr int INT8_MIN_ROWS = 4;  // the smallest tile (8 and 4 take the rows past the 12s: at most 3 padded)
 
-/* Whether this CPU has the instructions (AVX-512 BW and VNNI). */
-inline bool int8_usable() {
+/* The integer kernels an ISA's tables can use: vpdpbusd (AVX-512 VNNI), or vpmaddubsw and vpmaddwd (AVX2). */
+enum class Int8Kernel { none, avx2, vnni };
+
+inline bool has_avx512_vnni_bw() {
 #if defined(__x86_64__)
-  static const bool usable = [] {
+  static const bool has = [] {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
            __builtin_cpu_supports("avx512vnni");
   }();
-  return usable;
+  return has;
 #else
   return false;
 #endif
+}
+
+/* The kernel for the active ISA (`isa` is never more than the CPU has). */
+inline Int8Kernel int8_kernel(Isa isa) {
+  if (isa >= Isa::avx512 && has_avx512_vnni_bw()) return Int8Kernel::vnni;
+  return isa >= Isa::avx2 ? Int8Kernel::avx2 : Int8Kernel::none;
 }
 
 /* Rows of x rounded for the kernel: [M][K] int8 (in the kernel's order), [M][G] scales sx and sums of xq (NaN for a
@@ -126,20 +134,6 @@ MLXQ_VNNI inline void transpose_rows(const uint8_t* rows, size_t stride, int cou
   }
 }
 
-/* Weight rows [0, count) of a kernel-width panel (count <= 16) into the task's buffers (rows past count: zero). */
-MLXQ_VNNI inline void gather_words(const Panel& p, int count, std::vector<uint32_t>& words,
-                                   std::vector<float>& scales, std::vector<float>& biases) {
-  const int row_words = p.K * p.bits / 32;
-  words.resize((size_t)row_words * 16);
-  scales.resize((size_t)p.G * 16);
-  biases.resize((size_t)p.G * 16);
-  transpose_rows(p.w, (size_t)row_words * 4, count, row_words, words.data());
-  transpose_rows(reinterpret_cast<const uint8_t*>(p.scales), (size_t)p.G * 4, count, p.G,
-                 reinterpret_cast<uint32_t*>(scales.data()));
-  transpose_rows(reinterpret_cast<const uint8_t*>(p.biases), (size_t)p.G * 4, count, p.G,
-                 reinterpret_cast<uint32_t*>(biases.data()));
-}
-
 /* One tile: R rows of x (from m0) against 16 gathered weight rows; out[r] (null: a padding row). */
 template <int BITS, int GS, int R>
 MLXQ_VNNI void tile_int8(const uint32_t* words, const float* scales, const float* biases, const Int8Rows& x, int m0,
@@ -203,6 +197,152 @@ MLXQ_VNNI int tile_int8(int gs, const uint32_t* words, const float* scales, cons
   if (left >= 8) return tile_int8<BITS, 8>(gs, words, scales, biases, x, m0, K, out, columns), 8;
   return tile_int8<BITS, 4>(gs, words, scales, biases, x, m0, K, out, columns), 4;
 }
+
+// -- AVX2: vpmaddubsw (pairs of unsigned weight bytes times signed x bytes into int16) and vpmaddwd ------------
+
+/* round_row's AVX2 twin: the same rounding, order and sums. */
+MLXQ_AVX2 inline void round_row_avx2(const float* row, int K, int gs, int bits, Int8Rows& x, int m) {
+  const int G = K / gs;
+  const __m256i order = bits == 4 ? _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7) : _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256 sign = _mm256_set1_ps(-0.0f), infinity = _mm256_set1_ps(std::numeric_limits<float>::infinity());
+  int8_t* q = x.q.data() + (size_t)m * K;
+  for (int g = 0; g < G; ++g) {
+    const float* v = row + (size_t)g * gs;
+    __m256 peak = _mm256_setzero_ps(), special = _mm256_setzero_ps();
+    for (int k = 0; k < gs; k += 8) {
+      const __m256 a = _mm256_andnot_ps(sign, _mm256_loadu_ps(v + k));
+      peak = _mm256_max_ps(peak, a);
+      special = _mm256_or_ps(special, _mm256_cmp_ps(a, infinity, _CMP_NLT_UQ));  // infinite or NaN
+    }
+    __m128 p4 = _mm_max_ps(_mm256_castps256_ps128(peak), _mm256_extractf128_ps(peak, 1));
+    p4 = _mm_max_ps(p4, _mm_movehl_ps(p4, p4));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(p4, _mm_movehdup_ps(p4))), scale = amax / 127.0f;
+    const __m256 inv = _mm256_set1_ps(amax > 1e-30f ? 127.0f / amax : 0.0f);
+    __m256i total = _mm256_setzero_si256();
+    for (int k = 0; k < gs; k += 8) {
+      const __m256i rounded = _mm256_permutevar8x32_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + k), inv)),
+                                                          order);
+      total = _mm256_add_epi32(total, rounded);
+      const __m128i halves = _mm_packs_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1));
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(q + (size_t)g * gs + k), _mm_packs_epi16(halves, halves));
+    }
+    __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+    t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0x4E));
+    t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0xB1));
+    x.scale[(size_t)m * G + g] = scale;
+    x.sum[(size_t)m * G + g] = _mm256_movemask_ps(special) ? std::numeric_limits<float>::quiet_NaN()
+                                                           : float(_mm_cvtsi128_si32(t4));
+  }
+}
+
+/* transpose_rows' AVX2 twin: 8 rows by 8 values at a time. */
+MLXQ_AVX2 inline void transpose_rows_avx2(const uint8_t* rows, size_t stride, int count, int values, uint32_t* dst) {
+  for (int i0 = 0; i0 < values; i0 += 8) {
+    const int live = std::min(8, values - i0);
+    const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(live), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    for (int h = 0; h < 2; ++h) {  // rows 8h .. 8h + 7
+      __m256i r[8], t[8], u[8];
+      for (int j = 0; j < 8; ++j) {
+        const int row = 8 * h + j;
+        r[j] = row < count ? _mm256_maskload_epi32(reinterpret_cast<const int*>(rows + row * stride + 4 * (size_t)i0), mask)
+                           : _mm256_setzero_si256();
+      }
+      for (int j = 0; j < 8; j += 2) {
+        t[j] = _mm256_unpacklo_epi32(r[j], r[j + 1]);
+        t[j + 1] = _mm256_unpackhi_epi32(r[j], r[j + 1]);
+      }
+      for (int b = 0; b < 8; b += 4) {  // u[b + c] half L: rows b..b+3 at 4L + c
+        u[b] = _mm256_unpacklo_epi64(t[b], t[b + 2]);
+        u[b + 1] = _mm256_unpackhi_epi64(t[b], t[b + 2]);
+        u[b + 2] = _mm256_unpacklo_epi64(t[b + 1], t[b + 3]);
+        u[b + 3] = _mm256_unpackhi_epi64(t[b + 1], t[b + 3]);
+      }
+      for (int c = 0; c < 4; ++c) {
+        if (c < live)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + (size_t)(i0 + c) * 16 + 8 * h),
+                              _mm256_permute2x128_si256(u[c], u[4 + c], 0x20));
+        if (4 + c < live)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + (size_t)(i0 + 4 + c) * 16 + 8 * h),
+                              _mm256_permute2x128_si256(u[c], u[4 + c], 0x31));
+      }
+    }
+  }
+}
+
+/*
+ * One AVX2 tile: 4 rows of x against 8 of the 16 gathered weight rows (half h). vpmaddubsw multiplies adjacent
+ * byte pairs into int16 (4-bit weights: at most 2 * 15 * 128, no saturation), vpmaddwd adds those pairs into
+ * int32. 8-bit weights would saturate int16, so they go in as two nibbles, the high one weighted by 16.
+ */
+template <int BITS, int GS>
+MLXQ_AVX2 void tile_int8_avx2(const uint32_t* words, const float* scales, const float* biases, const Int8Rows& x,
+                              int m0, int K, float* const* out, int h, int columns) {
+  constexpr int R = INT8_MIN_ROWS, WORDS = GS * BITS / 32;
+  const int G = K / GS;
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), sixteen = _mm256_set1_epi16(16);
+  const int8_t* xq = x.q.data() + (size_t)m0 * K;
+  const float* sx = x.scale.data() + (size_t)m0 * G;
+  const float* xs = x.sum.data() + (size_t)m0 * G;
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int g = 0; g < G; ++g) {
+    __m256i dots[R];
+    for (int r = 0; r < R; ++r) dots[r] = _mm256_setzero_si256();
+    for (int i = 0; i < WORDS; ++i) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(words + (size_t)(g * WORDS + i) * 16 + 8 * h));
+      const __m256i lo = _mm256_and_si256(w, low), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
+      const int8_t* xi = xq + (size_t)g * GS + i * (32 / BITS);
+      for (int r = 0; r < R; ++r) {
+        if constexpr (BITS == 4) {  // lo: k = 8i + 2j, hi: 8i + 2j + 1 (the even quad, then the odd one)
+          int32_t e, o;
+          std::memcpy(&e, xi + (size_t)r * K, 4);
+          std::memcpy(&o, xi + (size_t)r * K + 4, 4);
+          const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(e)),
+                                                 _mm256_maddubs_epi16(hi, _mm256_set1_epi32(o)));
+          dots[r] = _mm256_add_epi32(dots[r], _mm256_madd_epi16(pairs, ones));
+        } else {
+          int32_t v;
+          std::memcpy(&v, xi + (size_t)r * K, 4);
+          const __m256i xv = _mm256_set1_epi32(v);
+          dots[r] = _mm256_add_epi32(dots[r], _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(hi, xv), sixteen),
+                                                               _mm256_madd_epi16(_mm256_maddubs_epi16(lo, xv), ones)));
+        }
+      }
+    }
+    const __m256 scale = _mm256_loadu_ps(scales + (size_t)g * 16 + 8 * h);
+    const __m256 bias = _mm256_loadu_ps(biases + (size_t)g * 16 + 8 * h);
+    for (int r = 0; r < R; ++r) {
+      const __m256 dot = _mm256_fmadd_ps(bias, _mm256_set1_ps(xs[(size_t)r * G + g]),
+                                         _mm256_mul_ps(_mm256_cvtepi32_ps(dots[r]), scale));
+      acc[r] = _mm256_fmadd_ps(dot, _mm256_set1_ps(sx[(size_t)r * G + g]), acc[r]);
+    }
+  }
+  const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(columns), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  for (int r = 0; r < R; ++r)
+    if (out[r] != nullptr) _mm256_maskstore_ps(out[r] + 8 * h, mask, acc[r]);
+}
+
+template <int BITS>
+MLXQ_AVX2 void tile_int8_avx2(int gs, const uint32_t* words, const float* scales, const float* biases,
+                              const Int8Rows& x, int m0, int K, float* const* out, int h, int columns) {
+  if (gs == 32) return tile_int8_avx2<BITS, 32>(words, scales, biases, x, m0, K, out, h, columns);
+  if (gs == 64) return tile_int8_avx2<BITS, 64>(words, scales, biases, x, m0, K, out, h, columns);
+  tile_int8_avx2<BITS, 128>(words, scales, biases, x, m0, K, out, h, columns);
+}
+/* Weight rows [0, count) of a kernel-width panel (count <= 16) into the task's buffers (rows past count: zero). */
+inline void gather_words(const Panel& p, Int8Kernel kernel, int count, std::vector<uint32_t>& words,
+                         std::vector<float>& scales, std::vector<float>& biases) {
+  const int row_words = p.K * p.bits / 32;
+  words.resize((size_t)row_words * 16);
+  scales.resize((size_t)p.G * 16);
+  biases.resize((size_t)p.G * 16);
+  const auto transpose = kernel == Int8Kernel::vnni ? transpose_rows : transpose_rows_avx2;
+  transpose(p.w, (size_t)row_words * 4, count, row_words, words.data());
+  transpose(reinterpret_cast<const uint8_t*>(p.scales), (size_t)p.G * 4, count, p.G,
+            reinterpret_cast<uint32_t*>(scales.data()));
+  transpose(reinterpret_cast<const uint8_t*>(p.biases), (size_t)p.G * 4, count, p.G,
+            reinterpret_cast<uint32_t*>(biases.data()));
+}
 #endif
 
 /* Room for M rows of x rounded, padded to a multiple of INT8_MIN_ROWS (slots past M stay zero). */
@@ -214,14 +354,19 @@ inline void size_rows(int M, int K, int gs, Int8Rows& x) {
 }
 
 /* Rows [first, first + count) of x rounded into their slots, for weights of `bits`. */
-inline void round_rows(const float* const* rows, int first, int count, int K, int gs, int bits, Int8Rows& x) {
+inline void round_rows(const float* const* rows, int first, int count, int K, int gs, int bits, Int8Kernel kernel,
+                       Int8Rows& x) {
 #if defined(__x86_64__)
-  for (int m = first; m < first + count; ++m) round_row(rows[m], K, gs, kernel_bits(bits), x, m);
+  for (int m = first; m < first + count; ++m)
+    if (kernel == Int8Kernel::vnni)
+      round_row(rows[m], K, gs, kernel_bits(bits), x, m);
+    else
+      round_row_avx2(rows[m], K, gs, kernel_bits(bits), x, m);
 #endif
 }
 
 /* Output columns [n0, n1) of the product for every row of a panel (p.M rows; x rounded from them). */
-inline void rows_int8(const Panel& p, Isa isa, const Int8Rows& x, int n0, int n1) {
+inline void rows_int8(const Panel& p, Isa isa, Int8Kernel kernel, const Int8Rows& x, int n0, int n1) {
 #if defined(__x86_64__)
   thread_local std::vector<uint8_t> repacked;
   thread_local std::vector<uint32_t> words;
@@ -242,13 +387,22 @@ inline void rows_int8(const Panel& p, Isa isa, const Int8Rows& x, int n0, int n1
         for (size_t at = 0; at < 16 * row_bytes; at += 64)
           _mm_prefetch(reinterpret_cast<const char*>(q.w + 16 * row_bytes + at), _MM_HINT_T0);
     }
-    gather_words(q, count, words, scales, biases);
-    const __mmask16 columns = __mmask16((1u << count) - 1);
+    gather_words(q, kernel, count, words, scales, biases);
     for (int m0 = 0; m0 < x.M;) {
       float* out[INT8_ROWS];
       for (int r = 0; r < INT8_ROWS; ++r) out[r] = m0 + r < p.M ? p.out + p.out_at[m0 + r] + n : nullptr;
-      m0 += q.bits == 4 ? tile_int8<4>(p.gs, words.data(), scales.data(), biases.data(), x, m0, p.K, out, columns)
-                        : tile_int8<8>(p.gs, words.data(), scales.data(), biases.data(), x, m0, p.K, out, columns);
+      if (kernel == Int8Kernel::vnni) {
+        const __mmask16 columns = __mmask16((1u << count) - 1);
+        m0 += q.bits == 4 ? tile_int8<4>(p.gs, words.data(), scales.data(), biases.data(), x, m0, p.K, out, columns)
+                          : tile_int8<8>(p.gs, words.data(), scales.data(), biases.data(), x, m0, p.K, out, columns);
+        continue;
+      }
+      for (int h = 0; h * 8 < count; ++h)
+        if (q.bits == 4)
+          tile_int8_avx2<4>(p.gs, words.data(), scales.data(), biases.data(), x, m0, p.K, out, h, count - 8 * h);
+        else
+          tile_int8_avx2<8>(p.gs, words.data(), scales.data(), biases.data(), x, m0, p.K, out, h, count - 8 * h);
+      m0 += INT8_MIN_ROWS;
     }
   }
 #endif

@@ -140,7 +140,8 @@ struct Product {
 /* Each segment's route, the thresholds read once (a setter on another thread cannot leave a segment on none). */
 void route_segments(Product& p) {
   const int small = small_rows.load(), amx = amx_rows.load(), int8 = int8_rows.load();
-  const bool sgemm = process_sgemm() != nullptr, integers = p.int8 && p.isa >= Isa::avx512 && mlxchat_q::int8_usable();
+  const bool sgemm = process_sgemm() != nullptr;
+  const bool integers = p.int8 && mlxchat_q::int8_kernel(p.isa) != mlxchat_q::Int8Kernel::none;
   for (Segment& s : p.segments)
     s.route = integers && s.rows >= int8           ? Route::int8
               : p.isa == Isa::amx && s.rows >= amx ? Route::amx
@@ -309,15 +310,16 @@ void run_int8_round(const void* ctx, int index) {
   const Product& p = *job.product;
   const Int8Job::Task& t = job.rounding[index];
   const Segment& s = p.segments[job.segments[t.segment]];
-  mlxchat_q::round_rows(job.rows + s.row0, t.first, t.count, p.K, p.gs, p.bits, job.x[t.segment]);
+  mlxchat_q::round_rows(job.rows + s.row0, t.first, t.count, p.K, p.gs, p.bits, mlxchat_q::int8_kernel(p.isa),
+                        job.x[t.segment]);
 }
 
 void run_int8_task(const void* ctx, int index) {
   const auto& job = *static_cast<const Int8Job*>(ctx);
   const Product& p = *job.product;
   const Int8Job::Task& t = job.tasks[index];
-  mlxchat_q::rows_int8(panel_of(p, p.segments[job.segments[t.segment]]), p.isa, job.x[t.segment], t.first,
-                       t.first + t.count);
+  mlxchat_q::rows_int8(panel_of(p, p.segments[job.segments[t.segment]]), p.isa, mlxchat_q::int8_kernel(p.isa),
+                       job.x[t.segment], t.first, t.first + t.count);
 }
 
 /* The segments with 8-bit x: their rows rounded (16 rows a task), then tasks of (segment, weight rows in
@@ -810,7 +812,12 @@ NB_MODULE(_quantized, m) {
   m.def("has_sgemm", [] { return process_sgemm() != nullptr; });
   m.def("small_rows", [] { return small_rows.load(); });
   m.def("set_small_rows", [](int rows) { small_rows.store(std::max(1, rows)); });
-  m.def("int8_usable", [] { return mlxchat_q::int8_usable(); });
+  m.def("int8_kernel", [] {
+    const auto kernel = mlxchat_q::int8_kernel(active_isa.load());
+    return std::string(kernel == mlxchat_q::Int8Kernel::vnni ? "avx512 vnni"
+                       : kernel == mlxchat_q::Int8Kernel::avx2 ? "avx2"
+                                                                : "");
+  });
   m.def("int8_rows", [] { return int8_rows.load(); });
   m.def("set_int8_rows", [](int rows) { int8_rows.store(std::max(1, rows)); });
   m.def("amx_rows", [] { return amx_rows.load(); });
