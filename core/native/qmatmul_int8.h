@@ -1,12 +1,13 @@
 /*
- * x @ dequantize(w).T with x rounded to 8-bit integers, on AVX-512 VNNI, for products of many rows of x (a prefill
- * chunk, a batched or speculative step of 8 rows or more). Opt-in (mlxchat.quantized.set_int8_activations):
+ * x @ dequantize(w).T with x rounded to 8-bit integers, for products of many rows of x (a prefill chunk, a batched
+ * or speculative step of 8 rows or more), on AVX-512 VNNI or AVX2. Opt-in (mlxchat.quantized.set_int8_activations):
  * llama.cpp's arithmetic, not MLX's.
  *
  * Why: a float32 product does at most 16 multiply-adds a cycle a core (one 512-bit FMA); vpdpbusd does 64
  * (four unsigned bytes times four signed bytes into each of 16 int32 lanes). With a prompt's rows of x the
  * dequantize-then-sgemm path runs at ~90% of the float32 GEMM bound, so integers are the only way past it,
- * and llama.cpp's Q4_0 and Q8_0 products round activations to 8 bits the same way.
+ * and llama.cpp's Q4_0 and Q8_0 products round activations to 8 bits the same way. Without VNNI, AVX2's
+ * vpmaddubsw and vpmaddwd compute the same integer sums (tile_int8_avx2), in more instructions.
  *
  * Per row m of x and quantization group g: sx = max|x| / 127, xq = round(x / sx), and
  *   out[m, n] = sum_g sx[m, g] * (scale[n, g] * sum_{k in g} q[n, k] * xq[m, k] + bias[n, g] * sum_{k in g} xq[m, k]),
