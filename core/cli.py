@@ -75,8 +75,8 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
                         help="features per quantization group of --kv-bits")
     parser.add_argument("--int8-activations", action="store_true",
                         help="quantized checkpoints: round the activations to 8 bits in products of 8 rows or "
-                             "more (prompts, batched steps), as llama.cpp does (CPUs with AVX-512 VNNI: about twice "
-                             "the prefill speed, outputs off by ~1e-3; elsewhere no change)")
+                             "more (prompts, batched steps), as llama.cpp does (outputs off by ~1e-3; prefill about "
+                             "twice as fast with AVX-512 VNNI, 1.6x with AVX2; without AVX2 no change)")
     parser.add_argument("--distributed", choices=["tensor", "pipeline"],
                         help="split the model over the processes mlx.launch started (every rank runs the same "
                              "command; rank 0 does the talking, the others follow it)")

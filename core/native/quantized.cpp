@@ -67,7 +67,7 @@ std::atomic<Isa> active_isa{detected_isa};
 std::atomic<int> small_rows{48};
 
 /* Products asked to (int8=True) round x to 8-bit integers (qmatmul_int8.h) where they have at least this many rows
- * of x and the CPU has AVX-512 VNNI; fewer rows keep float32 x. */
+ * of x and the CPU has an integer kernel for them (AVX-512 VNNI or AVX2); fewer rows keep float32 x. */
 std::atomic<int> int8_rows{8};
 
 const char* isa_name(Isa isa) {
@@ -785,7 +785,7 @@ NB_MODULE(_quantized, m) {
   m.def("quantized_matmul", &quantized_matmul, nb::arg("x"), nb::arg("w"), nb::arg("scales"), nb::arg("biases"),
         nb::arg("group_size"), nb::arg("bits"), nb::arg("int8") = false,
         "x @ dequantize(w, scales, biases).T for float32 x on the CPU stream (int8: x rounded to 8 bits where rows "
-        "are many and the CPU has AVX-512 VNNI).");
+        "are many and the CPU has AVX-512 VNNI or AVX2).");
   m.def("gather_quantized_matmul", &gather_quantized_matmul, nb::arg("x"), nb::arg("w"), nb::arg("scales"),
         nb::arg("biases"), nb::arg("indices"), nb::arg("group_size"), nb::arg("bits"), nb::arg("int8") = false,
         "x @ dequantize(w[indices]).T, one expert per index (mx.gather_qmm with rhs_indices, transpose=True).");
