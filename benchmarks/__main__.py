@@ -24,7 +24,7 @@ from typing import Any
 
 from . import host, report, summary
 from .checkpoints import ALL_MODELS, DEFAULT_DIR, HERE, MARKER, MODELS, VISION_MODELS, folder_of, is_built
-from .engines import ENGINES, QUANTIZED_BITS, SPLIT, VISION_ENGINES
+from .engines import ENGINES, INT8_ACTIVATIONS, QUANTIZED_BITS, SPLIT, VISION_ENGINES
 from .limits import token_work
 from .sessions import document_words
 from .vision import SIDE
@@ -443,8 +443,8 @@ class Run:
             if key in sessions:
                 tasks += [Task("sessions", key, e, 0, first) for e in ("mlxchat", "mlx-lm")]
             if key in batching:  # float32, and the same weights at 4 bits when that row runs
-                tasks += [Task("batching", key, e, 0, first) for e in ("mlxchat", "mlxchat-4bit") if e in
-                          ("mlxchat", *engines)]
+                tasks += [Task("batching", key, e, 0, first) for e in ("mlxchat", "mlxchat-4bit", "mlxchat-4bit-x8")
+                          if e in ("mlxchat", *engines)]
             if key in (self.args.constrained or "").split(","):
                 tasks.append(Task("constrained", key, "mlxchat", 0, first))
         engines = self.vision_engines
@@ -527,6 +527,7 @@ class Run:
             folder = folder_for(folder, QUANTIZED_BITS[task.engine])
         return {
             "job": "batching",
+            "int8_activations": task.engine in INT8_ACTIVATIONS,
             "folder": str(folder),
             "prompt": self.args.prefill[0],
             "decode": self.args.decode,
@@ -584,6 +585,7 @@ class Run:
                 "sessions": summary.session_rows(sessions) if sessions else None,
                 "batching": (self.raw.get(("batching", key, "mlxchat")) or [None])[0],
                 "batching_4bit": (self.raw.get(("batching", key, "mlxchat-4bit")) or [None])[0],
+                "batching_4bit_x8": (self.raw.get(("batching", key, "mlxchat-4bit-x8")) or [None])[0],
                 "constrained": (self.raw.get(("constrained", key, "mlxchat")) or [None])[0],
             }
         vision = {}

@@ -33,10 +33,12 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
     """The harness's ``batching`` job on one model: ``job["sizes"]`` batches of ``job["prompt"]``-token
     prompts, ``job["decode"]`` tokens each."""
     import mlxchat
+    import mlxchat.quantized
 
     from .worker import prompt_ids
 
     start = time.perf_counter()
+    mlxchat.quantized.set_int8_activations(job.get("int8_activations", False))
     model = mlxchat.load_model(Path(job["folder"]))
     sizes = job.get("sizes", SIZES)
     config = {"max_tokens": job["decode"], "temperature": 0.0}

@@ -235,7 +235,8 @@ def markdown(results: dict[str, Any]) -> str:
         lines += speed_table(model, settings["prefill"], settings["decode"])
         lines += sessions_table(model)
     lines += batching_table({f"{model['title']}{label}": model[field] for model in results["models"].values()
-                             for field, label in (("batching", ""), ("batching_4bit", " 4-bit")) if model.get(field)})
+                             for field, label in (("batching", ""), ("batching_4bit", " 4-bit"),
+                                                  ("batching_4bit_x8", " 4-bit, 8-bit x")) if model.get(field)})
     lines += constrained_table({model["title"]: model["constrained"] for model in results["models"].values()
                                 if model.get("constrained")})
     lines += speculative_table(results.get("speculative") or {})
