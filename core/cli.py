@@ -74,7 +74,7 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-group-size", type=int, choices=[32, 64, 128], default=64,
                         help="features per quantization group of --kv-bits")
     parser.add_argument("--int8-activations", action="store_true",
-                        help="quantized checkpoints: round the activations to 8 bits in products of 8 rows or "
+                        help="quantized checkpoints: round the activations to 8 bits in products of 4 rows or "
                              "more (prompts, batched steps), as llama.cpp does (outputs off by ~1e-3; prefill about "
                              "twice as fast with AVX-512 VNNI, 1.6x with AVX2; without AVX2 no change)")
     parser.add_argument("--distributed", choices=["tensor", "pipeline"],

@@ -17,8 +17,8 @@ The same extension gives float32 experts (``gather_matmul``) one sgemm per exper
 
 ``MLXCHAT_QUANT=off`` keeps MLX's kernels. Results equal MLX's up to the order of float32 additions, unless
 8-bit activations are switched on (:func:`set_int8_activations`, or ``MLXCHAT_QUANT_INT8=1``; taken when a
-product is built): then products with at least 8 rows of ``x`` (``mlxchat._quantized.set_int8_rows``; a
-prompt's prefill, a batched step of 8 or more generations, a speculative check of 7 or more drafted tokens, an
+product is built): then products with at least 4 rows of ``x`` (``mlxchat._quantized.set_int8_rows``; a
+prompt's prefill, a batched step of 4 or more generations, a speculative check of 3 or more drafted tokens, an
 expert's share of a prompt) round each group of ``x`` to 8-bit integers and multiply them by the packed weights
 as integers (AVX-512 VNNI's vpdpbusd, or AVX2's vpmaddubsw), as llama.cpp's quantized products do: prefill about
 twice as fast (AVX-512 VNNI), outputs off by ~1e-3 relative. A single generation's decode steps keep float ``x``,

@@ -1,6 +1,6 @@
 /*
  * x @ dequantize(w).T with x rounded to 8-bit integers, for products of many rows of x (a prefill chunk, a batched
- * or speculative step of 8 rows or more), on AVX-512 VNNI or AVX2. Opt-in (mlxchat.quantized.set_int8_activations):
+ * or speculative step of 4 rows or more), on AVX-512 VNNI or AVX2. Opt-in (mlxchat.quantized.set_int8_activations):
  * llama.cpp's arithmetic, not MLX's.
  *
  * Why: a float32 product does at most 16 multiply-adds a cycle a core (one 512-bit FMA); vpdpbusd does 64
