@@ -273,14 +273,15 @@ MLXQ_AVX2 inline void transpose_rows_avx2(const uint8_t* rows, size_t stride, in
 /*
  * One AVX2 tile: 4 rows of x against 8 of the 16 gathered weight rows (half h). vpmaddubsw multiplies adjacent
  * byte pairs into int16 (4-bit weights: at most 2 * 15 * 128, no saturation), vpmaddwd adds those pairs into
- * int32. 8-bit weights would saturate int16, so they go in as two nibbles, the high one weighted by 16.
+ * int32. 8-bit weights (up to 255) would saturate int16: they go in centred, q - 128 (at most 2 * 128 * 127 a
+ * pair, vpsignb carrying its sign over to x), and 128 * sum xq is added back in float, exactly.
  */
 template <int BITS, int GS>
 MLXQ_AVX2 void tile_int8_avx2(const uint32_t* words, const float* scales, const float* biases, const Int8Rows& x,
                               int m0, int K, float* const* out, int h, int columns) {
   constexpr int R = INT8_MIN_ROWS, WORDS = GS * BITS / 32;
   const int G = K / GS;
-  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), sixteen = _mm256_set1_epi16(16);
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(char(0x80));
   const int8_t* xq = x.q.data() + (size_t)m0 * K;
   const float* sx = x.scale.data() + (size_t)m0 * G;
   const float* xs = x.sum.data() + (size_t)m0 * G;
@@ -291,30 +292,34 @@ MLXQ_AVX2 void tile_int8_avx2(const uint32_t* words, const float* scales, const 
     for (int r = 0; r < R; ++r) dots[r] = _mm256_setzero_si256();
     for (int i = 0; i < WORDS; ++i) {
       const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(words + (size_t)(g * WORDS + i) * 16 + 8 * h));
-      const __m256i lo = _mm256_and_si256(w, low), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
       const int8_t* xi = xq + (size_t)g * GS + i * (32 / BITS);
-      for (int r = 0; r < R; ++r) {
-        if constexpr (BITS == 4) {  // lo: k = 8i + 2j, hi: 8i + 2j + 1 (the even quad, then the odd one)
+      if constexpr (BITS == 4) {  // lo: k = 8i + 2j, hi: 8i + 2j + 1 (the even quad, then the odd one)
+        const __m256i lo = _mm256_and_si256(w, low), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
+        for (int r = 0; r < R; ++r) {
           int32_t e, o;
           std::memcpy(&e, xi + (size_t)r * K, 4);
           std::memcpy(&o, xi + (size_t)r * K + 4, 4);
           const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(e)),
                                                  _mm256_maddubs_epi16(hi, _mm256_set1_epi32(o)));
           dots[r] = _mm256_add_epi32(dots[r], _mm256_madd_epi16(pairs, ones));
-        } else {
+        }
+      } else {  // (q - 128) * x as |q - 128| * (x signed like q - 128)
+        const __m256i centred = _mm256_xor_si256(w, flip), magnitude = _mm256_abs_epi8(centred);
+        for (int r = 0; r < R; ++r) {
           int32_t v;
           std::memcpy(&v, xi + (size_t)r * K, 4);
-          const __m256i xv = _mm256_set1_epi32(v);
-          dots[r] = _mm256_add_epi32(dots[r], _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(hi, xv), sixteen),
-                                                               _mm256_madd_epi16(_mm256_maddubs_epi16(lo, xv), ones)));
+          const __m256i pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(_mm256_set1_epi32(v), centred));
+          dots[r] = _mm256_add_epi32(dots[r], _mm256_madd_epi16(pairs, ones));
         }
       }
     }
     const __m256 scale = _mm256_loadu_ps(scales + (size_t)g * 16 + 8 * h);
     const __m256 bias = _mm256_loadu_ps(biases + (size_t)g * 16 + 8 * h);
     for (int r = 0; r < R; ++r) {
-      const __m256 dot = _mm256_fmadd_ps(bias, _mm256_set1_ps(xs[(size_t)r * G + g]),
-                                         _mm256_mul_ps(_mm256_cvtepi32_ps(dots[r]), scale));
+      const __m256 sum = _mm256_set1_ps(xs[(size_t)r * G + g]);
+      __m256 integers = _mm256_cvtepi32_ps(dots[r]);
+      if constexpr (BITS == 8) integers = _mm256_fmadd_ps(_mm256_set1_ps(128.0f), sum, integers);  // exact: < 2^24
+      const __m256 dot = _mm256_fmadd_ps(bias, sum, _mm256_mul_ps(integers, scale));
       acc[r] = _mm256_fmadd_ps(dot, _mm256_set1_ps(sx[(size_t)r * G + g]), acc[r]);
     }
   }
