@@ -87,7 +87,7 @@ if sys.platform.startswith("linux"):
     for extension in (
         mlx_extension("mlxchat._quantized", ["core/native/quantized.cpp"],
                       ["core/native/qmatmul_kernels.h", "core/native/qmatmul_amx.h", "core/native/qmatmul_int8.h",
-                       "core/native/pool.h"]),
+                       "core/native/pool.h", "core/native/simd.h"]),
         mlx_extension("mlxchat._kernels", ["core/native/kernels.cpp", "core/native/attention.cpp"],
                       [f"core/native/{h}" for h in ("attention.h", "attention_ops.h", "attention_packed.h",
                                                      "attention_dot.h", "pool.h", "simd.h")]),

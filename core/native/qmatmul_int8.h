@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "qmatmul_kernels.h"
+#include "simd.h"
 
 namespace mlxchat_q {
 
@@ -43,23 +44,9 @@ constexpr int INT8_MIN_ROWS = 4;  // the smallest tile (8 and 4 take the rows pa
 /* The integer kernels an ISA's tables can use: vpdpbusd (AVX-512 VNNI), or vpmaddubsw and vpmaddwd (AVX2). */
 enum class Int8Kernel { none, avx2, vnni };
 
-inline bool has_avx512_vnni_bw() {
-#if defined(__x86_64__)
-  static const bool has = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-           __builtin_cpu_supports("avx512vnni");
-  }();
-  return has;
-#else
-  return false;
-#endif
-}
-
-/* The kernel for the active ISA (`isa` is never more than the CPU has). */
+/* The kernel for the active ISA (`isa` is never more than the CPU has; avx512 means F, BW, VL and DQ). */
 inline Int8Kernel int8_kernel(Isa isa) {
-  if (isa >= Isa::avx512 && has_avx512_vnni_bw()) return Int8Kernel::vnni;
+  if (isa >= Isa::avx512 && mlxchat_simd::has_avx512_vnni()) return Int8Kernel::vnni;
   return isa >= Isa::avx2 ? Int8Kernel::avx2 : Int8Kernel::none;
 }
 
@@ -379,19 +366,10 @@ inline void rows_int8(const Panel& p, Isa isa, Int8Kernel kernel, const Int8Rows
   thread_local std::vector<float> scales, biases;
   for (int n = n0; n < n1; n += 16) {
     const int count = std::min(16, n1 - n);
-    Panel q = p;  // row 0 is weight row n
-    if (repacked_width(p.bits)) {
-      q = repacked_rows(p, isa, n, count, repacked);
-    } else {
-      const size_t row_bytes = (size_t)p.K * p.bits / 8;
-      q.w += (size_t)n * row_bytes;
-      q.scales += (size_t)n * p.G;
-      q.biases += (size_t)n * p.G;
-      // the next 16 rows (one contiguous run): read a column of lines at a time, 16 streams the hardware
-      // prefetcher does not follow soon enough (with 8 rows of x, the transposes were a third of a step)
-      if (n + 16 < n1)
-        for (size_t at = 0; at < 16 * row_bytes; at += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(q.w + 16 * row_bytes + at), _MM_HINT_T0);
+    const Panel q = repacked_width(p.bits) ? repacked_rows(p, isa, n, count, repacked) : rows_from(p, n);
+    if (!repacked_width(p.bits) && n + 16 < n1) {  // the next 16 rows (with 8 rows of x, the transposes were a
+      const size_t block = (size_t)16 * p.K * p.bits / 8;  // third of a step without it)
+      prefetch_run(q.w + block, block);
     }
     gather_words(q, kernel, count, words, scales, biases);
     for (int m0 = 0; m0 < x.M;) {

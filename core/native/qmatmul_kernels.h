@@ -528,25 +528,37 @@ inline void repack(const uint8_t* src, int count, int bits, int out_bits, Isa is
   repack_scalar(src, count, bits, out_bits, dst);
 }
 
+/* The panel from weight row n on: its row 0 is row n (weights, scales, biases and outputs shifted to match). */
+inline Panel rows_from(const Panel& p, int n) {
+  Panel q = p;
+  q.w += (size_t)n * p.K * p.bits / 8;
+  q.scales += (size_t)n * p.G;
+  q.biases += (size_t)n * p.G;
+  q.out += n;
+  return q;
+}
+
+/* Asks for `bytes` bytes from `at` (the next weight rows: one contiguous run, which the hardware prefetcher does
+ * not fetch soon enough when the rows are read a few at a time or a column of lines at a time). */
+inline void prefetch_run(const uint8_t* at, size_t bytes) {
+#if defined(__x86_64__)
+  for (size_t offset = 0; offset < bytes; offset += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(at + offset), _MM_HINT_T0);
+#endif
+}
+
 /* Weight rows [n, n + count) of a panel of another width repacked into `buffer`, as a panel of kernel_bits'
  * width whose row 0 is row n (its scales, biases and outputs shifted to match). */
 inline Panel repacked_rows(const Panel& p, Isa isa, int n, int count, std::vector<uint8_t>& buffer) {
   const int bits = kernel_bits(p.bits);
   const size_t row_bytes = (size_t)p.K * p.bits / 8, kernel_row_bytes = (size_t)p.K * bits / 8;
   buffer.resize((size_t)count * kernel_row_bytes);
-#if defined(__x86_64__)
-  // the next rows' bytes (one contiguous run), which the hardware prefetcher does not fetch soon enough
-  const char* next = reinterpret_cast<const char*>(p.w + (size_t)(n + count) * row_bytes);
-  for (size_t at = 0; at < count * row_bytes; at += 64) _mm_prefetch(next + at, _MM_HINT_T0);
-#endif
+  prefetch_run(p.w + (size_t)(n + count) * row_bytes, count * row_bytes);
   for (int r = 0; r < count; ++r)
     repack(p.w + (size_t)(n + r) * row_bytes, p.K, p.bits, bits, isa, buffer.data() + r * kernel_row_bytes);
-  Panel q = p;
+  Panel q = rows_from(p, n);
   q.w = buffer.data();
   q.bits = bits;
-  q.scales += (size_t)n * p.G;
-  q.biases += (size_t)n * p.G;
-  q.out += n;
   return q;
 }
 

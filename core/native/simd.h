@@ -1,5 +1,6 @@
 /*
- * SIMD helpers shared by mlxchat._kernels' sources: the instruction set the CPU offers (chosen once, at load),
+ * SIMD helpers shared by mlxchat._kernels' sources (and the CPU checks, by mlxchat._quantized's 8-bit x): the
+ * instruction set the CPU offers (chosen once, at load),
  * a vectorized exp (AVX-512, AVX2 and scalar forms of one function) and a scalar IEEE half to float.
  *
  * exp is a degree-7 polynomial of 2^f with an exact power-of-two scaling (about 1 ulp; MLX's within a few ulp
