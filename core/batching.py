@@ -34,6 +34,7 @@ import mlx.core as mx
 from .architecture import ModelModule
 from .cache import RaggedRows, RowCaches
 from .constraints import fill_masks
+from .pacing import Load
 from .prompt_cache import Growth, Prefill, PromptCache, last_logits_of
 from .worker import Gathered, Together
 
@@ -134,10 +135,10 @@ class StepItem(Together):
             _failing([*rows, *(span.item for span in spans)], DecodeRow.run_pass, rows, spans)
 
 
-def _keys(rows: Sequence[DecodeRow], spans: Sequence[PromptSpan]) -> int:
-    """Cached positions the query tokens of a pass attend over (each prompt token over the ones before it)."""
-    return sum(len(row.cache) + 1 for row in rows) + \
-        sum((span.end - span.start) * (2 * span.start + span.end - span.start + 1) // 2 for span in spans)
+def _load(rows: Sequence[DecodeRow], spans: Sequence[PromptSpan]) -> Load:
+    """What a pass computes (:class:`~mlxchat.pacing.Load`): each prompt token attends over the ones before it."""
+    return Load(len(rows) + sum(span.end - span.start for span in spans),
+                sum((span.end - span.start) * (2 * span.start + span.end - span.start + 1) // 2 for span in spans))
 
 
 def _failing(items: list[Any], run: Any, *args: Any) -> None:
@@ -181,7 +182,7 @@ class DecodeRow(StepItem):
         else:
             tokens = mx.concatenate([row.current for row in rows])
             logits = batched_last_logits(module, tokens, [row.cache for row in rows])
-        cls.advance(rows, logits, load=(len(rows), _keys(rows, []), started))
+        cls.advance(rows, logits, _load(rows, []), started)
 
     @classmethod
     def run_pass(cls, rows: list[Any], spans: list[PromptSpan]) -> None:
@@ -196,13 +197,13 @@ class DecodeRow(StepItem):
                                     [row.cache for row in rows] + [span.item.prefill.cache for span in spans],
                                     rows=len(rows))
         filled = [array for span in spans for array in span.item.prefill.cache.arrays()]
-        load = (len(rows) + sum(span.end - span.start for span in spans), _keys(rows, spans), started)
+        load = _load(rows, spans)
         if rows:
-            cls.advance(rows, logits[: len(rows)], filled, load)
+            cls.advance(rows, logits[: len(rows)], load, started, filled)
         else:
             pace = spans[0].item.pace
             if pace is not None:
-                pace.queued(*load, ())
+                pace.queued(load, started, ())
             mx.eval(filled)  # a pass of prompt chunks alone: waited for, as a prefill chunk is
             if pace is not None:
                 pace.done(None)
@@ -211,12 +212,11 @@ class DecodeRow(StepItem):
             span.item.ran = span.end - span.start
 
     @staticmethod
-    def advance(rows: list[Any], logits: mx.array, also: Sequence[mx.array] = (),
-                load: tuple[int, int, float] = (0, 0, 0.0)) -> None:
+    def advance(rows: list[Any], logits: mx.array, load: Load, started: float, also: Sequence[mx.array] = ()) -> None:
         """The rows' next tokens picked from their ``logits [rows, vocab]`` and evaluated asynchronously
         (with ``also``), then each row's ``current`` read into ``value`` and recorded in its cache (its
         forward pass is queued already, so the device never waits on Python). The rows' pace hears of the
-        step (``load``: its query tokens, attended keys and when its building began) when it is queued, and
+        step (what it computes, ``load``, and when its building began, ``started``) when it is queued, and
         that the step before is done once ``current`` is read (:class:`~mlxchat.pacing.StepPace`). A
         constrained row reads
         ``current`` first, while the forward runs, so that its matcher takes it and gives the next mask
@@ -232,7 +232,7 @@ class DecodeRow(StepItem):
         mx.async_eval(following, *also)
         pace = next((row.pace for row in rows if row.pace is not None), None)
         if pace is not None:
-            pace.queued(*load, rows)
+            pace.queued(load, started, rows)
         for row in rows:
             if row.constraint is None:
                 row.value = int(row.current.item())  # type: ignore[arg-type]  # a token id array holds ints
@@ -321,7 +321,7 @@ class PrefillChunk(StepItem):
         left = budget if rows or not merge else max(budget, items[0].idle)
         pace = items[0].pace
         if rows and merge and pace is not None:
-            left = pace.allowance(len(rows), _keys(rows, []), len(items[0].prefill.cache), left)
+            left = pace.allowance(len(rows), len(items[0].prefill.cache), left)
         computing: list[tuple[Prefill, int]] = []  # the prefills this step runs, from which position
         for position, item in enumerate(items):
             prefill = item.prefill

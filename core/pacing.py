@@ -8,10 +8,14 @@ its pass begins to be built to the moment its results are ready (when the next s
 queueing it returned on a backend that computes while queueing; an idle worker between steps is not
 counted), is fitted by weighted least squares, the newest steps weighing most, to
 
-    seconds = fixed + per_token * tokens + per_key * keys
+    seconds = fixed + per_token * tokens + per_prompt_key * prompt_keys
 
-where ``tokens`` are the pass's query tokens (decode rows and prompt spans) and ``keys`` the cached positions
-they attend over. A step with streams running then takes the prompt tokens whose predicted cost is at most
+where ``tokens`` are the pass's query tokens (decode rows and prompt spans) and ``prompt_keys`` the cached
+positions its prompt tokens attend over (each over the ones before it): a prompt chunk is bound by the arithmetic
+of every such pair (on Qwen3-0.6B shapes on a 2-core CPU a prompt token 4k tokens deep costs twice one at the
+start). What the decode rows' own attention costs changes slowly, step by step as their caches grow, so the fixed
+part takes it in (a coefficient of its own fitted to absurd values beside it: keys that grow with time fit
+whatever else drifts). A step with streams running then takes the prompt tokens whose predicted cost is at most
 ``slowdown - 1`` times the predicted cost of the rows alone.
 """
 
@@ -40,9 +44,15 @@ _FITTED_FROM = 8
 _WAITED = 1e-3
 
 
-class _Step(NamedTuple):
+class Load(NamedTuple):
+    """What a step computes: its query tokens, and the keys its prompt tokens attend over (see the module
+    docstring)."""
     tokens: int
-    keys: int
+    prompt_keys: int
+
+
+class _Step(NamedTuple):
+    load: Load
     started: float
     queued: float
     rows: set[int]
@@ -66,10 +76,10 @@ class StepPace:
         self.known: tuple[float, float, float] | None = None
         """The last costs fitted (:meth:`cost`), for any thread to read (the worker's own fit may be newer)."""
 
-    def queued(self, tokens: int, keys: int, started: float, rows: Sequence[object]) -> None:
-        """A step of ``tokens`` query tokens attending over ``keys`` cached positions, decoding ``rows``, whose
-        building began at ``started`` (``time.perf_counter``), was just queued."""
-        self._queued.append(_Step(tokens, keys, started, time.perf_counter(), {id(row) for row in rows}))
+    def queued(self, load: Load, started: float, rows: Sequence[object]) -> None:
+        """A step computing ``load``, decoding ``rows``, whose building began at ``started``
+        (``time.perf_counter``), was just queued."""
+        self._queued.append(_Step(load, started, time.perf_counter(), {id(row) for row in rows}))
 
     def done(self, waited_on: Sequence[object] | None) -> None:
         """The worker just waited for the tokens of the decode rows ``waited_on`` (``None``: for everything
@@ -88,19 +98,21 @@ class StepPace:
         ended = now if ready is None or now - self._queued[-1].queued >= _WAITED else self._queued[last].queued
         began = max(self._queued[0].started, self._done_at)
         if last == 0 and ended > began:
-            self.observe(self._queued[0].tokens, self._queued[0].keys, ended - began)
+            self.observe(self._queued[0].load, ended - began)
         for _ in range(last + 1):
             self._queued.popleft()
         self._done_at = ended
 
-    def observe(self, tokens: int, keys: int, seconds: float) -> None:
-        """Record a step of ``tokens`` query tokens over ``keys`` cached positions that took ``seconds``."""
-        self._steps.append((float(tokens), float(keys), seconds))
+    def observe(self, load: Load, seconds: float) -> None:
+        """Record a step computing ``load`` that took ``seconds``."""
+        self._steps.append((float(load.tokens), float(load.prompt_keys), seconds))
         self._fit = None
 
     def cost(self) -> tuple[float, float, float] | None:
-        """The fitted ``(fixed, per_token, per_key)`` seconds, or ``None`` while too few or too alike steps were
-        seen to tell a prompt token's cost apart (a per-key cost that fits as negative is left out)."""
+        """The fitted ``(fixed, per_token, per_prompt_key)`` seconds (a per-key cost that fits as negative is left
+        out). Where the recent steps are too alike to tell a prompt token's cost apart (streams decoding a long
+        while with no prompt beside them: every step the same rows), the last fit that could; ``None`` until one
+        could."""
         if self._fit is None and len(self._steps) >= _FITTED_FROM:
             steps = np.array(self._steps)
             weights = np.sqrt(_DECAY ** np.arange(len(steps) - 1, -1, -1))
@@ -114,18 +126,18 @@ class StepPace:
                     self._fit = (max(float(fit[0]), 0.0), float(fit[1]), float(fit[2]) if used == 3 else 0.0)
                     self.known = self._fit
                     break
-        return self._fit
+        return self._fit if self._fit is not None else self.known
 
-    def allowance(self, rows: int, row_keys: int, depth: int, budget: int) -> int:
+    def allowance(self, rows: int, depth: int, budget: int) -> int:
         """Prompt tokens (whole :data:`PACE_QUANTUM` chunks, at least one, at most ``budget``) a step of ``rows``
-        decode rows attending over ``row_keys`` cached positions may add for a prompt whose next token is at
-        position ``depth``; the whole budget until the cost is known (the worker's first steps, a prompt alone
-        and its decode steps, tell it)."""
+        decode rows may add for a prompt whose next token is at position ``depth``; one chunk until the cost is
+        known (a step of a chunk beside the rows is one the rows alone are not: a few of them tell a prompt
+        token's cost apart, where the whole budget would stall the streams for seconds on a CPU)."""
         fit = self.cost()
         if fit is None:
-            return budget
+            return min(budget, PACE_QUANTUM)
         fixed, per_token, per_key = fit
-        spare = (self.slowdown - 1) * (fixed + per_token * rows + per_key * row_keys)
+        spare = (self.slowdown - 1) * (fixed + per_token * rows)
         # k prompt tokens cost per_token * k + per_key * k * (depth + (k + 1) / 2): the largest k within spare.
         linear = per_token + per_key * (depth + 0.5)
         tokens = spare / linear if per_key == 0 else \

@@ -12,27 +12,42 @@ from test_batching import Inline, logged_steps  # noqa: F401 - the fixture
 
 import mlxchat
 from mlxchat import pacing
-from mlxchat.pacing import PACE_QUANTUM, StepPace
+from mlxchat.pacing import PACE_QUANTUM, Load, StepPace
 from mlxchat.testing import GREEDY
 
 from conftest import fixture_path
 
 
-def test_the_fit_recovers_a_steps_fixed_per_token_and_per_key_costs() -> None:
+def test_the_fit_recovers_a_steps_fixed_per_token_and_per_prompt_key_costs() -> None:
     pace = StepPace(2.0)
-    for tokens, keys in itertools.product((1, 8, 40, 300), (100, 5_000, 90_000)):
-        pace.observe(tokens, keys, 0.2 + 0.003 * tokens + 1e-6 * keys)
-    assert pace.cost() == pytest.approx((0.2, 0.003, 1e-6), rel=1e-6)
+    for tokens, prompt_keys in itertools.product((1, 8, 40, 300), (0, 800, 40_000, 90_000)):
+        pace.observe(Load(tokens, prompt_keys), 0.2 + 0.003 * tokens + 4e-6 * prompt_keys)
+    assert pace.cost() == pytest.approx((0.2, 0.003, 4e-6), rel=1e-6)
 
 
-def test_until_prompt_tokens_cost_can_be_told_apart_a_step_takes_the_budget() -> None:
+def test_until_prompt_tokens_cost_can_be_told_apart_a_step_takes_one_chunk() -> None:
     pace = StepPace(2.0)
     for _ in range(7):
-        pace.observe(40, 1000, 0.5)
+        pace.observe(Load(40, 0), 0.5)
     assert pace.cost() is None  # too few steps
-    pace.observe(40, 1000, 0.5)
+    pace.observe(Load(40, 0), 0.5)
     assert pace.cost() is None  # eight alike steps: what a token costs cannot be told from the fixed part
-    assert pace.allowance(rows=4, row_keys=4000, depth=0, budget=512) == 512
+    assert pace.allowance(rows=4, depth=0, budget=512) == PACE_QUANTUM  # a probe, not a stall
+    assert pace.allowance(rows=4, depth=0, budget=5) == 5
+
+
+def test_steps_too_alike_to_fit_keep_the_last_fit() -> None:
+    """Streams decoding a long while alone (every step the same rows) leave the window with nothing that tells a
+    prompt token's cost: the last fit stands, rather than a step of the whole budget when a prompt arrives."""
+    pace = StepPace(2.0)
+    for tokens, prompt_keys in itertools.product((9, 17, 65), (0, 5000, 90_000)):
+        pace.observe(Load(tokens, prompt_keys), 0.1 + 0.003 * tokens + 2e-6 * prompt_keys)
+    fitted = pace.cost()
+    assert fitted == pytest.approx((0.1, 0.003, 2e-6))
+    for _ in range(100):
+        pace.observe(Load(8, 0), 0.13)
+    assert pace.cost() == fitted and pace.known == fitted
+    assert pace.allowance(rows=8, depth=0, budget=512) == 40  # 0.124 s of spare over 3 ms a token
 
 
 @pytest.mark.parametrize(("slowdown", "per_key"), [(2.0, 0.0), (2.0, 2e-7), (1.5, 2e-7), (4.0, 5e-7), (2.0, 2e-6)])
@@ -41,16 +56,16 @@ def test_a_step_takes_the_most_whole_chunks_whose_predicted_cost_fits_the_slowdo
     pace = StepPace(slowdown)
     fixed, per_token = 0.6, 0.002
     pace.cost = lambda: (fixed, per_token, per_key)  # type: ignore[method-assign]
-    rows, row_keys, depth = 8, 8 * 2000, 3000
+    rows, depth = 8, 3000
 
     def extra(k: int) -> float:  # k prompt tokens from position depth on, each attending over those before it
         return per_token * k + per_key * sum(depth + i + 1 for i in range(k))
 
-    spare = (slowdown - 1) * (fixed + per_token * rows + per_key * row_keys)
+    spare = (slowdown - 1) * (fixed + per_token * rows)
     fitting = [k for k in range(PACE_QUANTUM, 4097, PACE_QUANTUM) if extra(k) <= spare]
-    k = pace.allowance(rows, row_keys, depth, budget=4096)
+    k = pace.allowance(rows, depth, budget=4096)
     assert k == max(fitting, default=PACE_QUANTUM)  # at least one chunk, so the prompt goes on
-    assert pace.allowance(rows, row_keys, depth, budget=64) == min(64, k)
+    assert pace.allowance(rows, depth, budget=64) == min(64, k)
 
 
 class Clock:
@@ -60,18 +75,20 @@ class Clock:
         self.now = 0.0
         monkeypatch.setattr(pacing, "time", SimpleNamespace(perf_counter=lambda: self.now))
         self.seen: list[tuple[int, int, float]] = []
+        """(tokens, prompt keys, seconds) of each step observed."""
 
     def pace(self, monkeypatch) -> StepPace:
         pace = StepPace(2.0)
-        monkeypatch.setattr(pace, "observe", lambda t, k, s: self.seen.append((t, k, pytest.approx(s))))
+        monkeypatch.setattr(pace, "observe", lambda load, s: self.seen.append((load.tokens, load.prompt_keys,
+                                                                               pytest.approx(s))))
         return pace
 
     def step(self, pace: StepPace, started: float, queued: float, rows: list[object], ready: float,
-             tokens: int = 1, keys: int = 10) -> None:
+             tokens: int = 1, keys: int = 0) -> None:
         """A step whose building began at ``started``, queued at ``queued``; then reading its rows' tokens of the
         step before returned at ``ready``."""
         self.now = queued
-        pace.queued(tokens, keys, started, rows)
+        pace.queued(Load(tokens, keys), started, rows)
         self.now = ready
         pace.done(rows)
 
@@ -82,17 +99,17 @@ def test_a_steps_time_on_a_backend_that_computes_while_the_next_step_is_built(mo
     clock.step(pace, 0.0, 0.01, [a], 0.011)  # nothing before it
     clock.step(pace, 0.05, 0.06, [a], 0.30)  # waited for the first step: it ran from 0.0 to 0.30
     clock.step(pace, 0.32, 0.33, [a], 0.80)  # the second began when the first was seen done (0.30), not at 0.05
-    assert clock.seen == [(1, 10, 0.30), (1, 10, 0.50)]
+    assert clock.seen == [(1, 0, 0.30), (1, 0, 0.50)]
     clock.step(pace, 0.85, 0.86, [b], 1.0)  # b was not in a's last step: nothing is known done
     clock.step(pace, 1.05, 1.06, [b], 1.3)  # b's first step is, and so a's before it, whose end is unknown
     clock.step(pace, 1.35, 1.36, [b], 1.6)
-    assert clock.seen[2:] == [(1, 10, 0.30)]  # b's first step: from a's (1.3) to 1.6
+    assert clock.seen[2:] == [(1, 0, 0.30)]  # b's first step: from a's (1.3) to 1.6
     fresh = clock.pace(monkeypatch)
     clock.now = 5.0
-    fresh.queued(64, 2000, 4.9, [])
+    fresh.queued(Load(64, 2080), 4.9, [])
     clock.now = 5.25
     fresh.done(None)  # a pass of prompt chunks alone, waited for
-    assert clock.seen[3:] == [(64, 2000, 0.35)]
+    assert clock.seen[3:] == [(64, 2080, 0.35)]
 
 
 def test_a_steps_time_on_a_backend_that_computes_while_queueing(monkeypatch) -> None:
@@ -104,7 +121,7 @@ def test_a_steps_time_on_a_backend_that_computes_while_queueing(monkeypatch) -> 
     clock.step(pace, 0.30, 0.50, [a], 0.5001)
     clock.step(pace, 3.0, 3.2, [a], 3.2001)  # the worker idled from 0.5 to 3.0 (no reader wanted a token)
     clock.step(pace, 3.25, 3.45, [a], 3.4501)
-    assert clock.seen == [(1, 10, 0.14), (1, 10, 0.14), (1, 10, 0.20), (1, 10, 0.20)]
+    assert clock.seen == [(1, 0, 0.14), (1, 0, 0.14), (1, 0, 0.20), (1, 0, 0.20)]
 
 
 @pytest.mark.parametrize("slowdown", [1.0, 0.5, True, float("nan"), float("inf"), "2"])
@@ -117,8 +134,8 @@ def test_a_long_prompt_goes_in_the_chunks_the_pace_allows_beside_a_decoding_stre
                                                                                    monkeypatch) -> None:
     model = mlxchat.load_model(fixture_path("qwen3"), dtype="float32")
     assert model.step_pace is not None and model.step_pace.slowdown == 2.0
-    observed: list[tuple[int, int, float]] = []
-    monkeypatch.setattr(model.step_pace, "observe", lambda t, k, s: observed.append((t, k, s)))
+    observed: list[tuple[Load, float]] = []
+    monkeypatch.setattr(model.step_pace, "observe", lambda load, s: observed.append((load, s)))
     monkeypatch.setattr(pacing, "_WAITED", 0.0)  # this tiny model's steps end before the next is built
     # A decode step costs 1 s, a prompt token 0.01 s: the streams' step may grow by 1.01 s, 101 tokens: 96.
     monkeypatch.setattr(model.step_pace, "cost", lambda: (1.0, 0.01, 0.0))
@@ -138,5 +155,7 @@ def test_a_long_prompt_goes_in_the_chunks_the_pace_allows_beside_a_decoding_stre
     # whole chunks of 8, up to 96 a step; the last 8 are the decode step's tail
     assert [n for _, n in chunks] == [96, 96, 96, 12]
     assert all(("decode", a, 1) in logged_steps[i] for i, _ in chunks)
-    assert len(observed) > 20 and {t for t, _, _ in observed} >= {1, 97}  # decode steps, and steps beside a chunk
+    assert len(observed) > 20 and {load.tokens for load, _ in observed} >= {1, 97}  # decode steps, and steps beside
+    beside = [load for load, _ in observed if load.tokens == 97]  # a chunk: its tokens attend over those before them
+    assert [load.prompt_keys for load in beside[:2]] == [96 * 97 // 2, 96 * (2 * 96 + 97) // 2]
     model.close()

@@ -18,7 +18,7 @@ httpx = pytest.importorskip("httpx")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 import mlxchat  # noqa: E402
-from mlxchat.pacing import StepPace  # noqa: E402
+from mlxchat.pacing import Load, StepPace  # noqa: E402
 from mlxchat.server.admission import Footprint, Hold, KvBudget, Reservation  # noqa: E402
 
 from conftest import FIXTURES, loaded  # noqa: E402
@@ -94,12 +94,13 @@ def test_the_counters_add_up_to_what_the_clients_saw() -> None:
         assert pace is not None and (pace.known is None) == math.isnan(value(samples, "mlxchat_step_cost_seconds",
                                                                              part="fixed"))
         served.state.model.step_pace = pace = StepPace(2.0)  # a pace that saw only these steps
-        for tokens, keys in itertools.product((1, 4, 64, 512), (10, 1000)):
-            pace.observe(tokens, keys, 0.05 + 0.001 * tokens + 1e-6 * keys)
-        assert pace.cost() == pytest.approx((0.05, 0.001, 1e-6))
+        for tokens, prompt_keys in itertools.product((1, 4, 64, 512), (0, 5000)):
+            pace.observe(Load(tokens, prompt_keys), 0.05 + 0.001 * tokens + 3e-6 * prompt_keys)
+        assert pace.cost() == pytest.approx((0.05, 0.001, 3e-6))
         samples = scrape(served)
-        assert [value(samples, "mlxchat_step_cost_seconds", part=part) for part in ("fixed", "per_token", "per_key")] \
-            == pytest.approx([0.05, 0.001, 1e-6])
+        parts = ("fixed", "per_token", "per_prompt_key")
+        assert [value(samples, "mlxchat_step_cost_seconds", part=part) for part in parts] \
+            == pytest.approx([0.05, 0.001, 3e-6])
         health = httpx.get(url + "/health", timeout=10).json()
         assert health["status"] == "ok" and health["queued"] == 0 and health["kv_limit_bytes"] == served.state.kv.limit
 

@@ -79,8 +79,8 @@ class Metrics:
             Gauge(name, description, registry=registry).set_function(read)
         cost = Gauge("mlxchat_step_cost_seconds", "What the model's steps cost, as the worker fitted it from their "
                      "times (see --max-decode-slowdown; NaN until known or when off): fixed a pass, per query "
-                     "token, per attended key", ["part"], registry=registry)
-        for index, part in enumerate(("fixed", "per_token", "per_key")):
+                     "token, per key a prompt token attends", ["part"], registry=registry)
+        for index, part in enumerate(("fixed", "per_token", "per_prompt_key")):
             cost.labels(part).set_function(functools.partial(_step_cost, state.model, index))
 
     def count(self, endpoint: str, status: int, turn: Any) -> None:
