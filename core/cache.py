@@ -25,6 +25,7 @@ from typing import Any
 import mlx.core as mx
 
 from .errors import InvalidInputError, SavedStateError
+from .extensions import kernels_extension
 
 Arrays = dict[str, mx.array]
 
@@ -319,10 +320,11 @@ class KVCache(KeysValues):
         tokens, the chunk and what :attr:`room` asks for (once), holding ``buffers``' first ``start`` tokens."""
         size = self.capacity(max(start + chunk[0].shape[2], self.room - self.base))
         self.room = 0  # (taken: a later growth is sized by what it holds then)
-        if buffers is None:
-            return [mx.zeros((*a.shape[:2], size, a.shape[3]), a.dtype) for a in chunk]
-        return [mx.concatenate([old[..., :start, :], mx.zeros((*a.shape[:2], size - start, a.shape[3]), a.dtype)],
-                               axis=2) for old, a in zip(buffers, chunk, strict=True)]
+        grown = [blank((*a.shape[:2], size, a.shape[3]), a.dtype) for a in chunk]
+        if buffers is not None and start:
+            for new, old in zip(grown, buffers, strict=True):
+                new[..., :start, :] = old[..., :start, :]
+        return grown
 
     def _stored(self, x: mx.array) -> mx.array:
         """``x`` as :attr:`dtype` (float16 saturating at its largest value rather than becoming infinite; clipped
@@ -603,6 +605,17 @@ class QuantizedKeysValues:
                                    [..., : x.shape[-1]].astype(x.dtype) for part in self.packed), x], axis=2)
                  for i, x in enumerate((self.keys, self.values))]
         return whole[0], whole[1]
+
+
+def blank(shape: tuple[int, ...], dtype: mx.Dtype) -> mx.array:
+    """A cache buffer of ``shape``, its contents undefined where nothing was written: memory allocated, not
+    written, on the CPU with the native kernels (the kernel maps its pages as tokens are written into them; zeros
+    would map them all in one step, a second or more for a long prompt's reserved cache, the streams decoding
+    beside it stalled meanwhile); zeros elsewhere. Caches read their buffers only up to the tokens they hold."""
+    module = kernels_extension()[0]
+    if module is None or mx.default_device().type != mx.DeviceType.cpu:
+        return mx.zeros(shape, dtype)
+    return module.uninitialized(list(shape), dtype)  # type: ignore[no-any-return]
 
 
 def padded(x: mx.array, group_size: int) -> mx.array:

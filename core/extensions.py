@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import os
 import warnings
+from functools import cache
 from types import ModuleType
 
 import mlx.core as mx
@@ -34,3 +35,9 @@ def load_extension(name: str, switch: str) -> tuple[ModuleType | None, str]:
         warnings.warn(f"mlxchat: native kernels {name} off, {why}", RuntimeWarning, stacklevel=2)
         return None, why
     return module, ""
+
+
+@cache
+def kernels_extension() -> tuple[ModuleType | None, str]:
+    """``mlxchat._kernels`` (:func:`load_extension`; ``MLXCHAT_KERNELS=off`` switches it off), loaded once."""
+    return load_extension("_kernels", "MLXCHAT_KERNELS")

@@ -20,7 +20,6 @@ polynomial, about 1 ulp). ``MLXCHAT_KERNELS=off`` keeps MLX's.
 
 from __future__ import annotations
 
-from functools import cache
 from types import ModuleType
 from typing import Any
 
@@ -28,13 +27,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .cache import QuantizedKeysValues
-from .extensions import load_extension
-
-
-@cache
-def _native() -> tuple[ModuleType | None, str]:
-    """The extension module, or None and why it is not used."""
-    return load_extension("_kernels", "MLXCHAT_KERNELS")
+from .extensions import kernels_extension as _native
 
 
 def fused(*arrays: mx.array) -> bool:

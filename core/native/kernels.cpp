@@ -624,6 +624,38 @@ class FlushDenormals : public mx::UnaryPrimitive {
   }
 };
 
+/* Memory allocated and not written: a cache buffer's room, whose pages the kernel maps as tokens are written into
+ * them. Zeros would touch every page at once: the float32 cache Qwen3-0.6B reserves for a 4k-token prompt is
+ * 1.1 GB, one to three seconds of page faults on a 2-core VM in the step that first writes it, a stall for every
+ * stream decoding beside it. Never merged with another (each is a buffer of its own). */
+class Uninitialized : public mx::UnaryPrimitive {
+ public:
+  Uninitialized(mx::Stream stream, mx::Shape shape) : mx::UnaryPrimitive(stream), shape_(std::move(shape)) {}
+
+  void eval_cpu(const std::vector<mx::array>&, mx::array& out) override {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("mlxchat's uninitialized buffers are for the CPU stream");
+  }
+
+  const char* name() const override {
+    return "MlxchatUninitialized";
+  }
+
+  bool is_equivalent(const mx::Primitive&) const override {
+    return false;
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>&) override {
+    return {shape_};
+  }
+
+ private:
+  mx::Shape shape_;
+};
+
 void check_float32(const mx::array& a, const char* what) {
   if (a.dtype() != mx::float32) throw std::invalid_argument(std::string(what) + " must be float32");
   if (a.ndim() < 1 || a.shape(-1) < 1) throw std::invalid_argument(std::string(what) + " must not be empty");
@@ -772,6 +804,13 @@ NB_MODULE(_kernels, m) {
   m.def("flush_denormals", [] {
     return mx::array(mx::Shape{}, mx::bool_, std::make_shared<FlushDenormals>(cpu_stream()), {});
   }, "An array whose evaluation sets flush-to-zero / denormals-are-zero on the CPU stream's thread.");
+  m.def("uninitialized", [](const std::vector<int>& sizes, mx::Dtype dtype) {
+    for (int size : sizes)
+      if (size < 0) throw std::invalid_argument("an array's sizes must not be negative");
+    const mx::Shape shape(sizes.begin(), sizes.end());
+    return mx::array(shape, dtype, std::make_shared<Uninitialized>(cpu_stream(), shape), {});
+  }, nb::arg("shape"), nb::arg("dtype"), "An array of this shape and dtype whose memory is allocated, not written "
+     "(what it holds is undefined: room for a buffer's writes).");
   m.def("mlx_version", [] {
     return std::to_string(MLX_VERSION_MAJOR) + "." + std::to_string(MLX_VERSION_MINOR) + "." +
            std::to_string(MLX_VERSION_PATCH);
