@@ -69,6 +69,62 @@ def test_a_long_prompt_is_allocated_once_not_grown_chunk_by_chunk(model, monkeyp
     assert {layer for layer, _ in growths} >= {id(layer) for layer in second.layers}
 
 
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_5", "gemma4"])
+@pytest.mark.parametrize("kv_bits", [None, 8])
+def test_what_a_cache_never_wrote_into_its_buffers_is_never_read(name: str, kv_bits: int | None, monkeypatch) -> None:
+    """Buffers are allocated unwritten (:func:`mlxchat.cache.blank`): filled with NaN here, every way a cache is read
+    (prefill chunks, decode steps, batched rows, a regenerated reply after cutting back, a follow-up turn, sliding
+    windows, 8-bit KV: packed values with every bit set) gives what zeroed buffers give."""
+    import mlx.core as mx
+
+    from mlxchat import cache as caches
+    from conftest import fixture_path
+
+    model = loaded(name) if kv_bits is None else \
+        mlxchat.load_model(fixture_path(name), dtype="float32", kv_bits=kv_bits, kv_group_size=32)
+    prompts = [[(7 * i + j) % 200 + 5 for i in range(90 + 31 * j)] for j in range(3)]
+    config = {"max_tokens": 12, "temperature": 0.0, "prefill_step": 32}
+
+    def run() -> list[list[int]]:
+        alone = [model.generate(p, config).tokens for p in prompts]
+        together = [r.tokens for r in model.generate_batch(prompts, config)]
+        session = model.chat_session()
+        turns = [session.send("Tell me about the sea.", config=config).tokens,
+                 session.regenerate(config=config).tokens, session.send("And lakes?", config=config).tokens]
+        return [*alone, *together, *turns]
+
+    def poisoned(shape: tuple[int, ...], dtype: mx.Dtype) -> mx.array:  # NaN, or every bit set (packed values)
+        return mx.full(shape, float("nan")).astype(dtype) if mx.issubdtype(dtype, mx.floating) else \
+            mx.full(shape, -1, mx.int32).view(mx.uint32).astype(dtype)
+
+    expected = run()
+    monkeypatch.setattr(caches, "blank", poisoned)
+    assert run() == expected
+    if kv_bits is not None:
+        model.close()
+
+
+def test_a_caches_buffer_is_allocated_not_written() -> None:
+    """On the CPU with the kernels built a buffer's room holds what the memory held (here NaN, freed just before),
+    so its pages are mapped only as tokens are written."""
+    import mlx.core as mx
+
+    from mlxchat import kernels
+    from mlxchat.cache import KVCache
+
+    if kernels._native()[0] is None:
+        pytest.skip("the native kernels are not built: buffers are zeros")
+    mx.clear_cache()  # MLX's freed buffers: only the poison's below are left to reuse
+    poison = [mx.full((1, 2, KVCache.capacity(5), 32), float("nan")) for _ in range(4)]
+    mx.eval(poison)
+    del poison
+    cache = KVCache()
+    keys = mx.ones((1, 2, 5, 32))
+    held_keys, held_values = cache.update_and_fetch(keys, keys)
+    assert mx.array_equal(held_keys, keys).item() and mx.array_equal(held_values, keys).item()
+    assert cache.keys is not None and bool(mx.isnan(cache.keys[..., 5:, :]).any())  # the room: never written
+
+
 def test_config_fields_merge_over_the_checkpoint_defaults(model) -> None:
     assert model.defaults.temperature == 0.6 and model.defaults.top_k == 20  # generation_config.json
     merged = model.defaults.merged({"max_tokens": 3})
