@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import asyncio
 
+import mlx.core as mx
 import pytest
 
 import mlxchat
+from mlxchat import cache as caches
+from mlxchat import kernels
+from mlxchat.cache import KVCache
 from mlxchat.detokenizer import StreamingDetokenizer
 from mlxchat.generation import GenerationConfig, StopStrings
 
-from conftest import loaded
+from conftest import fixture_path, loaded
 
 PROMPT = [5, 77, 300, 12, 9, 41]
 
@@ -40,7 +44,6 @@ def test_logit_bias_and_penalties_change_the_choice(model) -> None:
 
 
 def test_a_long_prompt_is_allocated_once_not_grown_chunk_by_chunk(model, monkeypatch) -> None:
-    from mlxchat.cache import KVCache
     from mlxchat.prefix_cache import PromptCachePool
 
     growths: list[tuple[int, int]] = []  # (layer cache, tokens it held)
@@ -75,11 +78,6 @@ def test_what_a_cache_never_wrote_into_its_buffers_is_never_read(name: str, kv_b
     """Buffers are allocated unwritten (:func:`mlxchat.cache.blank`): filled with NaN here, every way a cache is read
     (prefill chunks, decode steps, batched rows, a regenerated reply after cutting back, a follow-up turn, sliding
     windows, 8-bit KV: packed values with every bit set) gives what zeroed buffers give."""
-    import mlx.core as mx
-
-    from mlxchat import cache as caches
-    from conftest import fixture_path
-
     model = loaded(name) if kv_bits is None else \
         mlxchat.load_model(fixture_path(name), dtype="float32", kv_bits=kv_bits, kv_group_size=32)
     prompts = [[(7 * i + j) % 200 + 5 for i in range(90 + 31 * j)] for j in range(3)]
@@ -107,11 +105,6 @@ def test_what_a_cache_never_wrote_into_its_buffers_is_never_read(name: str, kv_b
 def test_a_caches_buffer_is_allocated_not_written() -> None:
     """On the CPU with the kernels built a buffer's room holds what the memory held (here NaN, freed just before),
     so its pages are mapped only as tokens are written."""
-    import mlx.core as mx
-
-    from mlxchat import kernels
-    from mlxchat.cache import KVCache
-
     if kernels._native()[0] is None:
         pytest.skip("the native kernels are not built: buffers are zeros")
     mx.clear_cache()  # MLX's freed buffers: only the poison's below are left to reuse
