@@ -612,10 +612,10 @@ def blank(shape: tuple[int, ...], dtype: mx.Dtype) -> mx.array:
     written, on the CPU with the native kernels (the kernel maps its pages as tokens are written into them; zeros
     would map them all in one step, a second or more for a long prompt's reserved cache, the streams decoding
     beside it stalled meanwhile); zeros elsewhere. Caches read their buffers only up to the tokens they hold."""
-    module = kernels_extension()[0]
-    if module is None or mx.default_device().type != mx.DeviceType.cpu:
+    uninitialized = getattr(kernels_extension()[0], "uninitialized", None)  # (None in a build from before it)
+    if uninitialized is None or mx.default_device().type != mx.DeviceType.cpu:
         return mx.zeros(shape, dtype)
-    return module.uninitialized(list(shape), dtype)  # type: ignore[no-any-return]
+    return uninitialized(list(shape), dtype)  # type: ignore[no-any-return]
 
 
 def padded(x: mx.array, group_size: int) -> mx.array:

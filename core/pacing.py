@@ -73,6 +73,7 @@ class StepPace:
         self._queued: collections.deque[_Step] = collections.deque(maxlen=_KEPT)
         self._done_at = 0.0
         self._fit: tuple[float, float, float] | None = None
+        self._tried = False  # whether the steps seen so far were fitted (or found unfit)
         self.known: tuple[float, float, float] | None = None
         """The last costs fitted (:meth:`cost`), for any thread to read (the worker's own fit may be newer)."""
 
@@ -106,15 +107,18 @@ class StepPace:
     def observe(self, load: Load, seconds: float) -> None:
         """Record a step computing ``load`` that took ``seconds``."""
         self._steps.append((float(load.tokens), float(load.prompt_keys), seconds))
-        self._fit = None
+        self._fit, self._tried = None, False
 
     def cost(self) -> tuple[float, float, float] | None:
         """The fitted ``(fixed, per_token, per_prompt_key)`` seconds (a per-key cost that fits as negative is left
-        out). Where the recent steps are too alike to tell a prompt token's cost apart (streams decoding a long
-        while with no prompt beside them: every step the same rows), the last fit that could; ``None`` until one
-        could."""
-        if self._fit is None and len(self._steps) >= _FITTED_FROM:
+        out). Where the recent steps cannot tell a prompt token's cost apart (none computed prompt tokens: streams
+        decoding alone a while, however many; a per-token cost fitted to them would be a decode row's, and ignore
+        how deep a prompt token attends), the last fit that could; ``None`` until one could."""
+        if not self._tried and len(self._steps) >= _FITTED_FROM:
+            self._tried = True
             steps = np.array(self._steps)
+            if not steps[:, 1].any():
+                return self.known
             weights = np.sqrt(_DECAY ** np.arange(len(steps) - 1, -1, -1))
             features = np.column_stack([np.ones(len(steps)), steps[:, 0], steps[:, 1]]) * weights[:, None]
             seconds = steps[:, 2] * weights
@@ -138,8 +142,8 @@ class StepPace:
             return min(budget, PACE_QUANTUM)
         fixed, per_token, per_key = fit
         spare = (self.slowdown - 1) * (fixed + per_token * rows)
-        # k prompt tokens cost per_token * k + per_key * k * (depth + (k + 1) / 2): the largest k within spare.
+        # k prompt tokens cost per_token * k + per_key * k * (depth + (k + 1) / 2): the largest k within spare (the
+        # quadratic's root in the form that keeps its precision however small per_key, 0 included).
         linear = per_token + per_key * (depth + 0.5)
-        tokens = spare / linear if per_key == 0 else \
-            (math.sqrt(linear * linear + 2 * per_key * spare) - linear) / per_key
+        tokens = 2 * spare / (linear + math.sqrt(linear * linear + 2 * per_key * spare))
         return min(budget, max(PACE_QUANTUM, int(tokens) // PACE_QUANTUM * PACE_QUANTUM))

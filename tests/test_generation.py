@@ -75,13 +75,28 @@ def test_a_long_prompt_is_allocated_once_not_grown_chunk_by_chunk(model, monkeyp
 @pytest.mark.parametrize("name", ["qwen3", "qwen3_5", "gemma4"])
 @pytest.mark.parametrize("kv_bits", [None, 8])
 def test_what_a_cache_never_wrote_into_its_buffers_is_never_read(name: str, kv_bits: int | None, monkeypatch) -> None:
-    """Buffers are allocated unwritten (:func:`mlxchat.cache.blank`): filled with NaN here, every way a cache is read
-    (prefill chunks, decode steps, batched rows, a regenerated reply after cutting back, a follow-up turn, sliding
-    windows, 8-bit KV: packed values with every bit set) gives what zeroed buffers give."""
+    """Buffers are allocated unwritten (:func:`mlxchat.cache.blank`): filled with NaN (packed ones with every bit
+    set), every way a cache is read gives what zeroed buffers give: prefill chunks, decode steps, growths that copy
+    what a buffer held (small steps here), batched rows, a regenerated reply, a follow-up turn, sessions sharing a
+    pool's prefix (read in place past a small threshold here), sliding windows, 8-bit KV."""
+    from mlxchat.layers import attention
+    from mlxchat.prefix_cache import PromptCachePool
+
+    monkeypatch.setattr(KVCache, "step", 16)
+    monkeypatch.setattr(KVCache, "share_from", 32)
+    monkeypatch.setattr(attention, "SHARED_PREFIX_MIN", 32)
     model = loaded(name) if kv_bits is None else \
         mlxchat.load_model(fixture_path(name), dtype="float32", kv_bits=kv_bits, kv_group_size=32)
     prompts = [[(7 * i + j) % 200 + 5 for i in range(90 + 31 * j)] for j in range(3)]
     config = {"max_tokens": 12, "temperature": 0.0, "prefill_step": 32}
+    grown = KVCache._grown
+    copies: list[int] = []
+
+    def counted(self, buffers, chunk, start):  # type: ignore[no-untyped-def]
+        copies.append(start if buffers is not None else 0)
+        return grown(self, buffers, chunk, start)
+
+    monkeypatch.setattr(KVCache, "_grown", counted)
 
     def run() -> list[list[int]]:
         alone = [model.generate(p, config).tokens for p in prompts]
@@ -89,24 +104,32 @@ def test_what_a_cache_never_wrote_into_its_buffers_is_never_read(name: str, kv_b
         session = model.chat_session()
         turns = [session.send("Tell me about the sea.", config=config).tokens,
                  session.regenerate(config=config).tokens, session.send("And lakes?", config=config).tokens]
+        pool = PromptCachePool()
+        system = "You answer questions about the weather, in detail, politely and briefly. " * 3
+        shared = [model.chat_session(system=system, prefix_cache=pool) for _ in range(2)]
+        turns += [each.send(f"Is it raining in town {i}?", config=config).tokens for i, each in enumerate(shared)]
         return [*alone, *together, *turns]
 
-    def poisoned(shape: tuple[int, ...], dtype: mx.Dtype) -> mx.array:  # NaN, or every bit set (packed values)
+    def poisoned(shape: tuple[int, ...], dtype: mx.Dtype) -> mx.array:
         return mx.full(shape, float("nan")).astype(dtype) if mx.issubdtype(dtype, mx.floating) else \
             mx.full(shape, -1, mx.int32).view(mx.uint32).astype(dtype)
 
-    expected = run()
-    monkeypatch.setattr(caches, "blank", poisoned)
-    assert run() == expected
-    if kv_bits is not None:
-        model.close()
+    try:
+        monkeypatch.setattr(caches, "blank", mx.zeros)
+        expected = run()
+        assert any(copies)  # growths that copied what a buffer held
+        monkeypatch.setattr(caches, "blank", poisoned)
+        assert run() == expected
+    finally:
+        if kv_bits is not None:
+            model.close()
 
 
 def test_a_caches_buffer_is_allocated_not_written() -> None:
     """On the CPU with the kernels built a buffer's room holds what the memory held (here NaN, freed just before),
     so its pages are mapped only as tokens are written."""
-    if kernels._native()[0] is None:
-        pytest.skip("the native kernels are not built: buffers are zeros")
+    if kernels._native()[0] is None or mx.default_device().type != mx.DeviceType.cpu:
+        pytest.skip("buffers are zeros without the native kernels, or off the CPU")
     mx.clear_cache()  # MLX's freed buffers: only the poison's below are left to reuse
     poison = [mx.full((1, 2, KVCache.capacity(5), 32), float("nan")) for _ in range(4)]
     mx.eval(poison)

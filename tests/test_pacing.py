@@ -37,15 +37,15 @@ def test_until_prompt_tokens_cost_can_be_told_apart_a_step_takes_one_chunk() -> 
 
 
 def test_steps_too_alike_to_fit_keep_the_last_fit() -> None:
-    """Streams decoding a long while alone (every step the same rows) leave the window with nothing that tells a
-    prompt token's cost: the last fit stands, rather than a step of the whole budget when a prompt arrives."""
+    """Streams decoding a long while alone leave the window with nothing that tells a prompt token's cost (a fit to
+    their steps would give a decode row's, blind to how deep a prompt token attends): the last fit stands."""
     pace = StepPace(2.0)
     for tokens, prompt_keys in itertools.product((9, 17, 65), (0, 5000, 90_000)):
         pace.observe(Load(tokens, prompt_keys), 0.1 + 0.003 * tokens + 2e-6 * prompt_keys)
     fitted = pace.cost()
     assert fitted == pytest.approx((0.1, 0.003, 2e-6))
-    for _ in range(100):
-        pace.observe(Load(8, 0), 0.13)
+    for rows in itertools.islice(itertools.cycle((8, 7)), 100):  # streams ending and joining: a row's cost fits
+        pace.observe(Load(rows, 0), 0.1 + 0.004 * rows)
     assert pace.cost() == fitted and pace.known == fitted
     assert pace.allowance(rows=8, depth=0, budget=512) == 40  # 0.124 s of spare over 3 ms a token
 
@@ -66,6 +66,13 @@ def test_a_step_takes_the_most_whole_chunks_whose_predicted_cost_fits_the_slowdo
     k = pace.allowance(rows, depth, budget=4096)
     assert k == max(fitting, default=PACE_QUANTUM)  # at least one chunk, so the prompt goes on
     assert pace.allowance(rows, depth, budget=64) == min(64, k)
+
+
+def test_the_allowance_keeps_its_precision_however_small_a_per_key_cost() -> None:
+    pace = StepPace(2.0)
+    for per_key in (0.0, 1e-22, 1e-12):
+        pace.cost = lambda per_key=per_key: (0.6, 0.002, per_key)  # type: ignore[method-assign]
+        assert pace.allowance(8, 3000, budget=4096) == 304  # (0.6 + 0.016) / 0.002 = 308 tokens, in chunks of 8
 
 
 class Clock:
