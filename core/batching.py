@@ -59,6 +59,10 @@ after 35 s instead of 2.5 s (p50): 512 stays the default."""
 MEMORY_WAIT = 0.05
 """Seconds a worker step in which every generation waits for memory sleeps at most (a release wakes it)."""
 
+IDLE_PROMPTS = 4
+"""Waiting prompts of which a step with nothing decoding takes up to its ``idle`` budget each (each as fast as
+alone, all in one pass): prompts that arrive together start decoding together, rather than the first decoding
+while the others are paced in beside it (:data:`~mlxchat.worker.GATHER_QUIET`)."""
 SHARED_WAIT = 64
 """Tokens of its prompt another prompt must be computing for a prompt to wait for it and copy them (fewer
 cost about what a step's wait would)."""
@@ -311,14 +315,16 @@ class PrefillChunk(StepItem):
     def run_budget(cls, items: list[Any], merge: bool, rows: Sequence[DecodeRow]) -> list[PromptSpan]:
         """Share the budget among ``items`` (above): with ``merge``, the text chunks that fit are taken as spans
         for the step's one pass (returned), and a step with no ``rows`` decoding takes up to the ``idle``
-        budget (the prompt's own prefill step: a prompt alone goes in as fast as one prefill); the others run
-        here, each in passes of its own."""
+        budget of each of :data:`IDLE_PROMPTS` prompts at most (each prompt's own prefill step: a prompt alone goes
+        in as fast as one prefill, and so do several together); the others run here, each in passes of its
+        own."""
         spans: list[PromptSpan] = []
         if not items:
             return spans
         items = cls.in_turn(items)
         budget = items[0].budget
-        left = budget if rows or not merge else max(budget, items[0].idle)
+        idle = not rows and merge
+        left = max(budget, items[0].idle * min(len(items), IDLE_PROMPTS)) if idle else budget
         pace = items[0].pace
         if rows and merge and pace is not None:
             left = pace.allowance(len(rows), len(items[0].prefill.cache), left)
@@ -330,6 +336,8 @@ class PrefillChunk(StepItem):
                 continue  # another computes its next tokens in this step: it copies them in the next one
             computing.append((prefill, len(prefill.cache)))
             allowance = left if position else max(left, item.prefill.next_chunk)
+            if idle:  # each prompt's own prefill step at most
+                allowance = min(allowance, max(item.idle, item.prefill.next_chunk))
             try:
                 if merge and item.prefill.mergeable:
                     span = PromptSpan(item, *item.prefill.take(allowance))

@@ -24,6 +24,7 @@ import copy
 import logging
 import queue
 import threading
+import time
 import weakref
 from collections.abc import AsyncGenerator, Callable, Generator, Iterator
 from concurrent.futures import Future
@@ -48,6 +49,12 @@ _live: weakref.WeakSet[Worker] = weakref.WeakSet()
 _IDLE_WAIT = 0.05
 """Seconds the worker sleeps at most when every job waits for its reader (a reader taking an item, a new
 job or an abandoned stream wakes it at once)."""
+GATHER_QUIET = 0.002
+"""A worker with nothing to do that receives a job waits for more while they keep coming at most this far apart
+(and :data:`GATHER_AT_MOST` seconds in all), so a burst (sessions sending from their threads at once, an agent's
+parallel requests: all queued within a few milliseconds) starts in one step rather than the first alone, the
+others then paced in beside it for seconds. A job that comes alone starts this much later."""
+GATHER_AT_MOST = 0.02
 
 
 @atexit.register
@@ -175,9 +182,16 @@ class Worker:
         closing = False
         try:
             while (not closing or self._tasks or self._later) and self._failure is None:
+                gather_until = None
                 while not closing:
                     try:
-                        job = self._jobs.get(block=not self._tasks and not self._later)
+                        if not self._tasks and not self._later:  # idle: a job, then those that follow it closely
+                            job = self._jobs.get()
+                            gather_until = time.perf_counter() + GATHER_AT_MOST
+                        elif gather_until is not None and (left := gather_until - time.perf_counter()) > 0:
+                            job = self._jobs.get(timeout=min(GATHER_QUIET, left))
+                        else:
+                            job = self._jobs.get_nowait()
                     except queue.Empty:
                         break
                     if job is None:

@@ -308,7 +308,32 @@ def test_a_step_that_decodes_nothing_takes_a_whole_prefill_step_on_a_model_that_
     model.close()
 
 
-def test_waiting_prompts_go_in_fewest_tokens_left_first_within_the_budget(logged_steps) -> None:
+@pytest.mark.parametrize("idle_prompts", [4, 2])
+def test_prompts_arriving_together_go_in_together_each_as_fast_as_alone(logged_steps, monkeypatch,
+                                                                        idle_prompts: int) -> None:
+    """A step that decodes nothing takes a prefill step of each of IDLE_PROMPTS waiting prompts (the fewest tokens
+    left first): a burst starts decoding together."""
+    monkeypatch.setattr(batching, "IDLE_PROMPTS", idle_prompts)
+    model = mlxchat.load_model(fixture_path("lfm2"), dtype="float32", prefill_step_budget=16)
+    prompts = {f"p{j}": [(5 * i + j) % 200 + 10 for i in range(20 + 5 * j)] for j in range(4)}
+    config = {**GREEDY, "max_tokens": 6, "prefill_step": 16}
+    alone = {name: model.generate(prompt, config).tokens for name, prompt in prompts.items()}
+    logged_steps.clear()
+    run = Inline(model)
+    model.worker.run(lambda: [run.start(name, prompt, config) for name, prompt in reversed(prompts.items())])
+    run.wait()
+    assert run.tokens == alone
+    names = {id(cache): name for name, cache in run.caches.items()}
+    first = {names[id(cache)]: n for kind, cache, n in logged_steps[0] if kind == "prefill" and n}
+    assert first == {f"p{j}": 16 for j in range(idle_prompts)}  # each its own chunk, the shortest ones
+    assert all(n <= 16 for step in logged_steps for kind, _, n in step if kind == "prefill")
+    if idle_prompts == 4:  # no prompt is done after the first step: the second takes a chunk of each too
+        assert [kind for kind, _, _ in logged_steps[1]] == ["prefill"] * 4
+    model.close()
+
+
+def test_waiting_prompts_go_in_fewest_tokens_left_first_within_the_budget(logged_steps, monkeypatch) -> None:
+    monkeypatch.setattr(batching, "IDLE_PROMPTS", 1)  # a step that decodes nothing takes one prefill step in all
     model = mlxchat.load_model(fixture_path("lfm2"), dtype="float32", prefill_step_budget=16)
     first, second = [(5 * i) % 200 + 10 for i in range(40)], [(3 * i) % 200 + 12 for i in range(30)]
     config = {**GREEDY, "max_tokens": 6, "prefill_step": 16}  # a step that decodes nothing takes a prefill step
