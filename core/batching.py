@@ -60,9 +60,10 @@ MEMORY_WAIT = 0.05
 """Seconds a worker step in which every generation waits for memory sleeps at most (a release wakes it)."""
 
 IDLE_PROMPTS = 4
-"""Waiting prompts of which a step with nothing decoding takes up to its ``idle`` budget each (each as fast as
-alone, all in one pass): prompts that arrive together start decoding together, rather than the first decoding
-while the others are paced in beside it (:data:`~mlxchat.worker.GATHER_QUIET`)."""
+"""Waiting prompts of which a step with nothing decoding takes what each would alone (its ``idle`` budget: all in
+one pass, at most this many default prefill steps in all unless one prompt's own is larger): prompts that arrive
+together start decoding together, rather than the first decoding while the others are paced in beside it
+(:data:`~mlxchat.worker.GATHER_QUIET`)."""
 SHARED_WAIT = 64
 """Tokens of its prompt another prompt must be computing for a prompt to wait for it and copy them (fewer
 cost about what a step's wait would)."""
@@ -324,7 +325,8 @@ class PrefillChunk(StepItem):
         items = cls.in_turn(items)
         budget = items[0].budget
         idle = not rows and merge
-        left = max(budget, items[0].idle * min(len(items), IDLE_PROMPTS)) if idle else budget
+        left = max(budget, items[0].idle, min(items[0].idle * min(len(items), IDLE_PROMPTS),
+                                              IDLE_PROMPTS * DEFAULT_PREFILL_STEP_BUDGET)) if idle else budget
         pace = items[0].pace
         if rows and merge and pace is not None:
             left = pace.allowance(len(rows), len(items[0].prefill.cache), left)
@@ -336,8 +338,8 @@ class PrefillChunk(StepItem):
                 continue  # another computes its next tokens in this step: it copies them in the next one
             computing.append((prefill, len(prefill.cache)))
             allowance = left if position else max(left, item.prefill.next_chunk)
-            if idle:  # each prompt's own prefill step at most
-                allowance = min(allowance, max(item.idle, item.prefill.next_chunk))
+            if idle:  # each prompt at most what it would take alone
+                allowance = min(allowance, max(item.budget, item.idle, item.prefill.next_chunk))
             try:
                 if merge and item.prefill.mergeable:
                     span = PromptSpan(item, *item.prefill.take(allowance))

@@ -50,10 +50,11 @@ _IDLE_WAIT = 0.05
 """Seconds the worker sleeps at most when every job waits for its reader (a reader taking an item, a new
 job or an abandoned stream wakes it at once)."""
 GATHER_QUIET = 0.002
-"""A worker with nothing to do that receives a job waits for more while they keep coming at most this far apart
-(and :data:`GATHER_AT_MOST` seconds in all), so a burst (sessions sending from their threads at once, an agent's
-parallel requests: all queued within a few milliseconds) starts in one step rather than the first alone, the
-others then paced in beside it for seconds. A job that comes alone starts this much later."""
+"""A worker with nothing to do that receives a stream job (a generation) waits for more jobs while they keep coming
+at most this far apart (and :data:`GATHER_AT_MOST` seconds in all), so a burst (sessions sending from their threads
+at once, an agent's parallel requests: all queued within a few milliseconds) starts in one step rather than the
+first alone, the others then paced in beside it for seconds. A generation that comes alone starts this much later;
+plain jobs, and workers that run one job at a time, do not wait."""
 GATHER_AT_MOST = 0.02
 
 
@@ -187,7 +188,8 @@ class Worker:
                     try:
                         if not self._tasks and not self._later:  # idle: a job, then those that follow it closely
                             job = self._jobs.get()
-                            gather_until = time.perf_counter() + GATHER_AT_MOST
+                            if job is not None and job[1] is _StreamTask and self.runs_side_by_side:
+                                gather_until = time.perf_counter() + GATHER_AT_MOST
                         elif gather_until is not None and (left := gather_until - time.perf_counter()) > 0:
                             job = self._jobs.get(timeout=min(GATHER_QUIET, left))
                         else:

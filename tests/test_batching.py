@@ -9,6 +9,7 @@ step equals each row alone, on every architecture, is in the conformance kit: ``
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -329,6 +330,37 @@ def test_prompts_arriving_together_go_in_together_each_as_fast_as_alone(logged_s
     assert all(n <= 16 for step in logged_steps for kind, _, n in step if kind == "prefill")
     if idle_prompts == 4:  # no prompt is done after the first step: the second takes a chunk of each too
         assert [kind for kind, _, _ in logged_steps[1]] == ["prefill"] * 4
+    model.close()
+
+
+def test_a_prompt_alone_on_an_idle_worker_takes_a_budget_larger_than_its_prefill_step(logged_steps) -> None:
+    model = mlxchat.load_model(fixture_path("lfm2"), dtype="float32", prefill_step_budget=64)
+    prompt = [(5 * i) % 200 + 10 for i in range(64)]
+    model.generate(prompt, {**GREEDY, "max_tokens": 2, "prefill_step": 16})
+    assert [n for kind, _, n in logged_steps[0] if kind == "prefill"] == [64]  # what a busy step would give it
+    model.close()
+
+
+def test_generations_sent_from_threads_close_together_start_in_one_step(logged_steps, monkeypatch) -> None:
+    monkeypatch.setattr(worker, "GATHER_QUIET", 0.5)  # (2 ms by default: wide here, so no thread is ever late)
+    monkeypatch.setattr(worker, "GATHER_AT_MOST", 5.0)
+    model = mlxchat.load_model(fixture_path("qwen3"), dtype="float32")
+    prompts = [[(5 * i + j) % 200 + 10 for i in range(12 + j)] for j in range(4)]
+    config = {**GREEDY, "max_tokens": 4}
+    alone = [model.generate(prompt, config).tokens for prompt in prompts]
+    caches = [model.make_prompt_cache() for _ in prompts]
+    logged_steps.clear()
+    with ThreadPoolExecutor(len(prompts)) as threads:
+        futures = []
+        for prompt, cache in zip(prompts, caches, strict=True):
+            futures.append(threads.submit(model.generate, prompt, config, cache=cache))
+            time.sleep(0.01)  # each sent after the worker took the one before
+        assert [future.result().tokens for future in futures] == alone
+    first = next(step for step in logged_steps if any(kind == "prefill" for kind, _, _ in step))
+    assert {id(cache) for kind, cache, _ in first if kind == "prefill"} == {id(cache) for cache in caches}
+    started = time.perf_counter()
+    model.worker.run(lambda: None)  # a plain job does not wait for others
+    assert time.perf_counter() - started < 0.4
     model.close()
 
 
