@@ -315,10 +315,10 @@ class PrefillChunk(StepItem):
     @classmethod
     def run_budget(cls, items: list[Any], merge: bool, rows: Sequence[DecodeRow]) -> list[PromptSpan]:
         """Share the budget among ``items`` (above): with ``merge``, the text chunks that fit are taken as spans
-        for the step's one pass (returned), and a step with no ``rows`` decoding takes up to the ``idle``
-        budget of each of :data:`IDLE_PROMPTS` prompts at most (each prompt's own prefill step: a prompt alone goes
-        in as fast as one prefill, and so do several together); the others run here, each in passes of its
-        own."""
+        for the step's one pass (returned), and a step with no ``rows`` decoding takes of each of
+        :data:`IDLE_PROMPTS` prompts at most what it would take alone (its ``idle`` budget, or ``budget`` where that
+        is larger: a prompt alone goes in as fast as one prefill, and so do several together); the others run
+        here, each in passes of its own."""
         spans: list[PromptSpan] = []
         if not items:
             return spans

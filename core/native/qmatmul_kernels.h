@@ -430,7 +430,6 @@ void rows_simd(const Panel& p, int n0, int n1) {
           for (; n + 4 <= ne; n += 4) tile_avx512<BITS, GS, 1, 4>(p, m0, n);
         else if (mt == 2)  // 4 weight rows a tile: 2 rows of x cost about what one does (2 x 2: 1.4x as much)
           for (; n + 4 <= ne; n += 4) tile_avx512<BITS, GS, 2, 4>(p, m0, n);
-
         for (; n < ne; ++n) {
           if (mt == 1) tile_avx512<BITS, GS, 1, 1>(p, m0, n);
           else if (mt == 2) tile_avx512<BITS, GS, 2, 1>(p, m0, n);
