@@ -18,7 +18,7 @@ snapshots; :class:`mlxchat.prompt_cache.PromptCache` takes those at turn boundar
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -266,7 +266,7 @@ class KVCache(KeysValues):
         if offset and (self.keys is None or self.values is None):
             raise SavedStateError("a KV cache that holds tokens was saved without its keys and values")
         if self.dtype is not None and self.keys is not None and self.values is not None:
-            self.keys, self.values = self._stored(self.keys), self._stored(self.values)
+            self.keys, self.values = self.stored(self.keys), self.stored(self.values)
         self.offset = offset
         self.shifts = _shifts(fields, offset)
         self.shared, self.base = None, 0
@@ -315,18 +315,20 @@ class KVCache(KeysValues):
         own = self._append(keys, values)
         return own if self.shared is None else PrefixedKeysValues(self.shared, self.base, *own)
 
-    def _grown(self, buffers: list[mx.array] | None, chunk: list[mx.array], start: int) -> list[mx.array]:
-        """New buffers (shaped like ``chunk``'s arrays but for the token axis) of :meth:`capacity` for ``start``
-        tokens, the chunk and what :attr:`room` asks for (once), holding ``buffers``' first ``start`` tokens."""
-        size = self.capacity(max(start + chunk[0].shape[2], self.room - self.base))
+    def _grown(self, buffers: list[mx.array] | None, like: list[tuple[Sequence[int], mx.Dtype]], start: int,
+               length: int) -> list[mx.array]:
+        """New buffers (of the shapes and dtypes in ``like`` but for the token axis) of :meth:`capacity` for
+        ``start`` tokens, a chunk of ``length`` and what :attr:`room` asks for (once), holding ``buffers``' first
+        ``start`` tokens."""
+        size = self.capacity(max(start + length, self.room - self.base))
         self.room = 0  # (taken: a later growth is sized by what it holds then)
-        grown = [blank((*a.shape[:2], size, a.shape[3]), a.dtype) for a in chunk]
+        grown = [blank((*shape[:2], size, shape[3]), dtype) for shape, dtype in like]
         if buffers is not None and start:
             for new, old in zip(grown, buffers, strict=True):
                 new[..., :start, :] = old[..., :start, :]
         return grown
 
-    def _stored(self, x: mx.array) -> mx.array:
+    def stored(self, x: mx.array) -> mx.array:
         """``x`` as :attr:`dtype` (float16 saturating at its largest value rather than becoming infinite; clipped
         in float32, where that value is exact: bfloat16 would round it past float16's range)."""
         if self.dtype is None or x.dtype == self.dtype:
@@ -334,14 +336,27 @@ class KVCache(KeysValues):
         top = mx.finfo(self.dtype).max
         return mx.clip(x.astype(mx.float32), -top, top).astype(self.dtype)
 
+    def make_room(self, length: int, like: list[tuple[Sequence[int], mx.Dtype]]) -> int:
+        """Grow the buffers (in :meth:`capacity`'s steps) where ``length`` more tokens would not fit, for keys and
+        values shaped and typed as ``like`` says (but for the token axis); return where in them the tokens go."""
+        start = self.offset - self.base
+        if self.keys is None or self.values is None or start + length > self.keys.shape[2]:
+            held = None if self.keys is None or self.values is None else [self.keys, self.values]
+            self.keys, self.values = self._grown(held, like, start, length)
+        return start
+
+    def written(self, keys: mx.array, values: mx.array, length: int) -> None:
+        """Take the buffers a kernel wrote ``length`` tokens into, where :meth:`make_room` said
+        (:func:`mlxchat.kernels.decode_rows`)."""
+        self.keys, self.values = keys, values
+        self.offset += length
+
     def _append(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Write a chunk after the held tokens into the buffer (grown in :meth:`capacity`'s steps); return the
         buffer's used part."""
-        keys, values = self._stored(keys), self._stored(values)
-        start, length = self.offset - self.base, keys.shape[2]
-        if self.keys is None or self.values is None or start + length > self.keys.shape[2]:
-            held = None if self.keys is None or self.values is None else [self.keys, self.values]
-            self.keys, self.values = self._grown(held, [keys, values], start)
+        keys, values = self.stored(keys), self.stored(values)
+        length = keys.shape[2]
+        start = self.make_room(length, [(keys.shape, keys.dtype), (values.shape, values.dtype)])
         self.offset += length
         end = start + length
         self.keys[..., start:end, :] = keys
@@ -449,7 +464,8 @@ class QuantizedKVCache(KVCache):
         start, length = self.held_quantized - self.base, packed[0][0].shape[2]
         if self.quantized is None or start + length > self.quantized[0][0].shape[2]:
             held = None if self.quantized is None else [*self.quantized[0], *self.quantized[1]]
-            grown = self._grown(held, [*packed[0], *packed[1]], start)
+            grown = self._grown(held, [(a.shape, a.dtype) for a in (*packed[0], *packed[1])], start,
+                                 packed[0][0].shape[2])
             self.quantized = (tuple(grown[:3]), tuple(grown[3:]))  # type: ignore[assignment]
         assert self.quantized is not None
         for buffers, part in zip(self.quantized, packed, strict=True):

@@ -107,14 +107,19 @@ def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
 # -- rotary embedding ---------------------------------------------------------------------------------------
 
 
-def rope(x: mx.array, inv_freq: mx.array, dims: int, offset: int) -> mx.array | None:
+def rope(x: mx.array, inv_freq: mx.array, dims: int, offset: int | list[int]) -> mx.array | None:
     """Rotate-half RoPE of ``x [..., L, D]`` at positions ``offset ..`` over its first ``dims`` features, pair
-    ``j`` turning by ``position * inv_freq[j]`` (float32, as transformers computes the angles); ``None``
+    ``j`` turning by ``position * inv_freq[j]`` (float32, as transformers computes the angles); a list holds
+    one offset per index of ``x``'s first axis (the rows of a batch, each at its own position). ``None``
     where the kernel does not apply. Its gradient is the opposite rotation (in the kernel)."""
     module = _applies(x, inv_freq)
     if module is None or x.ndim < 2:
         return None
-    return module.rope(x, inv_freq, dims, offset)  # type: ignore[no-any-return]
+    if isinstance(offset, int):
+        return module.rope(x, inv_freq, dims, offset)  # type: ignore[no-any-return]
+    if not hasattr(module, "rope_rows") or x.ndim < 3 or len(offset) != x.shape[0]:
+        return None
+    return module.rope_rows(x, inv_freq, dims, offset)  # type: ignore[no-any-return]
 
 
 # -- attention ----------------------------------------------------------------------------------------------
@@ -150,6 +155,21 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
     assert module is not None
     return module.attention(queries, keys, values, scale, window or 0, False,  # type: ignore[no-any-return]
                             *(prefix or (None, None)))
+
+
+def decode_rows(queries: mx.array, keys: mx.array, values: mx.array, buffers: list[mx.array], starts: list[int],
+                scale: float) -> list[mx.array] | None:
+    """One decode step of ``B`` sequences' attention in one node: row ``b``'s key and value (``keys``, ``values``
+    ``[B, kv_heads, 1, D]``) written at ``starts[b]`` of its cache's buffers (``buffers[2b]``, ``buffers[2b + 1]``,
+    ``[1, kv_heads, capacity, D]``, of the keys' dtype: taken over in place where nothing else holds them, as a
+    slice update is), its queries (``[B, heads, 1, D]``) attending over their first ``starts[b] + 1`` positions.
+    Returns ``[out, *buffers]``; ``None`` where the kernel does not apply (an extension built before it, too).
+    The same arithmetic as :func:`attention` per row, in one node instead of seven per row."""
+    module = _attending(queries, keys, values)
+    if (module is None or not hasattr(module, "decode_rows") or not _attends(module, queries, keys, values)
+            or queries.shape[2] != 1 or keys.dtype != values.dtype):
+        return None
+    return module.decode_rows(queries, keys, values, buffers, starts, scale)  # type: ignore[no-any-return]
 
 
 def attention_parts(queries: mx.array, keys: mx.array, values: mx.array, scale: float,

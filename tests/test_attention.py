@@ -254,6 +254,53 @@ def random_kv(rng: np.random.Generator, length: int, heads: int = 2) -> list[mx.
     return [mx.array(rng.standard_normal((1, heads, length, 32)).astype(np.float32)) for _ in range(2)]
 
 
+@pytest.mark.parametrize("kind", ["float", "float16"])
+def test_decode_rows_write_and_attend_in_one_node_in_place_unless_a_buffer_is_held_elsewhere(
+        isa: str, kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode rows of float caches run as one node (kernels.decode_rows): each output equals the row's own
+    attention, each cache then holds its new key and value (a row at the end of its buffer grows first), buffers
+    nothing else holds are written in place, and one something else holds is copied and left as it was."""
+    def address(a: mx.array) -> int:
+        return int(np.asarray(a).__array_interface__["data"][0])
+
+    rng = np.random.default_rng(8)
+    rows = [make_cache(kind) for _ in range(3)]
+    for row, length in zip(rows, (40, KVCache.step, 97), strict=True):  # the second row's buffer is full
+        row.update_and_fetch(*random_kv(rng, length))
+    mx.eval([a for row in rows for a in (row.keys, row.values)])
+    q = mx.array(rng.standard_normal((3, 4, 1, 32)).astype(np.float32))
+    k, v = (mx.array(rng.standard_normal((3, 2, 1, 32)).astype(np.float32)) for _ in range(2))
+    expected, stored = [], []
+    for i, row in enumerate(rows):
+        new_k, new_v = (x[i : i + 1].astype(row.dtype or mx.float32) for x in (k, v))
+        stored.append((new_k, new_v))
+        before_k, before_v = held(row)
+        expected.append(plain_attention(q[i : i + 1], mx.concatenate([before_k, new_k], 2).astype(mx.float32),
+                                        mx.concatenate([before_v, new_v], 2).astype(mx.float32), 0.2))
+    mx.eval(expected, stored)  # (lets go of the views of the buffers it read)
+    del before_k, before_v
+    in_place = address(rows[0].keys), address(rows[0].values)
+    kept = rows[2].keys  # held elsewhere too (as a snapshot might)
+    kept_before = np.array(kept)
+    calls = []
+    decode_rows = kernels.decode_rows
+    monkeypatch.setattr(kernels, "decode_rows", lambda *a: calls.append(len(a[3])) or decode_rows(*a))
+    got = attend(q, k, v, RowCaches(rows), 0.2)  # type: ignore[arg-type]
+    mx.eval(got, [a for row in rows for a in (row.keys, row.values)])
+    assert calls == [6]
+    assert float(mx.abs(got - mx.concatenate(expected, 0)).max()) < 2e-5
+    for row, length, (new_k, new_v) in zip(rows, (41, KVCache.step + 1, 98), stored, strict=True):
+        assert row.offset == length and row.keys is not None and row.keys.shape[2] >= length
+        last_k, last_v = (x[..., -1:, :] for x in row.span(0, length))
+        assert mx.array_equal(last_k, new_k) and mx.array_equal(last_v, new_v)
+    assert (address(rows[0].keys), address(rows[0].values)) == in_place
+    assert np.array_equal(np.array(kept), kept_before, equal_nan=True)  # (its unwritten room: whatever it held)
+    assert address(rows[2].keys) != address(kept)
+    with pytest.raises(ValueError, match="start"):
+        decode_rows(q[:1], k[:1].astype(kept.dtype), v[:1].astype(kept.dtype), [rows[0].keys, rows[0].values],
+                    [rows[0].keys.shape[2]], 0.2)
+
+
 def test_decode_rows_reading_one_shared_prefix_read_it_once_and_attend_as_alone(
         isa: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Rows whose caches read one shared prefix attend over it together (cascade attention); each row's output
@@ -315,8 +362,9 @@ def test_a_cache_grows_by_eighths_of_its_length_and_makes_room_for_a_reserved_pr
     growths: list[int] = []
     grown = KVCache._grown
 
-    def counted(self: KVCache, buffers: list[mx.array] | None, chunk: list[mx.array], start: int) -> list[mx.array]:
-        out = grown(self, buffers, chunk, start)
+    def counted(self: KVCache, buffers: list[mx.array] | None, like: list[tuple[tuple[int, ...], mx.Dtype]],
+                start: int, length: int) -> list[mx.array]:
+        out = grown(self, buffers, like, start, length)
         growths.append(out[0].shape[2])
         return out
 

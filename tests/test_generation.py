@@ -49,9 +49,9 @@ def test_a_long_prompt_is_allocated_once_not_grown_chunk_by_chunk(model, monkeyp
     growths: list[tuple[int, int]] = []  # (layer cache, tokens it held)
     grown = KVCache._grown
 
-    def counted(self, buffers, chunk, start):  # type: ignore[no-untyped-def]
+    def counted(self, buffers, like, start, length):  # type: ignore[no-untyped-def]
         growths.append((id(self), start))
-        return grown(self, buffers, chunk, start)
+        return grown(self, buffers, like, start, length)
 
     monkeypatch.setattr(KVCache, "_grown", counted)
     cache = model.make_prompt_cache()
@@ -92,9 +92,9 @@ def test_what_a_cache_never_wrote_into_its_buffers_is_never_read(name: str, kv_b
     grown = KVCache._grown
     copies: list[int] = []
 
-    def counted(self, buffers, chunk, start):  # type: ignore[no-untyped-def]
+    def counted(self, buffers, like, start, length):  # type: ignore[no-untyped-def]
         copies.append(start if buffers is not None else 0)
-        return grown(self, buffers, chunk, start)
+        return grown(self, buffers, like, start, length)
 
     monkeypatch.setattr(KVCache, "_grown", counted)
 

@@ -63,7 +63,7 @@ def test_a_float16_cache_holds_half_saturates_and_copies_only_its_own_format() -
     assert held.dtype == mx.float16 and half.nbytes * 2 == floats.nbytes
     assert float(held[..., -1, :].max()) == 65504 and float(half.values[..., 40, :].min()) == -65504  # not inf
     wide = mx.array([70000.0, -1e6, 65519.0, 65530.0, 1.0], dtype=mx.bfloat16)  # a bfloat16 model's, clipped exactly
-    assert half._stored(wide).tolist() == [65504.0, -65504.0, 65504.0, 65504.0, 1.0]
+    assert half.stored(wide).tolist() == [65504.0, -65504.0, 65504.0, 65504.0, 1.0]
     assert float(mx.abs(held[..., :40, :].astype(mx.float32) - keys).max()) < 2e-3
     copy = KVCache(mx.float16)
     assert copy.can_copy_from(half) and not copy.can_copy_from(floats) and not floats.can_copy_from(half)

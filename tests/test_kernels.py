@@ -54,6 +54,28 @@ def test_rope_equals_mlx_and_its_gradient_turns_back(dims: int, offset: int) -> 
     close(grad, expected, 2e-5)
 
 
+def test_rope_of_a_batch_turns_each_row_by_its_own_offset_and_its_gradient_back() -> None:
+    """Decode rows of a batch sit at their own positions: one node rotates each (a list of offsets) as RoPE at
+    that offset alone would, on transposed queries too; offsets that do not fit are refused."""
+    offsets = [0, 37, 5000]
+    x = mx.random.normal((3, 1, 4, 64)).transpose(0, 2, 1, 3)  # [B, L=1, heads, D] read as [B, heads, L, D]
+    inv_freq = mx.array([10000.0 ** (-2 * j / 64) for j in range(32)], dtype=mx.float32)
+    ours = kernels.rope(x, inv_freq, 64, offsets)
+    assert ours is not None
+    alone = [kernels.rope(x[i : i + 1], inv_freq, 64, o) for i, o in enumerate(offsets)]
+    assert mx.array_equal(ours, mx.concatenate(alone))  # type: ignore[arg-type]
+    close(ours[:2], mx.concatenate([mx.fast.rope(x[i : i + 1], 64, traditional=False, base=10000.0, scale=1.0,
+                                                 offset=offsets[i]) for i in range(2)]), 2e-5)
+    weights = mx.random.normal((64,))
+    grad = mx.grad(lambda x: (kernels.rope(x, inv_freq, 64, offsets) * weights).sum())(x)
+    back = mx.concatenate([kernels.rope(weights * mx.ones_like(x[i : i + 1]), -inv_freq, 64, o)  # type: ignore[misc]
+                           for i, o in enumerate(offsets)])
+    assert mx.array_equal(grad, back)
+    assert kernels.rope(x, inv_freq, 64, offsets[:2]) is None  # not one per row: the caller's own op
+    with pytest.raises(ValueError, match="negative"):
+        kernels._native()[0].rope_rows(x, inv_freq, 64, [0, -1, 2])
+
+
 def test_rope_equals_mlx_on_transposed_queries() -> None:
     x = mx.random.normal((1, 128, 16, 64)).transpose(0, 2, 1, 3)  # [B, L, heads, D] read as [B, heads, L, D]
     inv_freq = mx.array([10000.0 ** (-2 * j / 64) for j in range(32)], dtype=mx.float32)

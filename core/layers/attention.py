@@ -62,6 +62,9 @@ def attend(
     if isinstance(cache, RowCaches):
         rows: list[KeysValues] = cache.caches  # type: ignore[assignment]
         decoding = window is None and (mask is None or isinstance(mask, str)) and queries.shape[2] == 1
+        together = attend_rows(queries, keys, values, rows, scale) if decoding else None
+        if together is not None:
+            return together
         groups = shared_prefixes(rows) if decoding else []
         held = [fetch_attended(row, keys[i : i + 1], values[i : i + 1]) for i, row in enumerate(rows)]
         out: list[mx.array | None] = [None] * len(rows)
@@ -72,6 +75,29 @@ def attend(
                                attend_over(queries[i : i + 1], held[i], scale, mask, window)
                                for i, row_out in enumerate(out)], axis=0)
     return attend_over(queries, fetch_attended(cache, keys, values), scale, mask, window)
+
+
+def attend_rows(queries: mx.array, keys: mx.array, values: mx.array, rows: Sequence[KeysValues],
+                scale: float) -> mx.array | None:
+    """Decode rows' attention ``[B, heads, 1, Dv]`` in one native node that also writes each row's key and value
+    into its cache (:func:`mlxchat.kernels.decode_rows`): rows whose float KV caches hold no shared prefix, of one
+    dtype. ``None`` where it does not apply (the rows then attend one by one)."""
+    if not rows or any(type(row) is not KVCache or row.shared is not None for row in rows):
+        return None
+    caches: list[KVCache] = rows  # type: ignore[assignment]
+    if len({row.dtype for row in caches}) != 1:
+        return None
+    keys, values = caches[0].stored(keys), caches[0].stored(values)
+    like = [((1, *keys.shape[1:]), keys.dtype), ((1, *values.shape[1:]), values.dtype)]
+    starts = [row.make_room(1, like) for row in caches]  # (kept by the one-by-one path where it does not apply)
+    made = kernels.decode_rows(queries, keys, values, [b for row in caches for b in (row.keys, row.values)], starts,
+                               scale)
+    if made is None:
+        return None
+    out, *buffers = made
+    for i, row in enumerate(caches):
+        row.written(buffers[2 * i], buffers[2 * i + 1], 1)
+    return out
 
 
 SHARED_PREFIX_MIN = 256

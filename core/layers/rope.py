@@ -151,7 +151,11 @@ class RoPE(nn.Module):
             base = self.base * growth ** (self.dims / (self.dims - 2))
         inv_freq = self._static_inv_freq if base == self.base else mx.array(
             [base ** (-2 * j / self.dims) for j in range(self.dims // 2)], dtype=mx.float32)
-        fused = kernels.rope(x, inv_freq, self.dims, offset) if isinstance(offset, int) else None
+        if isinstance(offset, int):
+            fused = kernels.rope(x, inv_freq, self.dims, offset)
+        else:  # one per row of a batch
+            fused = kernels.rope(x, inv_freq, self.dims, [int(o) for o in cast(list[int], offset.tolist())]) \
+                if offset.ndim == 1 else None
         if fused is not None:
             return fused
         return mx.fast.rope(
