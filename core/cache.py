@@ -357,6 +357,7 @@ class KVCache(KeysValues):
         keys, values = self.stored(keys), self.stored(values)
         length = keys.shape[2]
         start = self.make_room(length, [(keys.shape, keys.dtype), (values.shape, values.dtype)])
+        assert self.keys is not None and self.values is not None
         self.offset += length
         end = start + length
         self.keys[..., start:end, :] = keys

@@ -88,10 +88,11 @@ def attend_rows(queries: mx.array, keys: mx.array, values: mx.array, rows: Seque
     if len({row.dtype for row in caches}) != 1:
         return None
     keys, values = caches[0].stored(keys), caches[0].stored(values)
-    like = [((1, *keys.shape[1:]), keys.dtype), ((1, *values.shape[1:]), values.dtype)]
+    like: list[tuple[Sequence[int], mx.Dtype]] = [((1, *keys.shape[1:]), keys.dtype),
+                                                  ((1, *values.shape[1:]), values.dtype)]
     starts = [row.make_room(1, like) for row in caches]  # (kept by the one-by-one path where it does not apply)
-    made = kernels.decode_rows(queries, keys, values, [b for row in caches for b in (row.keys, row.values)], starts,
-                               scale)
+    held = [buffer for row in caches for buffer in (row.keys, row.values) if buffer is not None]
+    made = kernels.decode_rows(queries, keys, values, held, starts, scale)
     if made is None:
         return None
     out, *buffers = made
