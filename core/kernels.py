@@ -158,18 +158,23 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
 
 
 def decode_rows(queries: mx.array, keys: mx.array, values: mx.array, buffers: list[mx.array], starts: list[int],
-                scale: float) -> list[mx.array] | None:
+                scale: float, prefixes: list[mx.array] | None = None, spans: list[int] | None = None,
+                lse: bool = False) -> list[mx.array] | None:
     """One decode step of ``B`` sequences' attention in one node: row ``b``'s key and value (``keys``, ``values``
     ``[B, kv_heads, 1, D]``) written at ``starts[b]`` of its cache's buffers (``buffers[2b]``, ``buffers[2b + 1]``,
     ``[1, kv_heads, capacity, D]``, of the keys' dtype: taken over in place where nothing else holds them, as a
-    slice update is), its queries (``[B, heads, 1, D]``) attending over their first ``starts[b] + 1`` positions.
-    Returns ``[out, *buffers]``; ``None`` where the kernel does not apply (an extension built before it, too).
-    The same arithmetic as :func:`attention` per row, in one node instead of seven per row."""
-    module = _attending(queries, keys, values)
+    slice update is), its queries (``[B, heads, 1, D]``) attending over positions ``spans[2b]`` to
+    ``spans[2b + 1]`` of its shared prefix (the next two of ``prefixes``, its keys and values, for each row whose
+    span is not empty; read where they lie), then over their first ``starts[b] + 1`` positions; with ``lse``, each
+    output row ends with its log-sum-exp (:func:`attention_parts`). Returns ``[out, *buffers]``; ``None`` where
+    the kernel does not apply (an extension built before it, too). The same arithmetic as :func:`attention` per
+    row, in one node instead of seven per row."""
+    module = _attending(queries, keys, values, *(prefixes or ()))
     if (module is None or not hasattr(module, "decode_rows") or not _attends(module, queries, keys, values)
             or queries.shape[2] != 1 or keys.dtype != values.dtype):
         return None
-    return module.decode_rows(queries, keys, values, buffers, starts, scale)  # type: ignore[no-any-return]
+    return module.decode_rows(queries, keys, values, buffers, starts, scale,  # type: ignore[no-any-return]
+                              prefixes or [], spans or [], lse)
 
 
 def attention_parts(queries: mx.array, keys: mx.array, values: mx.array, scale: float,

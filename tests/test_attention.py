@@ -284,7 +284,7 @@ def test_decode_rows_write_and_attend_in_one_node_in_place_unless_a_buffer_is_he
     kept_before = np.array(kept)
     calls = []
     decode_rows = kernels.decode_rows
-    monkeypatch.setattr(kernels, "decode_rows", lambda *a: calls.append(len(a[3])) or decode_rows(*a))
+    monkeypatch.setattr(kernels, "decode_rows", lambda *a, **kw: calls.append(len(a[3])) or decode_rows(*a, **kw))
     got = attend(q, k, v, RowCaches(rows), 0.2)  # type: ignore[arg-type]
     mx.eval(got, [a for row in rows for a in (row.keys, row.values)])
     assert calls == [6]
@@ -301,33 +301,41 @@ def test_decode_rows_write_and_attend_in_one_node_in_place_unless_a_buffer_is_he
                     [rows[0].keys.shape[2]], 0.2)
 
 
+@pytest.mark.parametrize("one_by_one", [False, True])  # one node for every row, or (where it does not apply) not
 def test_decode_rows_reading_one_shared_prefix_read_it_once_and_attend_as_alone(
-        isa: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        isa: str, one_by_one: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Rows whose caches read one shared prefix attend over it together (cascade attention); each row's output
-    equals its own attention, a row that reads less of it and a row outside the group's included."""
+    equals its own attention, a row that reads less of it, a row outside the group's and a row reading a prefix
+    of its own (where it lies) included."""
     from mlxchat.layers import attention
 
     rng = np.random.default_rng(6)
-    rows = [KVCache() for _ in range(4)]
+    rows = [KVCache() for _ in range(5)]
     rows[0].update_and_fetch(*random_kv(rng, 305))
     rows[1].copy_from(rows[0], 300)  # the source moves its first 300 tokens into a shared prefix
     rows[2].copy_from(rows[0], 290)
     rows[2].update_and_fetch(*random_kv(rng, 70))
     rows[3].update_and_fetch(*random_kv(rng, 280))  # keys of its own
+    elsewhere = KVCache()
+    elsewhere.update_and_fetch(*random_kv(rng, 400))
+    rows[4].copy_from(elsewhere, 350)  # a prefix no other row of the batch reads
     assert rows[0].shared is rows[1].shared is rows[2].shared is not None and rows[3].shared is None
+    assert rows[4].shared is not None and rows[4].base == 350
     assert attention.shared_prefixes(rows) == [([0, 1, 2], 290)]
-    q = mx.array(rng.standard_normal((4, 4, 1, 32)).astype(np.float32))
-    k, v = (mx.array(rng.standard_normal((4, 2, 1, 32)).astype(np.float32)) for _ in range(2))
+    q = mx.array(rng.standard_normal((5, 4, 1, 32)).astype(np.float32))
+    k, v = (mx.array(rng.standard_normal((5, 2, 1, 32)).astype(np.float32)) for _ in range(2))
     expected = []
     for i, row in enumerate(rows):
         before_k, before_v = held(row)
         expected.append(plain_attention(q[i : i + 1], mx.concatenate([before_k, k[i : i + 1]], 2),
                                         mx.concatenate([before_v, v[i : i + 1]], 2), 0.2))
-    groups = []
-    shared = attention.attend_shared
-    monkeypatch.setattr(attention, "attend_shared", lambda *a: groups.append(a[2]) or shared(*a))
+    groups, nodes = [], []
+    shared, decode_rows = attention.shared_part, kernels.decode_rows
+    monkeypatch.setattr(attention, "shared_part", lambda *a: groups.append(a[1]) or shared(*a))
+    monkeypatch.setattr(kernels, "decode_rows", lambda *a, **kw: nodes.append(kw["lse"]) or (
+        None if one_by_one else decode_rows(*a, **kw)))
     got = attend(q, k, v, RowCaches(rows), 0.2)  # type: ignore[arg-type]
-    assert groups == [[0, 1, 2]]
+    assert groups == [[0, 1, 2]] and nodes == [True]  # every row's own part in one node, with its log-sum-exp
     assert float(mx.abs(got - mx.concatenate(expected, 0)).max()) < 2e-5
 
 

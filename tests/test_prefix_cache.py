@@ -186,8 +186,8 @@ def test_decode_rows_that_copied_one_prefix_read_it_once_with_their_own_logits(n
         return np.array(mx.concatenate(alone)), np.array(together), marks, held
 
     groups = []
-    shared = attention.attend_shared
-    monkeypatch.setattr(attention, "attend_shared", lambda *a: groups.append(a[2]) or shared(*a))
+    shared = attention.shared_part
+    monkeypatch.setattr(attention, "shared_part", lambda *a: groups.append(a[1]) or shared(*a))
     alone, together, marks, (each, distinct) = model.worker.run(run)
     assert all(m == marks[0] for m in marks) and marks[0] and id(None) not in marks[0]
     assert distinct < each * 0.6  # the prefix's keys and values held once for the three

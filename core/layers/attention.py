@@ -17,6 +17,7 @@ from ..cache import (
     QuantizedKVCache,
     RaggedRows,
     RowCaches,
+    SharedPrefix,
     each_sequence,
     padded,
 )
@@ -62,10 +63,10 @@ def attend(
     if isinstance(cache, RowCaches):
         rows: list[KeysValues] = cache.caches  # type: ignore[assignment]
         decoding = window is None and (mask is None or isinstance(mask, str)) and queries.shape[2] == 1
-        together = attend_rows(queries, keys, values, rows, scale) if decoding else None
+        groups = shared_prefixes(rows) if decoding else []
+        together = attend_rows(queries, keys, values, rows, scale, groups) if decoding else None
         if together is not None:
             return together
-        groups = shared_prefixes(rows) if decoding else []
         held = [fetch_attended(row, keys[i : i + 1], values[i : i + 1]) for i, row in enumerate(rows)]
         out: list[mx.array | None] = [None] * len(rows)
         for members, length in groups:
@@ -77,12 +78,14 @@ def attend(
     return attend_over(queries, fetch_attended(cache, keys, values), scale, mask, window)
 
 
-def attend_rows(queries: mx.array, keys: mx.array, values: mx.array, rows: Sequence[KeysValues],
-                scale: float) -> mx.array | None:
+def attend_rows(queries: mx.array, keys: mx.array, values: mx.array, rows: Sequence[KeysValues], scale: float,
+                groups: list[tuple[list[int], int]]) -> mx.array | None:
     """Decode rows' attention ``[B, heads, 1, Dv]`` in one native node that also writes each row's key and value
-    into its cache (:func:`mlxchat.kernels.decode_rows`): rows whose float KV caches hold no shared prefix, of one
-    dtype. ``None`` where it does not apply (the rows then attend one by one)."""
-    if not rows or any(type(row) is not KVCache or row.shared is not None for row in rows):
+    into its cache (:func:`mlxchat.kernels.decode_rows`): rows of float KV caches of one dtype, each reading its
+    shared prefix where it lies; the members of each of ``groups`` (:func:`shared_prefixes`) read the first keys
+    of theirs together instead (:func:`shared_part`). ``None`` where it does not apply (the rows then attend one
+    by one)."""
+    if not rows or any(type(row) is not KVCache for row in rows):
         return None
     caches: list[KVCache] = rows  # type: ignore[assignment]
     if len({row.dtype for row in caches}) != 1:
@@ -91,14 +94,33 @@ def attend_rows(queries: mx.array, keys: mx.array, values: mx.array, rows: Seque
     like: list[tuple[Sequence[int], mx.Dtype]] = [((1, *keys.shape[1:]), keys.dtype),
                                                   ((1, *values.shape[1:]), values.dtype)]
     starts = [row.make_room(1, like) for row in caches]  # (kept by the one-by-one path where it does not apply)
+    together = {i: length for members, length in groups for i in members}
+    prefixes: list[mx.array] = []
+    spans: list[int] = []
+    for i, row in enumerate(caches):
+        first = together.get(i, 0)
+        if row.shared is not None and first < row.base:
+            prefixes += [row.shared.keys, row.shared.values]
+        spans += [first, row.base] if row.shared is not None and first < row.base else [0, 0]
     held = [buffer for row in caches for buffer in (row.keys, row.values) if buffer is not None]
-    made = kernels.decode_rows(queries, keys, values, held, starts, scale)
+    made = kernels.decode_rows(queries, keys, values, held, starts, scale, prefixes, spans, lse=bool(groups))
     if made is None:
         return None
     out, *buffers = made
     for i, row in enumerate(caches):
         row.written(buffers[2 * i], buffers[2 * i + 1], 1)
-    return out
+    if not groups:
+        return out
+    merged = out[..., :-1]
+    for members, length in groups:
+        shared = caches[members[0]].shared
+        assert shared is not None
+        part = shared_part(queries, members, shared, length, scale)
+        assert part is not None  # (the kernel that ran decode_rows reads it)
+        index = mx.array(members)
+        own = out[index]
+        merged[index] = merge_parts(own[..., :-1], own[..., -1:], *part)
+    return merged
 
 
 SHARED_PREFIX_MIN = 256
@@ -119,14 +141,12 @@ def shared_prefixes(rows: Sequence[LayerCache]) -> list[tuple[list[int], int]]:
             for members in groups.values() if len(members) > 1]
 
 
-def attend_shared(queries: mx.array, held: list[Attended], members: list[int], length: int,
-                  scale: float) -> list[mx.array] | None:
-    """The outputs ``[1, heads, 1, Dv]`` of the decode queries ``queries[i]`` of the rows ``members``, which read one
-    shared prefix for at least ``length`` tokens (cascade attention, as FlashInfer and SGLang do for shared
-    prefixes): its first ``length`` keys read once by every member's heads together, each row's keys after them
-    by themselves, the parts merged by their log-sum-exps. ``None`` where the native kernel does not apply."""
-    rows: list[PrefixedKeysValues] = [held[i] for i in members]  # type: ignore[misc]
-    shared = rows[0].shared
+def shared_part(queries: mx.array, members: list[int], shared: SharedPrefix, length: int,
+                scale: float) -> tuple[mx.array, mx.array] | None:
+    """The decode queries ``queries[i]`` of the rows ``members`` over the first ``length`` keys of the prefix they
+    share, read once by every member's heads together (cascade attention, as FlashInfer and SGLang do for shared
+    prefixes): the outputs ``[count, heads, 1, Dv]`` and their log-sum-exps ``[count, heads, 1, 1]``. ``None``
+    where the native kernel does not apply."""
     _, heads, _, dims = queries.shape
     kv_heads = shared.keys.shape[1]
     rep, count = heads // kv_heads, len(members)
@@ -139,16 +159,30 @@ def attend_shared(queries: mx.array, held: list[Attended], members: list[int], l
     grouped = queries[mx.array(members)].reshape(count, kv_heads, rep, dims).transpose(1, 0, 2, 3)
     together = kernels.attention_parts(grouped.reshape(1, kv_heads * count * rep, 1, dims),
                                        shared.keys[..., :length, :], shared.values[..., :length, :], scale)
+    return None if together is None else (by_member(together[0]), by_member(together[1]))
+
+
+def merge_parts(out: mx.array, lse: mx.array, other_out: mx.array, other_lse: mx.array) -> mx.array:
+    """Attention over two parts of the keys merged from each part's outputs and log-sum-exps."""
+    return out + mx.sigmoid(other_lse - lse) * (other_out - out)  # the other part's share of each row
+
+
+def attend_shared(queries: mx.array, held: list[Attended], members: list[int], length: int,
+                  scale: float) -> list[mx.array] | None:
+    """The outputs ``[1, heads, 1, Dv]`` of the decode queries ``queries[i]`` of the rows ``members``, which read one
+    shared prefix for at least ``length`` tokens: its first ``length`` keys read once for all (:func:`shared_part`),
+    each row's keys after them by themselves, the parts merged by their log-sum-exps. ``None`` where the native
+    kernel does not apply."""
+    rows: list[PrefixedKeysValues] = [held[i] for i in members]  # type: ignore[misc]
+    part = shared_part(queries, members, rows[0].shared, length, scale)
     own = [kernels.attention_parts(queries[i : i + 1], row.keys, row.values, scale,  # the prefix it reads further too
                                    None if row.length == length else row.span(length))
            for i, row in zip(members, rows, strict=True)]
-    if together is None or any(part is None for part in own):
+    if part is None or any(mine is None for mine in own):
         return None
-    shared_out, shared_lse = by_member(together[0]), by_member(together[1])
-    own_out = mx.concatenate([part[0] for part in own])  # type: ignore[index]
-    own_lse = mx.concatenate([part[1] for part in own])  # type: ignore[index]
-    out = own_out + mx.sigmoid(shared_lse - own_lse) * (shared_out - own_out)  # the shared keys' share of each row
-    return [out[j : j + 1] for j in range(count)]
+    out = merge_parts(mx.concatenate([mine[0] for mine in own]),  # type: ignore[index]
+                      mx.concatenate([mine[1] for mine in own]), *part)  # type: ignore[index]
+    return [out[j : j + 1] for j in range(len(members))]
 
 
 def attend_over(queries: mx.array, held: Attended, scale: float, mask: mx.array | str | None = None,

@@ -596,8 +596,11 @@ class Attention : public Kernel {
  * One decode step of attention for several sequences, each with its own KV cache (batched decoding): row b's new
  * key and value (keys, values [B, kv_heads, 1, D|Dv]) are written at position starts[b] of its cache's buffers
  * ([1, kv_heads, capacity, D|Dv]: taken over in place where nothing else holds them, as MLX's slice update does,
- * else copied first), then its query heads (queries [B, heads, 1, D], float32) attend over the buffers' first
- * starts[b] + 1 positions. Outputs: [B, heads, 1, Dv], then the buffers, in their order.
+ * else copied first), then its query heads (queries [B, heads, 1, D], float32) attend over positions
+ * [from[b], to[b]) of its shared prefix's keys and values when it reads one ([1, kv_heads, length, D|Dv], read
+ * where they lie), then the buffers' first starts[b] + 1. Inputs: queries, keys, values, then each row's key and
+ * value buffers followed by its prefix's keys and values where from[b] < to[b]. Outputs: [B, heads, 1, Dv] (with
+ * `lse`, Dv + 1: each row's log-sum-exp of its scaled scores last), then the buffers, in their order.
  *
  * Why: one node for what is otherwise seven per row and layer (the row's slices, two slice updates, the used
  * parts, its attention, a concatenation), each about 10 us on MLX's CPU stream: with 8 rows, a third of a
@@ -605,8 +608,21 @@ class Attention : public Kernel {
  */
 class DecodeRows : public mx::Primitive {
  public:
-  DecodeRows(mx::Stream stream, float scale, std::vector<int64_t> starts)
-      : mx::Primitive(stream), scale_(scale), starts_(std::move(starts)) {}
+  DecodeRows(mx::Stream stream, float scale, std::vector<int64_t> starts, std::vector<int64_t> from,
+             std::vector<int64_t> to, bool lse)
+      : mx::Primitive(stream), scale_(scale), starts_(std::move(starts)), from_(std::move(from)), to_(std::move(to)),
+        lse_(lse) {}
+
+  /* Where each row's key buffer is among the inputs (its value buffer next, then its prefix's when it has one). */
+  static std::vector<size_t> layout(const std::vector<int64_t>& from, const std::vector<int64_t>& to) {
+    std::vector<size_t> at;
+    size_t next = 3;
+    for (size_t b = 0; b < from.size(); ++b) {
+      at.push_back(next);
+      next += from[b] < to[b] ? 4 : 2;
+    }
+    return at;
+  }
 
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
     throw std::runtime_error("mlxchat's fused kernels run on the CPU only");
@@ -618,10 +634,10 @@ class DecodeRows : public mx::Primitive {
     if (!outputs[0].is_tracer())
       for (auto& out : outputs)
         if (&out.inputs() != &inputs) out.inputs().clear();
-    const size_t buffers = 2 * starts_.size();
-    std::vector<char> copied(buffers, 0);
-    for (size_t i = 0; i < buffers; ++i) {
-      const auto& in = inputs[3 + i];
+    const std::vector<size_t> at = layout(from_, to_);
+    std::vector<char> copied(2 * at.size(), 0);
+    for (size_t i = 0; i < copied.size(); ++i) {
+      const auto& in = inputs[at[i / 2] + i % 2];
       auto& out = outputs[1 + i];
       if (in.is_donatable() && in.flags().row_contiguous) {
         out.copy_shared_buffer(in);
@@ -637,42 +653,50 @@ class DecodeRows : public mx::Primitive {
     std::vector<mx::array> held, made;
     for (const auto& a : inputs) held.push_back(mx::array::unsafe_weak_copy(a));
     for (const auto& a : outputs) made.push_back(mx::array::unsafe_weak_copy(a));
-    encoder.dispatch([held = std::move(held), made = std::move(made), copied = std::move(copied), scale = scale_,
-                      starts = starts_]() mutable {
+    encoder.dispatch([held = std::move(held), made = std::move(made), copied = std::move(copied), at, scale = scale_,
+                      starts = starts_, from = from_, to = to_, lse = lse_]() mutable {
       namespace att = mlxchat_attention;
       for (size_t i = 0; i < copied.size(); ++i)
         if (copied[i]) {
-          if (held[3 + i].itemsize() == 2)
-            copy_contiguous(held[3 + i], made[1 + i].data<uint16_t>());
+          const auto& source = held[at[i / 2] + i % 2];
+          if (source.itemsize() == 2)
+            copy_contiguous(source, made[1 + i].data<uint16_t>());
           else
-            copy_contiguous(held[3 + i], made[1 + i].data<float>());
+            copy_contiguous(source, made[1 + i].data<float>());
         }
-      std::vector<float> copies[3];
+      std::vector<float> copies[5];
       const att::View q = view(held[0], copies[0]), k = view(held[1], copies[1]), v = view(held[2], copies[2]);
       const int heads = held[0].shape(1), dims = held[0].shape(3), kv_heads = held[1].shape(1);
-      const int value_dims = held[2].shape(3);
+      const int value_dims = held[2].shape(3), width = value_dims + (lse ? 1 : 0);
       const size_t item = held[1].itemsize();
       const bool half = held[1].dtype() == mx::float16;
+      auto rows = [&](att::Rows& r, int features, att::View data) { r.dims = features, r.half = half, r.data = data; };
       for (size_t b = 0; b < starts.size(); ++b) {
         mx::array &keys = made[1 + 2 * b], &values = made[2 + 2 * b];
-        const int64_t capacity = keys.shape(2), at = starts[b];
+        const int64_t capacity = keys.shape(2), written = starts[b];
         for (int h = 0; h < kv_heads; ++h) {
-          std::memcpy(static_cast<char*>(keys.data<void>()) + ((h * capacity + at) * dims) * item,
+          std::memcpy(static_cast<char*>(keys.data<void>()) + ((h * capacity + written) * dims) * item,
                       static_cast<const char*>(k.data) + (b * k.batch + h * k.head) * item, dims * item);
-          std::memcpy(static_cast<char*>(values.data<void>()) + ((h * capacity + at) * value_dims) * item,
+          std::memcpy(static_cast<char*>(values.data<void>()) + ((h * capacity + written) * value_dims) * item,
                       static_cast<const char*>(v.data) + (b * v.batch + h * v.head) * item, value_dims * item);
         }
         att::Problem p;
         p.queries = {q.at<float>(int(b), 0, 0), q.batch, q.head, q.row};
         p.batch = 1, p.heads = heads, p.length = 1, p.dims = dims, p.kv_heads = kv_heads, p.value_dims = value_dims;
-        p.scale = scale, p.out = made[0].data<float>() + b * heads * value_dims;
-        att::Segment& seg = p.segments[0];
-        seg.count = at + 1;
-        seg.keys.dims = dims, seg.keys.half = half;
-        seg.keys.data = {keys.data<void>(), kv_heads * capacity * dims, capacity * dims, dims};
-        seg.values.dims = value_dims, seg.values.half = half;
-        seg.values.data = {values.data<void>(), kv_heads * capacity * value_dims, capacity * value_dims, value_dims};
-        p.count = 1;
+        p.scale = scale, p.lse = lse, p.out = made[0].data<float>() + b * heads * width;
+        if (from[b] < to[b]) {  // the shared prefix's part this row reads, where it lies
+          const att::View pk = view(held[at[b] + 2], copies[3]), pv = view(held[at[b] + 3], copies[4]);
+          att::Segment& seg = p.segments[p.count++];
+          seg.count = to[b] - from[b];
+          rows(seg.keys, dims, {static_cast<const char*>(pk.data) + from[b] * pk.row * item, pk.batch, pk.head, pk.row});
+          rows(seg.values, value_dims,
+               {static_cast<const char*>(pv.data) + from[b] * pv.row * item, pv.batch, pv.head, pv.row});
+        }
+        att::Segment& seg = p.segments[p.count++];
+        seg.count = written + 1;
+        rows(seg.keys, dims, {keys.data<void>(), kv_heads * capacity * dims, capacity * dims, dims});
+        rows(seg.values, value_dims,
+             {values.data<void>(), kv_heads * capacity * value_dims, capacity * value_dims, value_dims});
         att::attend(p);
       }
     });
@@ -684,12 +708,14 @@ class DecodeRows : public mx::Primitive {
 
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const DecodeRows&>(other);
-    return scale_ == o.scale_ && starts_ == o.starts_;
+    return scale_ == o.scale_ && starts_ == o.starts_ && from_ == o.from_ && to_ == o.to_ && lse_ == o.lse_;
   }
 
  private:
   float scale_;
   std::vector<int64_t> starts_;  // where each row's new key and value go in its buffers
+  std::vector<int64_t> from_, to_;  // the positions of its shared prefix each row reads (none where from >= to)
+  bool lse_;
 };
 
 /* Sets flush-to-zero and denormals-are-zero on the thread that evaluates it (the stream's): a denormal operand
@@ -887,35 +913,55 @@ mx::array quantized_attention(const mx::array& q, const mx::array& kp, const mx:
 }
 
 /* See DecodeRows: queries [B, heads, 1, D] float32, keys and values [B, kv_heads, 1, D|Dv] and each row's key and
- * value buffers [1, kv_heads, capacity, D|Dv] of one float dtype, starts[b] < capacity. */
+ * value buffers [1, kv_heads, capacity, D|Dv] of one float dtype, starts[b] < capacity; spans (from, to) of each
+ * row's shared prefix (empty: none reads one), whose keys and values (two arrays for each row with from < to, of
+ * the keys' dtype) are `prefixes`. */
 std::vector<mx::array> decode_rows(const mx::array& q, const mx::array& k, const mx::array& v,
                                    const std::vector<mx::array>& buffers, const std::vector<int64_t>& starts,
-                                   float scale) {
+                                   float scale, const std::vector<mx::array>& prefixes,
+                                   const std::vector<int64_t>& spans, bool lse) {
   check_attention(q, k, v, 0);
   const int rows = q.shape(0);
   if (q.shape(2) != 1 || k.shape(2) != 1) throw std::invalid_argument("decode rows have one query and one key each");
   if (k.dtype() != v.dtype()) throw std::invalid_argument("keys and values must have one dtype");
   if (int(starts.size()) != rows || int(buffers.size()) != 2 * rows)
     throw std::invalid_argument("each row needs its start and its key and value buffers");
-  std::vector<mx::Shape> shapes = {{rows, q.shape(1), 1, v.shape(3)}};
+  if (!spans.empty() && int(spans.size()) != 2 * rows)
+    throw std::invalid_argument("spans must be none, or a (from, to) pair for each row");
+  std::vector<int64_t> from(rows, 0), to(rows, 0);
+  for (int b = 0; b < int(spans.size()) / 2; ++b) from[b] = spans[2 * b], to[b] = spans[2 * b + 1];
+  auto check_kv = [&](const mx::array& a, int features, const char* what) {
+    if (a.dtype() != k.dtype() || a.ndim() != 4 || a.shape(0) != 1 || a.shape(1) != k.shape(1) || a.shape(3) != features)
+      throw std::invalid_argument(std::string(what) + " must be [1, kv_heads, positions, features] of the keys' dtype");
+  };
+  std::vector<mx::Shape> shapes = {{rows, q.shape(1), 1, v.shape(3) + (lse ? 1 : 0)}};
   std::vector<mx::Dtype> dtypes = {mx::float32};
+  std::vector<mx::array> inputs = {q, k, v};
+  size_t prefix = 0;
   for (int b = 0; b < rows; ++b) {
     const auto &kb = buffers[2 * b], &vb = buffers[2 * b + 1];
-    for (const auto* buffer : {&kb, &vb})
-      if (buffer->dtype() != k.dtype() || buffer->ndim() != 4 || buffer->shape(0) != 1 || buffer->shape(1) != k.shape(1))
-        throw std::invalid_argument("a row's buffers must be [1, kv_heads, capacity, features] of the keys' dtype");
-    if (kb.shape(3) != k.shape(3) || vb.shape(3) != v.shape(3) || vb.shape(2) != kb.shape(2))
-      throw std::invalid_argument("a row's buffers must hold the keys' and values' features, as many positions each");
+    check_kv(kb, k.shape(3), "a row's key buffer");
+    check_kv(vb, v.shape(3), "a row's value buffer");
+    if (vb.shape(2) != kb.shape(2)) throw std::invalid_argument("a row's buffers must hold as many positions each");
     if (starts[b] < 0 || starts[b] >= kb.shape(2)) throw std::invalid_argument("a row's start must be within its buffers");
+    inputs.insert(inputs.end(), {kb, vb});
     for (const auto* buffer : {&kb, &vb}) {
       shapes.push_back(buffer->shape());
       dtypes.push_back(buffer->dtype());
     }
+    if (from[b] >= to[b]) continue;
+    if (prefix + 2 > prefixes.size()) throw std::invalid_argument("each row's span needs its prefix's keys and values");
+    const auto &pk = prefixes[prefix], &pv = prefixes[prefix + 1];
+    prefix += 2;
+    check_kv(pk, k.shape(3), "a prefix's keys");
+    check_kv(pv, v.shape(3), "a prefix's values");
+    if (from[b] < 0 || to[b] > pk.shape(2) || pv.shape(2) != pk.shape(2))
+      throw std::invalid_argument("a row's span must lie within its prefix");
+    inputs.insert(inputs.end(), {pk, pv});
   }
-  std::vector<mx::array> inputs = {q, k, v};
-  inputs.insert(inputs.end(), buffers.begin(), buffers.end());
-  return mx::array::make_arrays(std::move(shapes), dtypes, std::make_shared<DecodeRows>(cpu_stream(), scale, starts),
-                                inputs);
+  if (prefix != prefixes.size()) throw std::invalid_argument("more prefixes than spans that read them");
+  return mx::array::make_arrays(std::move(shapes), dtypes,
+                                std::make_shared<DecodeRows>(cpu_stream(), scale, starts, from, to, lse), inputs);
 }
 
 }  // namespace
@@ -947,10 +993,13 @@ NB_MODULE(_kernels, m) {
         "prefix's packed keys, scales, biases, packed values, scales, biases when they are given (read where they "
         "lie too).");
   m.def("decode_rows", &decode_rows, nb::arg("queries"), nb::arg("keys"), nb::arg("values"), nb::arg("buffers"),
-        nb::arg("starts"), nb::arg("scale"),
+        nb::arg("starts"), nb::arg("scale"), nb::arg("prefixes") = std::vector<mx::array>{},
+        nb::arg("spans") = std::vector<int64_t>{}, nb::arg("lse") = false,
         "One decode step of B sequences' attention: row b's key and value written at starts[b] of its buffers "
         "(buffers[2b], buffers[2b + 1]: [1, kv_heads, capacity, D|Dv], taken over in place where nothing else holds "
-        "them), its queries attending over their first starts[b] + 1 positions. Returns [out, *buffers].");
+        "them), its queries attending over positions spans[2b] to spans[2b + 1] of its shared prefix's keys and "
+        "values (the next two of prefixes, for each row whose span is not empty), then their first starts[b] + 1 "
+        "positions; with lse each output row ends with the log-sum-exp of its scaled scores. Returns [out, *buffers].");
   m.def("flush_denormals", [] {
     return mx::array(mx::Shape{}, mx::bool_, std::make_shared<FlushDenormals>(cpu_stream()), {});
   }, "An array whose evaluation sets flush-to-zero / denormals-are-zero on the CPU stream's thread.");
