@@ -117,7 +117,7 @@ def rope(x: mx.array, inv_freq: mx.array, dims: int, offset: int | list[int]) ->
         return None
     if isinstance(offset, int):
         return module.rope(x, inv_freq, dims, offset)  # type: ignore[no-any-return]
-    if not hasattr(module, "rope_rows") or x.ndim < 3 or len(offset) != x.shape[0]:
+    if not hasattr(module, "rope_rows") or x.ndim < 3 or not offset or len(offset) != x.shape[0]:
         return None
     return module.rope_rows(x, inv_freq, dims, offset)  # type: ignore[no-any-return]
 

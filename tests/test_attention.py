@@ -301,6 +301,30 @@ def test_decode_rows_write_and_attend_in_one_node_in_place_unless_a_buffer_is_he
                     [rows[0].keys.shape[2]], 0.2)
 
 
+def test_decode_rows_whose_buffers_differ_in_dtype_attend_one_by_one() -> None:
+    """A float cache can hold another format's buffers (loaded from a float16 cache's state, as a pool's copy
+    between formats does): such rows are not one node's (the keys' dtype must be every buffer's), and attend as
+    each would alone."""
+    rng = np.random.default_rng(4)
+    half = KVCache(mx.float16)
+    half.update_and_fetch(*random_kv(rng, 40))
+    rows = [KVCache(), KVCache()]
+    rows[0].load_state(*half.state_dict())
+    rows[0].trim_to(30)
+    rows[1].update_and_fetch(*random_kv(rng, 20))
+    assert rows[0].keys is not None and rows[0].keys.dtype == mx.float16
+    q = mx.array(rng.standard_normal((2, 4, 1, 32)).astype(np.float32))
+    k, v = (mx.array(rng.standard_normal((2, 2, 1, 32)).astype(np.float32)) for _ in range(2))
+    expected = []
+    for i, row in enumerate(rows):
+        before_k, before_v = held(row)
+        expected.append(plain_attention(q[i : i + 1], mx.concatenate([before_k.astype(mx.float32), k[i : i + 1]], 2),
+                                        mx.concatenate([before_v.astype(mx.float32), v[i : i + 1]], 2), 0.2))
+    got = attend(q, k, v, RowCaches(rows), 0.2)  # type: ignore[arg-type]
+    assert float(mx.abs(got - mx.concatenate(expected, 0)).max()) < 2e-3  # (the new key stored as float16)
+    assert [row.offset for row in rows] == [31, 21]
+
+
 @pytest.mark.parametrize("one_by_one", [False, True])  # one node for every row, or (where it does not apply) not
 def test_decode_rows_reading_one_shared_prefix_read_it_once_and_attend_as_alone(
         isa: str, one_by_one: bool, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -335,7 +359,8 @@ def test_decode_rows_reading_one_shared_prefix_read_it_once_and_attend_as_alone(
     monkeypatch.setattr(kernels, "decode_rows", lambda *a, **kw: nodes.append(kw["lse"]) or (
         None if one_by_one else decode_rows(*a, **kw)))
     got = attend(q, k, v, RowCaches(rows), 0.2)  # type: ignore[arg-type]
-    assert groups == [[0, 1, 2]] and nodes == [True]  # every row's own part in one node, with its log-sum-exp
+    assert nodes == [True]  # every row's own part in one node, with its log-sum-exp
+    assert groups == [[0, 1, 2]] * (2 if one_by_one else 1)  # (built for the node, then for the rows one by one)
     assert float(mx.abs(got - mx.concatenate(expected, 0)).max()) < 2e-5
 
 

@@ -72,8 +72,11 @@ def test_rope_of_a_batch_turns_each_row_by_its_own_offset_and_its_gradient_back(
                            for i, o in enumerate(offsets)])
     assert mx.array_equal(grad, back)
     assert kernels.rope(x, inv_freq, 64, offsets[:2]) is None  # not one per row: the caller's own op
+    assert kernels.rope(x[:0], inv_freq, 64, []) is None
     with pytest.raises(ValueError, match="negative"):
         kernels._native()[0].rope_rows(x, inv_freq, 64, [0, -1, 2])
+    with pytest.raises(ValueError, match="one per index"):  # (an empty batch: no offsets to divide it among)
+        kernels._native()[0].rope_rows(x[:0], inv_freq, 64, [])
 
 
 def test_rope_equals_mlx_on_transposed_queries() -> None:

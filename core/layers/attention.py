@@ -91,6 +91,13 @@ def attend_rows(queries: mx.array, keys: mx.array, values: mx.array, rows: Seque
     if len({row.dtype for row in caches}) != 1:
         return None
     keys, values = caches[0].stored(keys), caches[0].stored(values)
+    parts = []
+    for members, length in groups:  # what the groups read together (read first: nothing is written if it cannot be)
+        shared = caches[members[0]].shared
+        part = None if shared is None else shared_part(queries, members, shared, length, scale)
+        if part is None:
+            return None
+        parts.append(part)
     like: list[tuple[Sequence[int], mx.Dtype]] = [((1, *keys.shape[1:]), keys.dtype),
                                                   ((1, *values.shape[1:]), values.dtype)]
     starts = [row.make_room(1, like) for row in caches]  # (kept by the one-by-one path where it does not apply)
@@ -103,6 +110,8 @@ def attend_rows(queries: mx.array, keys: mx.array, values: mx.array, rows: Seque
             prefixes += [row.shared.keys, row.shared.values]
         spans += [first, row.base] if row.shared is not None and first < row.base else [0, 0]
     held = [buffer for row in caches for buffer in (row.keys, row.values) if buffer is not None]
+    if any(a.dtype != keys.dtype for a in (*held, *prefixes)):  # (a cache loaded from another format's state)
+        return None
     made = kernels.decode_rows(queries, keys, values, held, starts, scale, prefixes, spans, lse=bool(groups))
     if made is None:
         return None
@@ -112,11 +121,7 @@ def attend_rows(queries: mx.array, keys: mx.array, values: mx.array, rows: Seque
     if not groups:
         return out
     merged = out[..., :-1]
-    for members, length in groups:
-        shared = caches[members[0]].shared
-        assert shared is not None
-        part = shared_part(queries, members, shared, length, scale)
-        assert part is not None  # (the kernel that ran decode_rows reads it)
+    for (members, _), part in zip(groups, parts, strict=True):
         index = mx.array(members)
         own = out[index]
         merged[index] = merge_parts(own[..., :-1], own[..., -1:], *part)

@@ -821,7 +821,7 @@ mx::array rope(const mx::array& x, const mx::array& inv_freq, int dims, const st
   if (x.ndim() < 2) throw std::invalid_argument("x must be [..., length, dims]");
   if (dims < 2 || dims % 2 || dims > x.shape(-1)) throw std::invalid_argument("dims must be even and fit x");
   if (inv_freq.ndim() != 1 || inv_freq.shape(0) != dims / 2) throw std::invalid_argument("inv_freq must be [dims / 2]");
-  if (offsets.size() != 1 && (x.ndim() < 3 || int64_t(offsets.size()) != x.shape(0)))
+  if (offsets.empty() || (offsets.size() != 1 && (x.ndim() < 3 || int64_t(offsets.size()) != x.shape(0))))
     throw std::invalid_argument("offsets must be one, or one per index of x's first axis");
   for (int offset : offsets)
     if (offset < 0) throw std::invalid_argument("offset must not be negative");
