@@ -823,7 +823,8 @@ class RowCaches(LayerCache):
 
     A layer reads ``offset``/``position`` as one entry per row. State caches read as their rows stacked and
     are updated row by row, so a layer's own code serves a batch unchanged; keys and values differ in length
-    from row to row and are attended row by row (:func:`mlxchat.layers.attend`).
+    from row to row, each row attending over its own (:func:`mlxchat.layers.attend`: float KV caches' rows in one
+    node, :func:`~mlxchat.layers.attention.attend_rows`; others row by row).
     """
 
     def __init__(self, caches: list[LayerCache]):
