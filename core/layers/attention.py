@@ -108,7 +108,9 @@ def attend_rows(queries: mx.array, keys: mx.array, values: mx.array, rows: Seque
         first = together.get(i, 0)
         if row.shared is not None and first < row.base:
             prefixes += [row.shared.keys, row.shared.values]
-        spans += [first, row.base] if row.shared is not None and first < row.base else [0, 0]
+            spans += [first, row.base]
+        else:
+            spans += [0, 0]
     held = [buffer for row in caches for buffer in (row.keys, row.values) if buffer is not None]
     if any(a.dtype != keys.dtype for a in (*held, *prefixes)):  # (a cache loaded from another format's state)
         return None
