@@ -21,7 +21,7 @@ polynomial, about 1 ulp). ``MLXCHAT_KERNELS=off`` keeps MLX's.
 from __future__ import annotations
 
 from types import ModuleType
-from typing import Any
+from typing import Any, NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -76,8 +76,12 @@ def kernel_info() -> dict[str, Any]:
 # -- elementwise ------------------------------------------------------------------------------------------
 
 
-def silu_mul(gate: mx.array, x: mx.array) -> mx.array | None:
-    """``silu(gate) * x`` in one pass, or ``None`` where the kernel does not apply (the caller's own op runs)."""
+def silu_mul(gate: mx.array, x: mx.array | None = None) -> mx.array | None:
+    """``silu(gate) * x`` in one pass, or ``None`` where the kernel does not apply (the caller's own op runs).
+    Without ``x``, ``gate`` holds both, side by side on its last axis (a joined gate/up product)."""
+    if x is None:
+        module = _applies(gate)
+        return None if module is None or gate.shape[-1] % 2 else module.silu_mul(gate)
     module = _applies(gate, x)
     if module is None or gate.shape != x.shape:
         return None
@@ -120,6 +124,40 @@ def rope(x: mx.array, inv_freq: mx.array, dims: int, offset: int | list[int]) ->
     if not hasattr(module, "rope_rows") or x.ndim < 3 or not offset or len(offset) != x.shape[0]:
         return None
     return module.rope_rows(x, inv_freq, dims, offset)  # type: ignore[no-any-return]
+
+
+class Rotation(NamedTuple):
+    """A rotate-half RoPE as the kernels take it (:meth:`mlxchat.layers.RoPE.rotation`)."""
+
+    inv_freq: mx.array
+    """``[dims / 2]`` float32: pair ``j`` turns by ``position * inv_freq[j]``."""
+    dims: int
+    """The features rotated (the first ones of each head)."""
+    scale: float
+    """Multiplies the rotated features first (yarn's attention factor; 1 for the other types)."""
+    offsets: list[int]
+    """The position of each row's first token: one for all rows, or one per row."""
+
+
+def heads(q: mx.array, k: mx.array | None, v: mx.array | None, heads: int, kv_heads: int,
+          norms: tuple[mx.array, mx.array, float] | None,
+          rotation: Rotation | None) -> tuple[mx.array, mx.array, mx.array] | None:
+    """Attention's heads ``[B, heads, L, D]`` from its projections' outputs ``[B, L, heads * D]``, or (``k`` and
+    ``v`` ``None``) from the one product ``q`` they are parts of: q and k normalized per head by ``norms`` (the q
+    and k RMS norms' weights and their eps) when given, then turned by ``rotation``; v only laid out. One node
+    in place of a layer's twelve (the split, reshapes, norms, transposes and rotations), the same arithmetic as
+    :func:`rms_norm` then :func:`rope`. ``None`` where the kernel does not apply (the caller's own ops run)."""
+    weights = list(norms[:2]) if norms is not None else []
+    given = [a for a in (q, k, v) if a is not None]
+    module = _applies(*given, *weights, *(() if rotation is None else (rotation.inv_freq,)))
+    if module is None or not hasattr(module, "heads") or q.ndim != 3 or (k is None) != (v is None):
+        return None
+    if k is None and q.shape[-1] % (heads + 2 * kv_heads):
+        return None
+    if rotation is None:
+        return tuple(module.heads(q, k, v, heads, kv_heads, weights, norms[2] if norms else 0.0))  # type: ignore[return-value]
+    return tuple(module.heads(q, k, v, heads, kv_heads, weights, norms[2] if norms else 0.0,  # type: ignore[return-value]
+                              rotation.inv_freq, rotation.dims, rotation.scale, rotation.offsets))
 
 
 # -- attention ----------------------------------------------------------------------------------------------

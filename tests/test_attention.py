@@ -543,3 +543,37 @@ def _with(monkeypatch: pytest.MonkeyPatch, module: object, name: str, run):  # n
     with monkeypatch.context() as patch:
         patch.setattr(module, name, lambda *args: None)
         return run()
+
+
+@pytest.mark.parametrize("fixture", ["qwen3", "qwen3_rope_yarn", "qwen3_rope_dynamic", "lfm2"])
+def test_heads_and_a_lone_decode_row_in_one_node_give_the_logits_of_the_ops_one_at_a_time(
+        monkeypatch: pytest.MonkeyPatch, fixture: str) -> None:
+    """Core's Attention makes a chunk's heads in one node (kernels.heads: norms, RoPE at the cache's offset, yarn's
+    scale) and a lone sequence's decode step writes and attends in one node too (kernels.decode_rows): the logits
+    of a prompt and decode steps, past a dynamic RoPE's window too, are those of the separate ops."""
+    from mlxchat.testing import load_fixture
+
+    from conftest import FIXTURES
+
+    model = load_fixture(FIXTURES / fixture)
+    ids = np.random.default_rng(5).integers(0, model.config.vocab_size, 80).tolist()
+
+    def run() -> np.ndarray:
+        cache, out, at = model.make_prompt_cache().layers, [], 0
+        for size in (70, 1, 1, 1, 5, 1, 1):
+            logits = model.module(mx.array(ids[at : at + size])[None], cache)[0]
+            mx.eval(logits)
+            out.append(np.array(logits))
+            at += size
+        return np.concatenate(out)
+
+    calls = {"heads": 0, "decode_rows": 0}
+    for name in calls:
+        real = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, lambda *a, _real=real, _name=name, **k:
+                            calls.__setitem__(_name, calls[_name] + 1) or _real(*a, **k))
+    fused = model.worker.run(run)
+    assert calls["heads"] > 0 and calls["decode_rows"] > 0
+    monkeypatch.setattr(kernels, "heads", lambda *a: None)
+    monkeypatch.setattr(kernels, "decode_rows", lambda *a, **k: None)
+    assert float(np.abs(model.worker.run(run) - fused).max()) < 1e-4

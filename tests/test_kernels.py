@@ -28,6 +28,16 @@ def test_silu_mul_equals_mlx_over_the_whole_range() -> None:
         close(a, b)
 
 
+def test_silu_mul_of_a_joined_products_halves() -> None:
+    """A joined gate/up product [..., 2I] read as its two halves where they lie; the gradient flows to both."""
+    joined = mx.random.normal((3, 5, 2 * 72)) * 4
+    gate, x = joined[..., :72], joined[..., 72:]
+    close(kernels.silu_mul(joined), nn.silu(gate) * x)
+    grad = mx.grad(lambda j: (kernels.silu_mul(j) ** 2).sum())(joined)
+    close(grad, mx.grad(lambda j: ((nn.silu(j[..., :72]) * j[..., 72:]) ** 2).sum())(joined), 1e-5)
+    assert kernels.silu_mul(joined[..., 1:]) is None  # an odd last axis has no halves
+
+
 @pytest.mark.parametrize("layout", ["rows apart", "last axis strided"])
 def test_rms_norm_equals_mlx_on_strided_input(layout: str) -> None:
     x = (mx.random.normal((3, 40, 70)).swapaxes(0, 1) if layout == "rows apart"  # not row-contiguous
@@ -93,3 +103,88 @@ def test_mlx_runs_where_a_kernel_does_not_apply() -> None:
     w = mx.ones((8,), mx.float16)
     assert kernels.rms_norm(half, w, 1e-6).dtype == mx.float16
     assert np.allclose(np.array(kernels.rms_norm(half, w, 1e-6)), np.array(mx.fast.rms_norm(half, w, 1e-6)))
+
+
+def unfused_heads(q: mx.array, k: mx.array, v: mx.array, heads: int, kv_heads: int,
+                  norms: tuple[mx.array, mx.array, float] | None, turn: kernels.Rotation | None) -> list[mx.array]:
+    """What Attention does without kernels.heads: reshape, RMS norms, transpose, scale, RoPE, one op at a time."""
+    batch, length, _ = q.shape
+    out = []
+    for i, (x, count) in enumerate(((q, heads), (k, kv_heads), (v, kv_heads))):
+        x = x.reshape(batch, length, count, -1)
+        if norms is not None and i < 2:
+            x = kernels.rms_norm(x, norms[i], norms[2])  # type: ignore[arg-type]
+        x = x.transpose(0, 2, 1, 3)
+        if turn is not None and i < 2:
+            if turn.scale != 1.0:
+                x = x.at[..., : turn.dims].multiply(turn.scale)
+            offset = turn.offsets[0] if len(turn.offsets) == 1 else turn.offsets
+            x = kernels.rope(x, turn.inv_freq, turn.dims, offset)  # type: ignore[assignment]
+        out.append(x)
+    return out
+
+
+@pytest.mark.parametrize(("length", "offsets", "dims", "scale", "normed"),
+                         [(1, [7], 64, 1.0, True), (5, [0, 300], 32, 1.0, True), (3, [2], 64, 1.2, False),
+                          (1, [4, 9], 48, 0.9, True)])
+def test_heads_equal_the_ops_they_fuse_values_and_gradients(length: int, offsets: list[int], dims: int, scale: float,
+                                                            normed: bool) -> None:
+    """One node (kernels.heads) gives the heads the separate reshapes, norms, transposes and rotations give, bit for
+    bit, from views of one product (as the joined q/k/v projection yields them); gradients equal theirs."""
+    batch, heads, kv_heads, d = len(offsets), 4, 2, 64
+    joined = mx.random.normal((batch, length, (heads + 2 * kv_heads) * d))
+    inv_freq = mx.array([1e4 ** (-2 * j / dims) for j in range(dims // 2)], dtype=mx.float32)
+    norms = (mx.random.normal((d,)), mx.random.normal((d,)), 1e-6) if normed else None
+    turn = kernels.Rotation(inv_freq, dims, scale, offsets)
+
+    def split(x: mx.array) -> list[mx.array]:
+        return mx.split(x, [heads * d, (heads + kv_heads) * d], axis=-1)  # type: ignore[return-value]
+
+    ours = kernels.heads(*split(joined), heads, kv_heads, norms, turn)
+    whole = kernels.heads(joined, None, None, heads, kv_heads, norms, turn)  # the product itself, not split
+    assert ours is not None and whole is not None
+    for a, b, c in zip(ours, unfused_heads(*split(joined), heads, kv_heads, norms, turn), whole, strict=True):
+        assert a.shape == b.shape and mx.array_equal(a, b) and mx.array_equal(a, c)
+    plain = kernels.heads(*split(joined), heads, kv_heads, None, None)  # laid out only
+    assert plain is not None
+    for a, b in zip(plain, unfused_heads(*split(joined), heads, kv_heads, None, None), strict=True):
+        assert mx.array_equal(a, b)
+
+    weights = [mx.random.normal(x.shape) for x in ours]
+
+    def loss(how: str, x: mx.array, wq: mx.array, wk: mx.array) -> mx.array:
+        n = (wq, wk, 1e-6) if normed else None
+        made = (kernels.heads(*split(x), heads, kv_heads, n, turn) if how == "parts" else
+                kernels.heads(x, None, None, heads, kv_heads, n, turn) if how == "whole" else
+                unfused_heads(*split(x), heads, kv_heads, n, turn))
+        return sum(((h * w).sum() for h, w in zip(made, weights, strict=True)), mx.array(0.0))  # type: ignore[union-attr]
+
+    wq, wk = (norms[0], norms[1]) if norms else (mx.ones((d,)), mx.ones((d,)))
+    expected = mx.grad(lambda *a: loss("ops", *a), argnums=(0, 1, 2))(joined, wq, wk)
+    for how in ("parts", "whole"):
+        grads = mx.grad(lambda *a, how=how: loss(how, *a), argnums=(0, 1, 2))(joined, wq, wk)
+        for a, b in zip(grads, expected, strict=True):
+            close(a, b, 1e-5)
+
+
+def test_heads_refuse_what_does_not_fit() -> None:
+    module = kernels._native()[0]
+    q, k, v = mx.zeros((1, 2, 8 * 4)), mx.zeros((1, 2, 2 * 4)), mx.zeros((1, 2, 2 * 4))
+    inv_freq = mx.ones((2,))
+    with pytest.raises(ValueError, match="negative"):
+        module.heads(q, k, v, 8, 2, [], 0.0, inv_freq, 4, 1.0, [-1])
+    with pytest.raises(ValueError, match="one per row"):
+        module.heads(q, k, v, 8, 2, [], 0.0, inv_freq, 4, 1.0, [0, 1])
+    with pytest.raises(ValueError, match="dims"):
+        module.heads(q, k, v, 8, 2, [], 0.0, inv_freq, 6, 1.0, [0])
+    with pytest.raises(ValueError, match="heads"):
+        module.heads(q, k, v, 3, 2, [], 0.0, inv_freq, 4, 1.0, [0])
+    with pytest.raises(ValueError, match="norm"):
+        module.heads(q, k, v, 8, 2, [mx.ones((4,))], 1e-6)
+    with pytest.raises(ValueError, match="batch"):
+        module.heads(q, k[:, :1], v, 8, 2)
+    with pytest.raises(ValueError, match="heads"):  # a product of 40 features is no 8 + 2 * 2 heads
+        module.heads(mx.zeros((1, 2, 40)), None, None, 8, 2)
+    with pytest.raises(ValueError, match="neither"):
+        module.heads(q, k, None, 8, 2)
+    assert kernels.heads(q.astype(mx.float16), k, v, 8, 2, None, None) is None  # the caller's own ops run

@@ -75,6 +75,10 @@ def attend(
         return mx.concatenate([row_out if row_out is not None else
                                attend_over(queries[i : i + 1], held[i], scale, mask, window)
                                for i, row_out in enumerate(out)], axis=0)
+    if type(cache) is KVCache and window is None and not isinstance(mask, mx.array) and queries.shape[:3:2] == (1, 1):
+        alone = attend_rows(queries, keys, values, [cache], scale, [])  # one node, as a batch's rows
+        if alone is not None:
+            return alone
     return attend_over(queries, fetch_attended(cache, keys, values), scale, mask, window)
 
 
@@ -296,15 +300,40 @@ class Attention(nn.Module):
 
     def __call__(self, x: mx.array, cache: KeysValues | RowCaches | RaggedRows | None = None) -> mx.array:
         batch, length, _ = x.shape
-        q, k, v = self._qkv(self, x)
+        parts = self._qkv.parts(self, x)
+        if not isinstance(cache, RaggedRows):
+            made = self._heads(parts, cache)
+            if made is not None:
+                return self._project(attend(*made, cache, self.scale, window=self.window))
+        q, k, v = self._qkv.split(parts)
         q = q.reshape(batch, length, self.num_heads, self.head_dim)
         k = k.reshape(batch, length, self.num_kv_heads, self.head_dim)
         v = v.reshape(batch, length, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))
-        out = each_sequence(self._attend, cache, q, k, v, axis=2)  # each sequence over its own cache
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(batch, length, -1))
+        return self._project(each_sequence(self._attend, cache, q, k, v, axis=2))  # each sequence over its own cache
+
+    def _project(self, out: mx.array) -> mx.array:
+        """``o_proj`` of the heads' outputs ``[B, heads, L, Dv]`` side by side (one position: already so laid out)."""
+        batch, _, length, _ = out.shape
+        return self.o_proj((out if length == 1 else out.transpose(0, 2, 1, 3)).reshape(batch, length, -1))
+
+    def _heads(self, parts: list[mx.array],
+               cache: KeysValues | RowCaches | None) -> tuple[mx.array, mx.array, mx.array] | None:
+        """The heads, normalized and turned, in one node (:func:`mlxchat.kernels.heads`) where it applies, from the
+        q/k/v product (:meth:`~mlxchat.layers.fused.Projections.parts`)."""
+        q, k, v = (parts[0], None, None) if len(parts) == 1 else parts
+        turn = self.rope.rotation(cache.offset if cache is not None else 0, q.shape[1])
+        if turn is None:
+            return None
+        norms = None
+        if self.qk_norm:
+            q_norm, k_norm = self.q_norm, self.k_norm
+            if type(q_norm) is not RMSNorm or type(k_norm) is not RMSNorm or q_norm.eps != k_norm.eps:
+                return None
+            norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+        return kernels.heads(q, k, v, self.num_heads, self.num_kv_heads, norms, turn)
 
     def _attend(self, q: mx.array, k: mx.array, v: mx.array, cache: KeysValues | RowCaches | None) -> mx.array:
         offset = cache.offset if cache is not None else 0

@@ -38,13 +38,25 @@ class Projections:
         self.joined: _Joined | None = None
 
     def __call__(self, module: nn.Module, x: mx.array) -> list[mx.array]:
+        return self.split(self.parts(module, x))
+
+    def parts(self, module: nn.Module, x: mx.array) -> list[mx.array]:
+        """The layers' outputs as they come: one array, all of them side by side (last axis), where the layers run
+        joined (a kernel that reads them there saves the split); otherwise each layer's."""
         joined = self.joined
         if joined is not None:
             if joined.serves(module, self.names):
-                return joined(x)
+                return [joined(x)]
             if not joined.intact():
                 self.joined = None  # the layers were given other parameters: the join would only pin memory
         return [module[name](x) for name in self.names]
+
+    def split(self, parts: list[mx.array]) -> list[mx.array]:
+        """Each layer's output from :meth:`parts`."""
+        if len(parts) == len(self.names):
+            return parts
+        assert self.joined is not None
+        return cast(list[mx.array], mx.split(parts[0], self.joined.bounds, axis=-1))  # a list at run time
 
     def fuse(self, module: nn.Module) -> bool:
         """Join the layers' parameters if they are of one kind (all float, or all quantized alike) and all
@@ -130,7 +142,8 @@ class _Joined:
                 return False
         return self.intact()
 
-    def __call__(self, x: mx.array) -> list[mx.array]:
+    def __call__(self, x: mx.array) -> mx.array:
+        """The joined product: every layer's output side by side."""
         p = self.joined
         if self.quantization is not None:
             group_size, bits, mode = self.quantization
@@ -140,4 +153,4 @@ class _Joined:
         else:
             assert self.transposed is not None
             y = x @ self.transposed if "bias" not in p else mx.addmm(p["bias"], x, self.transposed)
-        return cast(list[mx.array], mx.split(y, self.bounds, axis=-1))  # typed as one array, a list at run time
+        return y

@@ -63,7 +63,12 @@ class SwiGLU(nn.Module):
         self._gate_up = Projections("gate_proj", "up_proj")
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(self._gate(*self._gate_up(self, x)))
+        parts = self._gate_up.parts(self, x)
+        if len(parts) == 1 and self._gate is silu_gate:  # the joined product's halves, read where they lie
+            fused = kernels.silu_mul(parts[0])
+            if fused is not None:
+                return self.down_proj(fused)
+        return self.down_proj(self._gate(*self._gate_up.split(parts)))
 
     def shard(self, group: mx.distributed.Group, *, reduce: bool = True) -> None:
         """Tensor parallel: each rank keeps a slice of the hidden units (whole quantization groups of

@@ -143,30 +143,45 @@ class RoPE(nn.Module):
             return mx.concatenate([self(x[i : i + 1], o) for i, o in enumerate(rows)], axis=0)
         if self.scale != 1.0:
             x = x.at[..., : self.dims].multiply(self.scale)
-        base = self.base
-        if self.dynamic_factor is not None:
-            assert isinstance(offset, int)
-            seen = max(offset + x.shape[-2], self.max_positions)
-            growth = self.dynamic_factor * seen / self.max_positions - (self.dynamic_factor - 1)
-            base = self.base * growth ** (self.dims / (self.dims - 2))
-        inv_freq = self._static_inv_freq if base == self.base else mx.array(
-            [base ** (-2 * j / self.dims) for j in range(self.dims // 2)], dtype=mx.float32)
-        if isinstance(offset, int):
-            fused = kernels.rope(x, inv_freq, self.dims, offset)
-        else:  # one per row of a batch
-            fused = kernels.rope(x, inv_freq, self.dims, [int(o) for o in cast(list[int], offset.tolist())]) \
-                if offset.ndim == 1 else None
-        if fused is not None:
-            return fused
+        turn = self.rotation(offset, x.shape[-2])
+        if turn is not None:
+            at = turn.offsets[0] if isinstance(offset, int) else turn.offsets
+            fused = kernels.rope(x, turn.inv_freq, self.dims, at)
+            if fused is not None:
+                return fused
         return mx.fast.rope(
             x,
             self.dims,
             traditional=False,
-            base=None if self._freqs is not None else base,
+            base=None if self._freqs is not None else self._base(offset if isinstance(offset, int) else 0, x.shape[-2]),
             scale=1.0,
             offset=offset,
             freqs=self._freqs,
         )
+
+    def rotation(self, offset: int | mx.array, length: int) -> kernels.Rotation | None:
+        """The rotation of a chunk of ``length`` positions from ``offset`` (or one offset per row, ``[B]``) as the
+        fused kernels take it (:func:`mlxchat.kernels.heads`); ``None`` where only MLX's rope does it (a dynamic
+        RoPE's rows, each with a base of its own)."""
+        if isinstance(offset, mx.array):
+            if offset.ndim != 1 or self.dynamic_factor is not None:
+                return None
+            offsets = [int(o) for o in cast(list[int], offset.tolist())]
+        else:
+            offsets = [offset]
+        base = self._base(offsets[0], length)
+        inv_freq = self._static_inv_freq if base == self.base else mx.array(
+            [base ** (-2 * j / self.dims) for j in range(self.dims // 2)], dtype=mx.float32)
+        return kernels.Rotation(inv_freq, self.dims, self.scale, offsets)
+
+    def _base(self, offset: int, length: int) -> float:
+        """The base the frequencies of a chunk of ``length`` positions from ``offset`` come from: a dynamic RoPE's
+        grows once the sequence outgrows ``max_position_embeddings``."""
+        if self.dynamic_factor is None:
+            return self.base
+        seen = max(offset + length, self.max_positions)
+        growth = self.dynamic_factor * seen / self.max_positions - (self.dynamic_factor - 1)
+        return float(self.base * growth ** (self.dims / (self.dims - 2)))
 
 
 def rotate(x: mx.array, angles: mx.array) -> mx.array:
@@ -198,6 +213,9 @@ class MRoPE(RoPE):
                 for j in range(dims // 2)]
         self._inv_freq = mx.array(inv_freq, dtype=mx.float32)
         self._axes = mx.array(axes)
+
+    def rotation(self, offset: int | mx.array, length: int) -> kernels.Rotation | None:
+        return super().rotation(offset, length) if isinstance(offset, int) or offset.ndim == 1 else None
 
     def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:  # type: ignore[override]
         if isinstance(offset, int) or offset.ndim == 1:  # text: a position, or one per row of a batch

@@ -209,25 +209,14 @@ void copy_contiguous(const mx::array& a, T* out) {
 }
 
 /*
- * Shared plumbing: a float32 output shaped as input 0, computed by `run(inputs, data, out)` on the stream's
- * thread, `data` being each input's values in row-major order (copied there only when the input is laid out
- * otherwise, so that no copy is added to the graph). The gradient is that of `reference`, the same function in
- * MLX's own operations.
+ * Transforms of a primitive through `references`, the same function in MLX's own operations (one array per output),
+ * over the inputs it differentiates (the others, such as packed integers, are held constant: their gradient is zero).
  */
-class Kernel : public mx::UnaryPrimitive {
+template <typename Base>
+class Referenced : public Base {
  public:
-  explicit Kernel(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
+  explicit Referenced(mx::Stream stream) : Base(stream) {}
 
-  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
-    throw std::runtime_error("mlxchat's fused kernels run on the CPU only");
-  }
-
-  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    return {inputs[0].shape()};
-  }
-
-  /* Transforms go through `reference`, the same function in MLX's operations, over the inputs it differentiates
-   * (the others, such as packed integers, are held constant: their gradient is zero). */
   std::vector<mx::array> vjp(const std::vector<mx::array>& primals, const std::vector<mx::array>& cotangents,
                              const std::vector<int>& argnums, const std::vector<mx::array>&) override {
     std::vector<int> free;
@@ -237,7 +226,7 @@ class Kernel : public mx::UnaryPrimitive {
     std::vector<mx::array> out;
     for (int arg : argnums) {
       const auto at = std::find(free.begin(), free.end(), arg);
-      out.push_back(at == free.end() ? mx::zeros_like(primals[arg], stream()) : grads[at - free.begin()]);
+      out.push_back(at == free.end() ? mx::zeros_like(primals[arg], this->stream()) : grads[at - free.begin()]);
     }
     return out;
   }
@@ -251,7 +240,11 @@ class Kernel : public mx::UnaryPrimitive {
         free.push_back(argnums[i]);
         moving.push_back(tangents[i]);
       }
-    if (free.empty()) return {mx::zeros(output_shapes(primals)[0], mx::float32, stream())};
+    if (free.empty()) {
+      std::vector<mx::array> zeros;
+      for (const auto& shape : this->output_shapes(primals)) zeros.push_back(mx::zeros(shape, mx::float32, this->stream()));
+      return zeros;
+    }
     return mx::jvp(over(primals, free), pick(primals, free), moving).second;
   }
 
@@ -259,25 +252,26 @@ class Kernel : public mx::UnaryPrimitive {
                                                             const std::vector<int>& axes) override {
     std::vector<int> all(inputs.size());
     for (size_t i = 0; i < all.size(); ++i) all[i] = int(i);
-    return {mx::vmap(over(inputs, all), axes, {0})(inputs), {0}};
+    const std::vector<int> out_axes(this->output_shapes(inputs).size(), 0);
+    return {mx::vmap(over(inputs, all), axes, out_axes)(inputs), out_axes};
   }
 
  protected:
-  virtual mx::array reference(const std::vector<mx::array>&) {
-    throw std::logic_error(std::string(name()) + " has no reference to differentiate");
+  virtual std::vector<mx::array> references(const std::vector<mx::array>&) {
+    throw std::logic_error(std::string(this->name()) + " has no reference to differentiate");
   }
 
   virtual bool differentiable(int) const {
     return true;
   }
 
-  /* `reference` as a function of the inputs `free` (the others as in `inputs`). */
+  /* `references` as a function of the inputs `free` (the others as in `inputs`). */
   std::function<std::vector<mx::array>(const std::vector<mx::array>&)> over(const std::vector<mx::array>& inputs,
                                                                             const std::vector<int>& free) {
     return [this, inputs, free](const std::vector<mx::array>& x) {
       auto all = inputs;
       for (size_t i = 0; i < free.size(); ++i) all[free[i]] = x[i];
-      return std::vector<mx::array>{reference(all)};
+      return references(all);
     };
   }
 
@@ -285,6 +279,34 @@ class Kernel : public mx::UnaryPrimitive {
     std::vector<mx::array> out;
     for (int i : which) out.push_back(inputs[i]);
     return out;
+  }
+};
+
+/*
+ * Shared plumbing: a float32 output shaped as input 0, computed by `run(inputs, data, out)` on the stream's
+ * thread, `data` being each input's values in row-major order (copied there only when the input is laid out
+ * otherwise, so that no copy is added to the graph). The gradient is that of `reference`, the same function in
+ * MLX's own operations.
+ */
+class Kernel : public Referenced<mx::UnaryPrimitive> {
+ public:
+  explicit Kernel(mx::Stream stream) : Referenced(stream) {}
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("mlxchat's fused kernels run on the CPU only");
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+
+ protected:
+  virtual mx::array reference(const std::vector<mx::array>&) {
+    throw std::logic_error(std::string(name()) + " has no reference to differentiate");
+  }
+
+  std::vector<mx::array> references(const std::vector<mx::array>& inputs) override {
+    return {reference(inputs)};
   }
 
   /* Runs `run(held, out)` on the stream's CPU encoder: `out` allocated, `held` the inputs as they are. */
@@ -321,13 +343,23 @@ class Kernel : public mx::UnaryPrimitive {
   }
 };
 
+/* silu(g) * u of two inputs, or (`halves`) of one, g and u its last axis's halves: a joined gate/up product's. */
 class SiluMul : public Kernel {
  public:
-  using Kernel::Kernel;
+  SiluMul(mx::Stream stream, bool halves) : Kernel(stream), halves_(halves) {}
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    auto shape = inputs[0].shape();
+    if (halves_) shape.back() /= 2;
+    return {shape};
+  }
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    dispatch(inputs, out, [](const std::vector<mx::array>& in, const std::vector<const float*>& x, float* y) {
-      silu_mul_all(x[0], x[1], y, int64_t(in[0].size()));
+    dispatch(inputs, out, [halves = halves_](const std::vector<mx::array>& in, const std::vector<const float*>& x,
+                                             float* y) {
+      if (!halves) return silu_mul_all(x[0], x[1], y, int64_t(in[0].size()));
+      const int64_t width = in[0].shape(-1) / 2, rows = int64_t(in[0].size()) / std::max<int64_t>(2 * width, 1);
+      for (int64_t r = 0; r < rows; ++r) silu_mul_all(x[0] + 2 * r * width, x[0] + (2 * r + 1) * width, y + r * width, width);
     });
   }
 
@@ -335,15 +367,20 @@ class SiluMul : public Kernel {
     return "MlxchatSiluMul";
   }
 
-  bool is_equivalent(const mx::Primitive&) const override {
-    return true;
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return halves_ == static_cast<const SiluMul&>(other).halves_;
   }
 
  protected:
   mx::array reference(const std::vector<mx::array>& in) override {
     const auto s = stream();
-    return mx::multiply(mx::multiply(in[0], mx::sigmoid(in[0], s), s), in[1], s);
+    if (!halves_) return mx::multiply(mx::multiply(in[0], mx::sigmoid(in[0], s), s), in[1], s);
+    const auto parts = mx::split(in[0], 2, -1, s);
+    return mx::multiply(mx::multiply(parts[0], mx::sigmoid(parts[0], s), s), parts[1], s);
   }
+
+ private:
+  bool halves_;
 };
 
 class UnaryKernel : public Kernel {
@@ -460,6 +497,162 @@ class Rope : public Kernel {
  private:
   int dims_;
   std::vector<int> offsets_;
+};
+
+/*
+ * The heads of attention from its q, k and v projections' outputs [B, L, heads * D] (views of one product: any
+ * strides but the features'): q and k normalized per head (RMS norm, when their weights are given), their first
+ * `dims` features multiplied by `scale` (yarn's attention factor) and rotated at each row's positions (rotate-half
+ * RoPE, as Rope, when `dims` > 0), and all three laid out [B, heads, L, D]. Inputs: q, k, v (or, `joined`, the one
+ * product [B, L, (heads + 2 * kv_heads) * D] they are parts of), then the q and k norms' weights, then the inverse
+ * frequencies. One node for what is otherwise eleven a layer (the split's
+ * reshapes, two norms, three transposes, two rotations): a decode step of Qwen3-0.6B has 28 such layers.
+ */
+class Heads : public Referenced<mx::Primitive> {
+ public:
+  Heads(mx::Stream stream, int heads, int kv_heads, bool joined, bool norm, float eps, int dims, float scale,
+        std::vector<int> offsets)
+      : Referenced(stream), heads_(heads), kv_heads_(kv_heads), joined_(joined), norm_(norm), eps_(eps), dims_(dims),
+        scale_(scale), offsets_(std::move(offsets)) {}
+
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("mlxchat's fused kernels run on the CPU only");
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
+    const int batch = in[0].shape(0), length = in[0].shape(1);
+    const int d = joined_ ? in[0].shape(2) / (heads_ + 2 * kv_heads_) : in[0].shape(2) / heads_;
+    return {{batch, heads_, length, d}, {batch, kv_heads_, length, d},
+            {batch, kv_heads_, length, joined_ ? d : in[2].shape(2) / kv_heads_}};
+  }
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    for (auto& out : outputs) out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (const auto& a : inputs) encoder.set_input_array(a);
+    for (auto& a : outputs) encoder.set_output_array(a);
+    std::vector<mx::array> held, made;
+    for (const auto& a : inputs) held.push_back(mx::array::unsafe_weak_copy(a));
+    for (const auto& a : outputs) made.push_back(mx::array::unsafe_weak_copy(a));
+    encoder.dispatch([held = std::move(held), made = std::move(made), joined = joined_, norm = norm_, eps = eps_,
+                      dims = dims_, scale = scale_, offsets = offsets_]() mutable {
+      const int batch = held[0].shape(0), length = held[0].shape(1), half = dims / 2, first = joined ? 1 : 3;
+      std::vector<float> copies[3];
+      const float* rows[3];
+      int64_t strides[3][2];
+      for (int i = 0; i < first; ++i) {
+        const auto& a = held[i];
+        if (a.strides()[2] == 1) {
+          rows[i] = a.data<float>(), strides[i][0] = a.strides()[0], strides[i][1] = a.strides()[1];
+        } else {
+          copies[i].resize(a.size());
+          copy_contiguous(a, copies[i].data());
+          rows[i] = copies[i].data(), strides[i][0] = int64_t(length) * a.shape(2), strides[i][1] = a.shape(2);
+        }
+      }
+      for (int i = 1; joined && i < 3; ++i) {  // k and v: the product's columns after q's, after k's
+        rows[i] = rows[i - 1] + int64_t(made[i - 1].shape(1)) * made[i - 1].shape(3);
+        strides[i][0] = strides[0][0], strides[i][1] = strides[0][1];
+      }
+      // angles as Rope computes them: float32 position times float32 inverse frequency
+      const size_t table = size_t(length) * half;
+      std::vector<float> cos(offsets.size() * table), sin(offsets.size() * table);
+      const float* inv_freq = dims > 0 ? held[first + (norm ? 2 : 0)].data<float>() : nullptr;
+      for (size_t o = 0; dims > 0 && o < offsets.size(); ++o)
+        for (int l = 0; l < length; ++l)
+          for (int j = 0; j < half; ++j) {
+            const float angle = float(offsets[o] + l) * inv_freq[j];
+            cos[o * table + size_t(l) * half + j] = std::cos(angle);
+            sin[o * table + size_t(l) * half + j] = std::sin(angle);
+          }
+      std::vector<float> normed;
+      for (int i = 0; i < 3; ++i) {
+        const int count = made[i].shape(1), d = made[i].shape(3);
+        const float* weight = norm && i < 2 ? held[first + i].data<float>() : nullptr;
+        const bool turn = dims > 0 && i < 2;
+        normed.resize(d);
+        float* out = made[i].data<float>();
+        for (int b = 0; b < batch; ++b)
+          for (int l = 0; l < length; ++l) {
+            const float* row = rows[i] + b * strides[i][0] + l * strides[i][1];
+            const size_t at = (offsets.size() == 1 ? 0 : size_t(b)) * table + size_t(l) * half;
+            for (int h = 0; h < count; ++h) {
+              const float* x = row + int64_t(h) * d;
+              float* y = out + ((int64_t(b) * count + h) * length + l) * d;
+              if (!weight && !turn) {
+                std::memcpy(y, x, size_t(d) * sizeof(float));
+                continue;
+              }
+              if (weight) {
+                rms_norm_row(x, weight, normed.data(), d, eps);
+                x = normed.data();
+              }
+              if (!turn) {
+                std::memcpy(y, x, size_t(d) * sizeof(float));
+                continue;
+              }
+              if (scale != 1.0f) {
+                if (x != normed.data()) std::memcpy(normed.data(), x, size_t(d) * sizeof(float));
+                for (int j = 0; j < dims; ++j) normed[j] *= scale;
+                x = normed.data();
+              }
+              rope_row(x, y, d, half, cos.data() + at, sin.data() + at);
+            }
+          }
+      }
+    });
+  }
+
+  const char* name() const override {
+    return "MlxchatHeads";
+  }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const Heads&>(other);
+    return heads_ == o.heads_ && kv_heads_ == o.kv_heads_ && joined_ == o.joined_ && norm_ == o.norm_ &&
+           eps_ == o.eps_ && dims_ == o.dims_ && scale_ == o.scale_ && offsets_ == o.offsets_;
+  }
+
+ protected:
+  bool differentiable(int input) const override {
+    return input < (joined_ ? 1 : 3) + (norm_ ? 2 : 0);  // not the inverse frequencies
+  }
+
+  std::vector<mx::array> references(const std::vector<mx::array>& given) override {
+    const auto s = stream();
+    std::vector<mx::array> in = given;
+    if (joined_) {  // q, k, v: the product's parts
+      const int d = given[0].shape(2) / (heads_ + 2 * kv_heads_);
+      const auto parts = mx::split(given[0], mx::Shape{heads_ * d, (heads_ + kv_heads_) * d}, 2, s);
+      in.erase(in.begin());
+      in.insert(in.begin(), parts.begin(), parts.end());
+    }
+    const int batch = in[0].shape(0), length = in[0].shape(1);
+    auto heads_of = [&](const mx::array& x, int count, const mx::array* weight) {
+      auto y = mx::reshape(x, {batch, length, count, x.shape(2) / count}, s);
+      if (weight) y = mx::fast::rms_norm(y, *weight, eps_, s);
+      y = mx::transpose(y, {0, 2, 1, 3}, s);
+      if (dims_ == 0) return y;
+      if (scale_ != 1.0f) {
+        const int d = y.shape(3);
+        const auto turned = mx::multiply(mx::slice(y, {0, 0, 0, 0}, {batch, count, length, dims_}, s),
+                                         mx::array(scale_), s);
+        y = dims_ == d ? turned
+                       : mx::concatenate({turned, mx::slice(y, {0, 0, 0, dims_}, {batch, count, length, d}, s)}, 3, s);
+      }
+      return mx::array(y.shape(), mx::float32, std::make_shared<Rope>(s, dims_, offsets_), {y, in[norm_ ? 5 : 3]});
+    };
+    return {heads_of(in[0], heads_, norm_ ? &in[3] : nullptr), heads_of(in[1], kv_heads_, norm_ ? &in[4] : nullptr),
+            mx::transpose(mx::reshape(in[2], {batch, length, kv_heads_, in[2].shape(2) / kv_heads_}, s), {0, 2, 1, 3}, s)};
+  }
+
+ private:
+  int heads_, kv_heads_;
+  bool joined_, norm_;
+  float eps_;
+  int dims_;  // the rotated features (0: none)
+  float scale_;
+  std::vector<int> offsets_;  // the first position of every row (one), or of each row of the batch
 };
 
 /* A 4-D array's place and strides, its features contiguous (copied into `copy` when they are not). */
@@ -793,11 +986,17 @@ void check_float32(const mx::array& a, const char* what) {
   if (a.ndim() < 1 || a.shape(-1) < 1) throw std::invalid_argument(std::string(what) + " must not be empty");
 }
 
-mx::array silu_mul(const mx::array& g, const mx::array& u) {
+mx::array silu_mul(const mx::array& g, const std::optional<mx::array>& u) {
   check_float32(g, "gate");
-  check_float32(u, "x");
-  if (g.shape() != u.shape()) throw std::invalid_argument("gate and x must have the same shape");
-  return mx::array(g.shape(), mx::float32, std::make_shared<SiluMul>(cpu_stream()), {g, u});
+  if (!u) {  // g is [..., 2 * I]: the gate, then x
+    if (g.shape(-1) % 2) throw std::invalid_argument("a joined gate and x must have an even last axis");
+    auto shape = g.shape();
+    shape.back() /= 2;
+    return mx::array(shape, mx::float32, std::make_shared<SiluMul>(cpu_stream(), true), {g});
+  }
+  check_float32(*u, "x");
+  if (g.shape() != u->shape()) throw std::invalid_argument("gate and x must have the same shape");
+  return mx::array(g.shape(), mx::float32, std::make_shared<SiluMul>(cpu_stream(), false), {g, *u});
 }
 
 mx::array unary(const mx::array& x, Unary op) {
@@ -826,6 +1025,57 @@ mx::array rope(const mx::array& x, const mx::array& inv_freq, int dims, const st
   for (int offset : offsets)
     if (offset < 0) throw std::invalid_argument("offset must not be negative");
   return mx::array(x.shape(), mx::float32, std::make_shared<Rope>(cpu_stream(), dims, offsets), {x, inv_freq});
+}
+
+/* See Heads: q, k, v [B, L, heads * D | kv_heads * D | kv_heads * Dv] float32, or (k and v none) q the product
+ * [B, L, (heads + 2 * kv_heads) * D] they are parts of; `norms` none or the q and k norms' weights [D]; `inv_freq`
+ * none (no rotation) or [dims / 2], with one offset or one per row. */
+std::vector<mx::array> heads(const mx::array& q, const std::optional<mx::array>& k, const std::optional<mx::array>& v,
+                             int heads, int kv_heads, const std::vector<mx::array>& norms, float eps,
+                             const std::optional<mx::array>& inv_freq, int dims, float scale,
+                             const std::vector<int>& offsets) {
+  if (k.has_value() != v.has_value()) throw std::invalid_argument("give k and v, or neither (q the joined product)");
+  std::vector<mx::array> inputs = {q};
+  if (k) inputs.insert(inputs.end(), {*k, *v});
+  for (const auto& a : inputs) {
+    check_float32(a, "q, k and v");
+    if (a.ndim() != 3 || a.shape(0) != q.shape(0) || a.shape(1) != q.shape(1))
+      throw std::invalid_argument("q, k and v must be [batch, length, features] of one batch and length");
+  }
+  if (heads < 1 || kv_heads < 1 || (k && (q.shape(2) % heads || k->shape(2) % kv_heads || v->shape(2) % kv_heads ||
+                                          q.shape(2) / heads != k->shape(2) / kv_heads)) ||
+      (!k && q.shape(2) % (heads + 2 * kv_heads)))
+    throw std::invalid_argument("q must hold heads, k and v kv_heads heads, q's and k's of one size");
+  const int d = k ? q.shape(2) / heads : q.shape(2) / (heads + 2 * kv_heads);
+  const int value_dims = k ? v->shape(2) / kv_heads : d;
+  if (!norms.empty()) {
+    if (norms.size() != 2) throw std::invalid_argument("norms must be none or the q and k norms' weights");
+    for (const auto& w : norms) {
+      check_float32(w, "a norm's weight");
+      if (w.ndim() != 1 || w.shape(0) != d) throw std::invalid_argument("a norm's weight must be [head_dim]");
+    }
+    inputs.insert(inputs.end(), norms.begin(), norms.end());
+  }
+  std::vector<int> at = offsets;
+  if (inv_freq) {
+    check_float32(*inv_freq, "inv_freq");
+    if (dims < 2 || dims % 2 || dims > d) throw std::invalid_argument("dims must be even and fit a head");
+    if (inv_freq->ndim() != 1 || inv_freq->shape(0) != dims / 2) throw std::invalid_argument("inv_freq must be [dims / 2]");
+    if (offsets.size() != 1 && int64_t(offsets.size()) != q.shape(0))
+      throw std::invalid_argument("offsets must be one, or one per row");
+    for (int offset : offsets)
+      if (offset < 0) throw std::invalid_argument("offset must not be negative");
+    inputs.push_back(*inv_freq);
+  } else {
+    dims = 0, at = {0};
+  }
+  const int batch = q.shape(0), length = q.shape(1);
+  return mx::array::make_arrays({{batch, heads, length, d}, {batch, kv_heads, length, d},
+                                 {batch, kv_heads, length, value_dims}},
+                                {mx::float32, mx::float32, mx::float32},
+                                std::make_shared<Heads>(cpu_stream(), heads, kv_heads, !k, !norms.empty(), eps, dims,
+                                                        scale, at),
+                                inputs);
 }
 
 void check_rows(const mx::array& a, mx::Dtype dtype, const char* what) {
@@ -968,7 +1218,8 @@ std::vector<mx::array> decode_rows(const mx::array& q, const mx::array& k, const
 
 NB_MODULE(_kernels, m) {
   m.doc() = "Fused float32 CPU kernels as MLX primitives (see mlxchat.kernels).";
-  m.def("silu_mul", &silu_mul, nb::arg("gate"), nb::arg("x"), "silu(gate) * x.");
+  m.def("silu_mul", &silu_mul, nb::arg("gate"), nb::arg("x").none() = nb::none(),
+        "silu(gate) * x; x None: gate is [..., 2 * I], the gate then x (a joined gate/up product's halves).");
   m.def("exp", [](const mx::array& x) { return unary(x, Unary::exp); }, nb::arg("x"), "exp(x), vectorized.");
   m.def("silu", [](const mx::array& x) { return unary(x, Unary::silu); }, nb::arg("x"), "x * sigmoid(x).");
   m.def("rms_norm", &rms_norm, nb::arg("x"), nb::arg("weight"), nb::arg("eps"), "weight * x / rms(x).");
@@ -978,6 +1229,13 @@ NB_MODULE(_kernels, m) {
         "Rotate-half RoPE of x [..., L, D] at positions offset.. over its first dims features.");
   m.def("rope_rows", &rope, nb::arg("x"), nb::arg("inv_freq"), nb::arg("dims"), nb::arg("offsets"),
         "rope with each index of x's first axis at its own offset (offsets[i]; one offset: all of them).");
+  m.def("heads", &heads, nb::arg("q"), nb::arg("k").none(), nb::arg("v").none(), nb::arg("heads"), nb::arg("kv_heads"),
+        nb::arg("norms") = std::vector<mx::array>{}, nb::arg("eps") = 0.0f, nb::arg("inv_freq") = nb::none(),
+        nb::arg("dims") = 0, nb::arg("scale") = 1.0f, nb::arg("offsets") = std::vector<int>{0},
+        "Attention's heads [B, heads, L, D] from q, k, v [B, L, heads * D] (k and v None: q the product they are "
+        "parts of): q and k RMS-normalized per head by norms "
+        "(their weights), their first dims features scaled and rotated (RoPE at offsets: one, or one per row) when "
+        "inv_freq is given. Returns [q, k, v].");
   m.def("attention", &attention, nb::arg("queries"), nb::arg("keys"), nb::arg("values"), nb::arg("scale"),
         nb::arg("window") = 0, nb::arg("lse") = false, nb::arg("prefix_keys") = nb::none(),
         nb::arg("prefix_values") = nb::none(),
