@@ -20,6 +20,7 @@ polynomial, about 1 ulp). ``MLXCHAT_KERNELS=off`` keeps MLX's.
 
 from __future__ import annotations
 
+import functools
 from types import ModuleType
 from typing import Any, NamedTuple
 
@@ -100,12 +101,21 @@ def silu(x: mx.array) -> mx.array:
     return nn.silu(x) if module is None else module.silu(x)
 
 
-def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
-    """``weight * x / sqrt(mean(x^2) + eps)`` over the last axis (``mx.fast.rms_norm``)."""
-    module = _applies(x, weight)
-    if module is None or weight.ndim != 1:
+def rms_norm(x: mx.array, weight: mx.array | None, eps: float) -> mx.array:
+    """``weight * x / sqrt(mean(x^2) + eps)`` over the last axis (``mx.fast.rms_norm``); no ``weight``: none
+    (Gemma's ``with_scale=False``)."""
+    module = _applies(x, *(() if weight is None else (weight,)))
+    if module is None or (weight is not None and weight.ndim != 1):
         return mx.fast.rms_norm(x, weight, eps)
-    return module.rms_norm(x, weight, eps)  # type: ignore[no-any-return]
+    return module.rms_norm(x, _ones(x.shape[-1]) if weight is None else weight, eps)  # type: ignore[no-any-return]
+
+
+@functools.lru_cache(maxsize=16)
+def _ones(size: int) -> mx.array:
+    """A weight of ones (evaluated: any thread may read it)."""
+    ones = mx.ones((size,))
+    mx.eval(ones)
+    return ones
 
 
 # -- rotary embedding ---------------------------------------------------------------------------------------

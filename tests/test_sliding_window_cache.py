@@ -163,3 +163,6 @@ def test_proportional_rope_rotates_two_slices(head_dim: int, factor: float) -> N
         still = np.r_[untouched : head_dim // 2, head_dim // 2 + untouched : head_dim]
         assert np.array_equal(ours[..., still], x[..., still])
     assert not math.isclose(float(np.abs(ours - x).max()), 0.0)
+    rows = np.array(rope(mx.array(np.concatenate([x, x])), offset=mx.array([7, 30])))  # each at its own position
+    np.testing.assert_allclose(rows[1:], proportional_reference(x, 30, head_dim, 1e6, factor), atol=2e-5)
+    assert np.array_equal(rows[:1], ours)

@@ -6,7 +6,7 @@ from .fused import Projections, fuse_projections
 from .gated_delta import GatedDeltaNet, RMSNormGated, gated_delta_chunked, gated_delta_step
 from .mlp import SwiGLU, gate_function, gelu_tanh_gate, silu_gate
 from .moe import SparseMoE, SwitchGLU, SwitchLinear, softmax_top_k, stack_experts
-from .norms import RMSNorm
+from .norms import RMSNorm, rms_norm
 from .parallel import (
     RowParallelLinear,
     VocabParallelEmbedding,
@@ -58,6 +58,7 @@ __all__ = [
     "gelu_tanh_gate",
     "head_split",
     "input_unit",
+    "rms_norm",
     "rotate",
     "shard_experts",
     "shard_layers",

@@ -21,4 +21,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def __call__(self, x: mx.array) -> mx.array:
-        return kernels.rms_norm(x, self.weight, self.eps)
+        return rms_norm(x, self.eps, self.weight)
+
+
+def rms_norm(x: mx.array, eps: float, weight: mx.array | None = None) -> mx.array:
+    """``x / rms(x)`` over the last axis, times ``weight`` when given (Gemma's weightless norms have none): one
+    vectorized pass on a CPU (:func:`mlxchat.kernels.rms_norm`), where ``mx.fast.rms_norm`` runs seven ops."""
+    return kernels.rms_norm(x, weight, eps)

@@ -242,7 +242,14 @@ class ProportionalRoPE(nn.Module):
         wavelengths = [factor * rope.rope_theta ** (2 * j / head_dim) for j in range(rotated)]
         wavelengths += [math.inf] * (head_dim // 2 - rotated)
         self._freqs = mx.array(wavelengths, dtype=mx.float32)
+        self._inv_freq = mx.array([1.0 / w for w in wavelengths], dtype=mx.float32)  # (0 where a pair stays put)
 
-    def __call__(self, x: mx.array, offset: int = 0) -> mx.array:
+    def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
+        """``offset``: the position of ``x``'s first token, or one per row of a batch (``[B]``)."""
+        at = offset if isinstance(offset, int) else [int(o) for o in cast(list[int], offset.tolist())] \
+            if offset.ndim == 1 else None
+        fused = None if at is None else kernels.rope(x, self._inv_freq, self.head_dim, at)
+        if fused is not None:
+            return fused
         return mx.fast.rope(x, self.head_dim, traditional=False, base=None, scale=1.0, offset=offset,
                             freqs=self._freqs)

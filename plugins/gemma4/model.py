@@ -54,6 +54,7 @@ from mlxchat.plugin import (
     fetch_attended,
     gelu_tanh_gate,
     head_split,
+    rms_norm,
     shard_experts,
     slice_outputs,
     softmax_top_k,
@@ -193,11 +194,6 @@ def _layer_geometry(data: dict[str, Any], types: list[str]) -> tuple[list[Any], 
     return dims, heads
 
 
-def rms_norm(x: mx.array, eps: float) -> mx.array:
-    """RMS normalisation without a weight (Gemma's ``with_scale=False``)."""
-    return mx.fast.rms_norm(x, None, eps)
-
-
 def make_rope(head_dim: int, rope: RopeConfig, max_positions: int) -> nn.Module:
     """Proportional RoPE for the global layers; otherwise the whole head rotates (transformers ignores a
     partial factor there)."""
@@ -314,7 +310,7 @@ class Gemma4Router(nn.Module):
         self.top_k, self.eps, self.root = top_k, eps, hidden_size**-0.5
 
     def __call__(self, x: mx.array) -> tuple[mx.array, mx.array]:
-        x = mx.fast.rms_norm(x, self.scale * self.root, self.eps)
+        x = rms_norm(x, self.eps, self.scale * self.root)
         weights, indices = softmax_top_k(self.proj(x), self.top_k, normalize=True)
         return weights * self.per_expert_scale[indices], indices
 

@@ -19,7 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from mlxchat.plugin import AxialRoPE, RMSNorm, attend_all, gate_function
+from mlxchat.plugin import AxialRoPE, RMSNorm, attend_all, gate_function, rms_norm
 
 
 class Gemma4VisionConfig(BaseModel):
@@ -95,7 +95,7 @@ class VisionAttention(nn.Module):
         patches = x.shape[0]
         q = self.q_norm(self.q_proj(x).reshape(patches, self.num_heads, self.head_dim))
         k = self.k_norm(self.k_proj(x).reshape(patches, self.num_kv_heads, self.head_dim))
-        v = mx.fast.rms_norm(self.v_proj(x).reshape(patches, self.num_kv_heads, self.head_dim), None, self.eps)
+        v = rms_norm(self.v_proj(x).reshape(patches, self.num_kv_heads, self.head_dim), self.eps)
         q = rope(q.transpose(1, 0, 2), positions)[None]
         k = rope(k.transpose(1, 0, 2), positions)[None]
         out = attend_all(q, k, v.transpose(1, 0, 2)[None], scale=1.0)
@@ -187,4 +187,4 @@ class MultimodalEmbedder(nn.Module):
         self.eps = eps
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.embedding_projection(mx.fast.rms_norm(x, None, self.eps))
+        return self.embedding_projection(rms_norm(x, self.eps))
