@@ -170,6 +170,26 @@ def heads(q: mx.array, k: mx.array | None, v: mx.array | None, heads: int, kv_he
                               rotation.inv_freq, rotation.dims, rotation.scale, rotation.offsets))
 
 
+# -- Gated DeltaNet ------------------------------------------------------------------------------------------
+
+
+def gated_delta_step(qkv: mx.array, z: mx.array, b: mx.array, a: mx.array, conv_state: mx.array,
+                     conv_weight: mx.array, state: mx.array, a_log: mx.array, dt_bias: mx.array, norm: mx.array,
+                     key_heads: int, q_weight: float, k_weight: float, l2_eps: float,
+                     eps: float) -> tuple[mx.array, mx.array, mx.array] | None:
+    """One decode step of a Gated DeltaNet layer (:class:`mlxchat.layers.GatedDeltaNet`) for ``B`` rows in one node:
+    the convolution over ``conv_state [B, K-1, C]`` and ``qkv [B, 1, C]`` (``conv_weight [C, K, 1]``), SiLU, q and k
+    L2-normalized (RMS norms of constant weights ``q_weight``, ``k_weight`` and ``l2_eps``), the delta rule on each
+    value head's ``state [B, Hv, Dk, Dv]`` and the output's gated RMS norm (``norm``, ``eps``, times ``silu(z)``).
+    Returns the output ``[B, 1, Hv * Dv]``, the next conv state and the next state (written over the old one where
+    nothing else holds it); ``None`` where the kernel does not apply. Decode only: it has no gradient."""
+    arrays = (qkv, z, b, a, conv_state, conv_weight, state, a_log, dt_bias, norm)
+    module = _applies(*arrays)
+    if module is None or not hasattr(module, "gated_delta_step") or qkv.ndim != 3 or qkv.shape[1] != 1:
+        return None
+    return tuple(module.gated_delta_step(*arrays, key_heads, q_weight, k_weight, l2_eps, eps))  # type: ignore[return-value]
+
+
 # -- attention ----------------------------------------------------------------------------------------------
 
 

@@ -128,3 +128,66 @@ def test_gated_norm_uses_a_plain_weight() -> None:
 def test_value_heads_must_share_key_heads_evenly() -> None:
     with pytest.raises(ValueError, match="multiple"):
         GatedDeltaNet(32, num_key_heads=3, num_value_heads=4, key_head_dim=8, value_head_dim=8)
+
+
+def test_a_decode_step_in_one_node_equals_the_ops_one_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """kernels.gated_delta_step (a decode step's convolution, normalized q and k, delta rule and gated norm in one
+    node) gives what the ops one at a time give, for a batch of rows whose value heads share key heads; the state
+    is rewritten in place unless something else holds it (a snapshot: that one is left as it was)."""
+    from mlxchat import kernels
+
+    if kernels._native()[0] is None:
+        pytest.skip(f"fused kernels: {kernels._native()[1]}")
+
+    def address(a: mx.array) -> int:
+        return int(np.asarray(a).__array_interface__["data"][0])
+
+    layer = _layer(chunk=8)
+    x = mx.random.normal((2, 30, 32)) * 2
+
+    def run() -> tuple[np.ndarray, StateCache]:
+        cache = StateCache(2)
+        outs = [np.array(layer(x[:, :20], cache))]
+        outs += [np.array(layer(x[:, t : t + 1], cache)) for t in range(20, 30)]
+        return np.concatenate(outs, axis=1), cache
+
+    calls = []
+    step = kernels.gated_delta_step
+    monkeypatch.setattr(kernels, "gated_delta_step", lambda *a: calls.append(1) or step(*a))
+    fused, cache = run()
+    assert len(calls) == 10
+    with monkeypatch.context() as patch:
+        patch.setattr(kernels, "gated_delta_step", lambda *a: None)
+        plain, plain_cache = run()
+    assert np.abs(fused - plain).max() < 1e-5
+    assert all(np.abs(np.array(mine) - np.array(theirs)).max() < 1e-5  # (no name left holding the state)
+               for mine, theirs in zip(cache.state, plain_cache.state, strict=True))
+
+    mx.eval(cache.state)
+    before = address(cache[1])
+    mx.eval(layer(x[:, :1], cache), cache.state)
+    assert address(cache[1]) == before  # taken over: nothing else held it
+    snapshot = cache.snapshot()
+    kept = np.array(cache[1])
+    mx.eval(layer(x[:, 1:2], cache), cache.state)
+    assert address(cache[1]) != address(snapshot[1][1]) and np.array_equal(np.array(snapshot[1][1]), kept)
+
+
+def test_a_decode_step_refuses_arrays_that_do_not_fit() -> None:
+    from mlxchat import kernels
+
+    module = kernels._native()[0]
+    if module is None:
+        pytest.skip(f"fused kernels: {kernels._native()[1]}")
+    qkv, z, b = mx.zeros((1, 1, 2 * 2 * 8 + 4 * 12)), mx.zeros((1, 1, 48)), mx.zeros((1, 1, 4))
+    conv_state, conv_weight, state = mx.zeros((1, 3, 80)), mx.zeros((80, 4, 1)), mx.zeros((1, 4, 8, 12))
+    ok = (qkv, z, b, b, conv_state, conv_weight, state, mx.zeros((4,)), mx.zeros((4,)), mx.ones((12,)))
+    mx.eval(module.gated_delta_step(*ok, 2, 0.1, 0.3, 1e-7, 1e-6))
+    with pytest.raises(ValueError, match="multiple"):
+        module.gated_delta_step(*ok, 3, 0.1, 0.3, 1e-7, 1e-6)
+    with pytest.raises(ValueError, match="conv_state"):
+        module.gated_delta_step(*ok[:4], conv_state[:, :2], *ok[5:], 2, 0.1, 0.3, 1e-7, 1e-6)
+    with pytest.raises(ValueError, match="qkv"):
+        module.gated_delta_step(qkv[..., 1:], *ok[1:], 2, 0.1, 0.3, 1e-7, 1e-6)
+    with pytest.raises(ValueError, match="float32"):
+        module.gated_delta_step(*ok[:6], state.astype(mx.float16), *ok[7:], 2, 0.1, 0.3, 1e-7, 1e-6)

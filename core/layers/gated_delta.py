@@ -266,10 +266,34 @@ class GatedDeltaNet(nn.Module):
     def __call__(self, x: mx.array, cache: StateCache | RaggedRows | None = None) -> mx.array:
         batch, length, _ = x.shape
         qkv, z, b, a = self._in(self, x)
+        if length == 1 and not isinstance(cache, RaggedRows):
+            stepped = self._step(qkv, z, b, a, cache)
+            if stepped is not None:
+                return self.out_proj(stepped)
         out = each_sequence(self._recur, cache, qkv, b, a, axis=1)  # each sequence from its own state
         z = z.reshape(batch, length, self.num_value_heads, self.value_head_dim)
         out = self.norm(out.astype(x.dtype), z)
         return self.out_proj(out.reshape(batch, length, self.value_dim))
+
+    def _step(self, qkv: mx.array, z: mx.array, b: mx.array, a: mx.array,
+              cache: StateCache | RowCaches | None) -> mx.array | None:
+        """A decode step from ``cache``'s state in one node (:func:`mlxchat.kernels.gated_delta_step`: the
+        convolution, the delta rule and the gated norm, the state rewritten in place) where it applies: the
+        output projection's input ``[B, 1, value_dim]``."""
+        held = (cache[0], cache[1]) if cache is not None else (None, None)
+        if held[0] is None or held[1] is None or type(self.norm) is not RMSNormGated:
+            return None
+        dims = self.key_head_dim
+        made = kernels.gated_delta_step(qkv, z, b, a, held[0], self.conv1d.weight, held[1], self.A_log,
+                                        self.dt_bias, self.norm.weight, self.num_key_heads,
+                                        dims**-0.5 / math.sqrt(dims), 1.0 / math.sqrt(dims), L2_EPS / dims,
+                                        self.norm.eps)
+        if made is None:
+            return None
+        assert cache is not None
+        out, conv_state, state = made
+        cache.update(conv_state, state, tokens=1)
+        return out
 
     def _recur(self, qkv: mx.array, b: mx.array, a: mx.array, cache: StateCache | RowCaches | None) -> mx.array:
         """The convolution and the delta rule of one sequence (or a batch of decode rows) from ``cache``'s

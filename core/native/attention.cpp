@@ -649,6 +649,10 @@ int threads() {
   return pool().threads();
 }
 
+void parallel(int tasks, void (*task)(const void* ctx, int index), const void* ctx) {
+  pool().run(tasks, task, ctx);
+}
+
 void use_isa(Isa isa, bool integer_scores) {
   active_isa.store(std::min(isa, mlxchat_simd::isa));
   integer_keys.store(integer_scores);

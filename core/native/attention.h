@@ -65,6 +65,9 @@ void attend(const Problem& problem);
 /* The threads attend splits its work over. */
 int threads();
 
+/* task(ctx, 0 .. tasks - 1) split over those threads (the other kernels of mlxchat._kernels share them). */
+void parallel(int tasks, void (*task)(const void* ctx, int index), const void* ctx);
+
 /* The instruction set attend's inner loops use from now on (at most the CPU's; for tests), and whether AVX-512
  * scores packed keys in integers where the CPU can (mlxchat_simd::has_avx512_vnni). */
 void use_isa(mlxchat_simd::Isa isa, bool integer_scores = true);

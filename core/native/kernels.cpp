@@ -911,6 +911,192 @@ class DecodeRows : public mx::Primitive {
   bool lse_;
 };
 
+/* One value head's delta rule for one token: the state S [Dk, Dv] decays and is corrected towards v along k,
+ * S' = decay * S + k (beta (v - decay * S^T k))^T, and read by q, o = S'^T q; then o's gated RMS norm. */
+struct DeltaHeads {
+  int key_heads, value_heads, key_dims, value_dims;
+  const float *q, *k, *v;  // [rows, key_heads, Dk] normalized (q scaled), [rows, value_heads, Dv]
+  const float *decay, *beta;  // [rows, value_heads]
+  const float* state;  // [rows, value_heads, Dk, Dv]
+  float* next;  // the same shape (the state itself when it is taken over)
+  const float* z;  // the gate, row b's at z + b * z_row
+  int64_t z_row;
+  const float* norm;  // [Dv]
+  float eps;
+  float* out;  // [rows, value_heads * Dv]
+};
+
+__attribute__((target_clones("avx512f", "avx2", "default"))) void delta_sums(const float* S, const float* k, float* sum,
+                                                                            int dk, int dv) {
+  for (int j = 0; j < dv; ++j) sum[j] = 0.0f;
+  for (int i = 0; i < dk; ++i) {
+    const float ki = k[i];
+    const float* row = S + int64_t(i) * dv;
+    for (int j = 0; j < dv; ++j) sum[j] += ki * row[j];
+  }
+}
+
+__attribute__((target_clones("avx512f", "avx2", "default"))) void delta_write(const float* S, float* next, const float* q,
+                                                                             const float* k, const float* delta,
+                                                                             float decay, float* o, int dk, int dv) {
+  for (int j = 0; j < dv; ++j) o[j] = 0.0f;
+  for (int i = 0; i < dk; ++i) {
+    const float ki = k[i], qi = q[i];
+    const float* row = S + int64_t(i) * dv;
+    float* written = next + int64_t(i) * dv;
+    for (int j = 0; j < dv; ++j) {
+      const float x = row[j] * decay + ki * delta[j];
+      written[j] = x;
+      o[j] += qi * x;
+    }
+  }
+}
+
+void delta_head(const void* ctx, int task) {
+  const auto& d = *static_cast<const DeltaHeads*>(ctx);
+  const int b = task / d.value_heads, h = task % d.value_heads, kh = h / (d.value_heads / d.key_heads);
+  const int dk = d.key_dims, dv = d.value_dims;
+  const int64_t at = int64_t(b) * d.value_heads + h, key_at = (int64_t(b) * d.key_heads + kh) * dk;
+  const float *S = d.state + at * dk * dv, *v = d.v + at * dv;
+  std::vector<float> delta(dv), o(dv), normed(dv);
+  delta_sums(S, d.k + key_at, delta.data(), dk, dv);
+  const float decay = d.decay[at], beta = d.beta[at];
+  for (int j = 0; j < dv; ++j) delta[j] = (v[j] - decay * delta[j]) * beta;
+  delta_write(S, d.next + at * dk * dv, d.q + key_at, d.k + key_at, delta.data(), decay, o.data(), dk, dv);
+  rms_norm_row(o.data(), d.norm, normed.data(), dv, d.eps);
+  silu_mul_all(d.z + b * d.z_row + int64_t(h) * dv, normed.data(), d.out + at * dv, dv);
+}
+
+/* A [B, 1, F] view's row b (copied into `copy` when its features are not contiguous). */
+const float* row_of(const mx::array& a, std::vector<float>& copy, int64_t& stride) {
+  if (a.strides()[2] == 1 || a.shape(2) == 1) {
+    stride = a.strides()[0];
+    return a.data<float>();
+  }
+  copy.resize(a.size());
+  copy_contiguous(a, copy.data());
+  stride = a.shape(1) * a.shape(2);
+  return copy.data();
+}
+
+/*
+ * One decode step of B rows of a Gated DeltaNet layer (Qwen3.5's linear attention) in one node: the causal
+ * depthwise convolution of the last K - 1 inputs and this one, SiLU, q and k L2-normalized per key head (rms_norm
+ * with a constant weight: q_weight, k_weight, `l2_eps`), beta = sigmoid(b), decay = exp(-exp(A_log) * softplus(a +
+ * dt_bias)), each value head's delta rule (DeltaHeads; value head j reads key head j / (Hv / Hk)) and the output's
+ * gated RMS norm (norm weight, `eps`, times silu(z)), as core/layers/gated_delta.py computes them one op at a time.
+ * Inputs: qkv [B, 1, C], z [B, 1, Hv * Dv], b, a [B, 1, Hv] (views of one product), conv_state [B, K - 1, C],
+ * conv_weight [C, K, 1], state [B, Hv, Dk, Dv], A_log, dt_bias [Hv], norm [Dv]. Outputs: [B, 1, Hv * Dv] for the
+ * output projection, the next conv_state and the next state (the state's buffer taken over where nothing else holds
+ * it, as MLX's elementwise ops would). Why: those ops are some 75 nodes a layer and read the state three times;
+ * Qwen3.5-0.8B has 18 such layers. Decode only: it has no gradient (a prompt, and training, run the chunked form).
+ */
+class GatedDeltaStep : public mx::Primitive {
+ public:
+  GatedDeltaStep(mx::Stream stream, int key_heads, float q_weight, float k_weight, float l2_eps, float eps)
+      : mx::Primitive(stream), key_heads_(key_heads), q_weight_(q_weight), k_weight_(k_weight), l2_eps_(l2_eps),
+        eps_(eps) {}
+
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("mlxchat's fused kernels run on the CPU only");
+  }
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    // As DecodeRows: every output holds the inputs, so the state would never be donatable otherwise.
+    if (!outputs[0].is_tracer())
+      for (auto& out : outputs)
+        if (&out.inputs() != &inputs) out.inputs().clear();
+    const auto& state = inputs[6];
+    const bool taken = state.is_donatable() && state.flags().row_contiguous;
+    if (taken)
+      outputs[2].copy_shared_buffer(state);
+    else
+      outputs[2].set_data(mx::allocator::malloc(outputs[2].nbytes()));
+    for (int i = 0; i < 2; ++i) outputs[i].set_data(mx::allocator::malloc(outputs[i].nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (const auto& a : inputs) encoder.set_input_array(a);
+    for (auto& a : outputs) encoder.set_output_array(a);
+    std::vector<mx::array> held, made;
+    for (const auto& a : inputs) held.push_back(mx::array::unsafe_weak_copy(a));
+    for (const auto& a : outputs) made.push_back(mx::array::unsafe_weak_copy(a));
+    encoder.dispatch([held = std::move(held), made = std::move(made), key_heads = key_heads_,
+                      q_weight = q_weight_, k_weight = k_weight_, l2_eps = l2_eps_, eps = eps_]() mutable {
+      const mx::array &qkv = held[0], &state = held[6];
+      const int rows = qkv.shape(0), channels = qkv.shape(2), taps = held[5].shape(1);
+      const int value_heads = state.shape(1), dk = state.shape(2), dv = state.shape(3);
+      const int key_dim = key_heads * dk;
+      std::vector<float> copies[10];
+      int64_t strides[4];
+      const float* row[4];
+      for (int i = 0; i < 4; ++i) row[i] = row_of(held[i], copies[i], strides[i]);
+      auto contiguous = [&](int i) -> const float* {
+        if (held[i].flags().row_contiguous) return held[i].data<float>();
+        copies[i].resize(held[i].size());
+        copy_contiguous(held[i], copies[i].data());
+        return copies[i].data();
+      };
+      const float *conv_state = contiguous(4), *weight = contiguous(5), *a_log = contiguous(7);
+      const float *dt_bias = contiguous(8), *norm = contiguous(9);
+      const float* old = contiguous(6);  // (where it is taken over, the output's own buffer)
+      float* next_conv = made[1].data<float>();
+      std::vector<float> conv(channels), mixed(channels), q(size_t(rows) * key_dim), k(size_t(rows) * key_dim);
+      std::vector<float> v(size_t(rows) * value_heads * dv), decay(size_t(rows) * value_heads),
+          beta(size_t(rows) * value_heads);
+      const std::vector<float> qw(dk, q_weight), kw(dk, k_weight);
+      for (int b = 0; b < rows; ++b) {
+        const float* x = row[0] + b * strides[0];
+        const float* window = conv_state + int64_t(b) * (taps - 1) * channels;
+        for (int c = 0; c < channels; ++c) {
+          float sum = window[c] * weight[int64_t(c) * taps];
+          for (int t = 1; t < taps; ++t)
+            sum = sum + (t < taps - 1 ? window[int64_t(t) * channels + c] : x[c]) * weight[int64_t(c) * taps + t];
+          conv[c] = sum;
+        }
+        unary_all<Unary::silu>(conv.data(), mixed.data(), channels);
+        for (int h = 0; h < key_heads; ++h) {
+          rms_norm_row(mixed.data() + h * dk, qw.data(), q.data() + (int64_t(b) * key_heads + h) * dk, dk, l2_eps);
+          rms_norm_row(mixed.data() + key_dim + h * dk, kw.data(), k.data() + (int64_t(b) * key_heads + h) * dk, dk,
+                       l2_eps);
+        }
+        std::memcpy(v.data() + int64_t(b) * value_heads * dv, mixed.data() + 2 * key_dim,
+                    size_t(value_heads) * dv * sizeof(float));
+        for (int h = 0; h < value_heads; ++h) {
+          const float bh = row[2][b * strides[2] + h], ah = row[3][b * strides[3] + h] + dt_bias[h];
+          const float high = std::max(ah, 0.0f), low = std::min(ah, 0.0f);
+          const float softplus = high + std::log1p(std::exp(low - high));
+          beta[int64_t(b) * value_heads + h] = 1.0f / (1.0f + std::exp(-bh));
+          decay[int64_t(b) * value_heads + h] = std::exp(-std::exp(a_log[h]) * softplus);
+        }
+        float* window_next = next_conv + int64_t(b) * (taps - 1) * channels;
+        if (taps > 2)
+          std::memmove(window_next, window + channels, size_t(taps - 2) * channels * sizeof(float));
+        std::memcpy(window_next + int64_t(taps - 2) * channels, x, size_t(channels) * sizeof(float));
+      }
+      DeltaHeads d{key_heads, value_heads, dk, dv, q.data(), k.data(), v.data(), decay.data(), beta.data(), old,
+                   made[2].data<float>(), row[1], strides[1], norm, eps, made[0].data<float>()};
+      const int tasks = rows * value_heads;
+      if (int64_t(tasks) * dk * dv < (1 << 16))
+        for (int t = 0; t < tasks; ++t) delta_head(&d, t);
+      else
+        mlxchat_attention::parallel(tasks, delta_head, &d);
+    });
+  }
+
+  const char* name() const override {
+    return "MlxchatGatedDeltaStep";
+  }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const GatedDeltaStep&>(other);
+    return key_heads_ == o.key_heads_ && q_weight_ == o.q_weight_ && k_weight_ == o.k_weight_ &&
+           l2_eps_ == o.l2_eps_ && eps_ == o.eps_;
+  }
+
+ private:
+  int key_heads_;
+  float q_weight_, k_weight_, l2_eps_, eps_;
+};
+
 /* Sets flush-to-zero and denormals-are-zero on the thread that evaluates it (the stream's): a denormal operand
  * costs about a hundred cycles on x86, and decays of linear attention reach them (a DeltaNet chunk's
  * exp(gamma) below 1e-38). Results change only where a value would be below 1.2e-38. */
@@ -1075,6 +1261,39 @@ std::vector<mx::array> heads(const mx::array& q, const std::optional<mx::array>&
                                 {mx::float32, mx::float32, mx::float32},
                                 std::make_shared<Heads>(cpu_stream(), heads, kv_heads, !k, !norms.empty(), eps, dims,
                                                         scale, at),
+                                inputs);
+}
+
+/* See GatedDeltaStep. */
+std::vector<mx::array> gated_delta_step(const mx::array& qkv, const mx::array& z, const mx::array& b, const mx::array& a,
+                                        const mx::array& conv_state, const mx::array& conv_weight,
+                                        const mx::array& state, const mx::array& a_log, const mx::array& dt_bias,
+                                        const mx::array& norm, int key_heads, float q_weight, float k_weight,
+                                        float l2_eps, float eps) {
+  const std::vector<const mx::array*> all = {&qkv, &z, &b, &a, &conv_state, &conv_weight, &state, &a_log, &dt_bias, &norm};
+  for (const auto* x : all) check_float32(*x, "the step's arrays");
+  if (state.ndim() != 4) throw std::invalid_argument("state must be [B, value_heads, key_dims, value_dims]");
+  const int rows = state.shape(0), value_heads = state.shape(1), dk = state.shape(2), dv = state.shape(3);
+  if (key_heads < 1 || value_heads % key_heads) throw std::invalid_argument("value heads must be a multiple of key heads");
+  const int channels = 2 * key_heads * dk + value_heads * dv;
+  auto check = [&](const mx::array& x, mx::Shape shape, const char* what) {
+    if (x.shape() != shape) throw std::invalid_argument(std::string(what) + " does not fit the state's heads");
+  };
+  check(qkv, {rows, 1, channels}, "qkv");
+  check(z, {rows, 1, value_heads * dv}, "z");
+  check(b, {rows, 1, value_heads}, "b");
+  check(a, {rows, 1, value_heads}, "a");
+  if (conv_weight.ndim() != 3 || conv_weight.shape(0) != channels || conv_weight.shape(1) < 2 || conv_weight.shape(2) != 1)
+    throw std::invalid_argument("conv_weight must be [channels, taps >= 2, 1]");
+  check(conv_state, {rows, conv_weight.shape(1) - 1, channels}, "conv_state");
+  check(a_log, {value_heads}, "A_log");
+  check(dt_bias, {value_heads}, "dt_bias");
+  check(norm, {dv}, "the norm's weight");
+  std::vector<mx::array> inputs;
+  for (const auto* x : all) inputs.push_back(*x);
+  return mx::array::make_arrays({{rows, 1, value_heads * dv}, conv_state.shape(), state.shape()},
+                                {mx::float32, mx::float32, mx::float32},
+                                std::make_shared<GatedDeltaStep>(cpu_stream(), key_heads, q_weight, k_weight, l2_eps, eps),
                                 inputs);
 }
 
@@ -1258,6 +1477,12 @@ NB_MODULE(_kernels, m) {
         "them), its queries attending over positions spans[2b] to spans[2b + 1] of its shared prefix's keys and "
         "values (the next two of prefixes, for each row whose span is not empty), then their first starts[b] + 1 "
         "positions; with lse each output row ends with the log-sum-exp of its scaled scores. Returns [out, *buffers].");
+  m.def("gated_delta_step", &gated_delta_step, nb::arg("qkv"), nb::arg("z"), nb::arg("b"), nb::arg("a"),
+        nb::arg("conv_state"), nb::arg("conv_weight"), nb::arg("state"), nb::arg("a_log"), nb::arg("dt_bias"),
+        nb::arg("norm"), nb::arg("key_heads"), nb::arg("q_weight"), nb::arg("k_weight"), nb::arg("l2_eps"),
+        nb::arg("eps"),
+        "One decode step of a Gated DeltaNet layer for B rows: its convolution, normalized q and k, the delta rule on "
+        "each value head's state and the output's gated RMS norm. Returns [out [B, 1, Hv * Dv], conv_state, state].");
   m.def("flush_denormals", [] {
     return mx::array(mx::Shape{}, mx::bool_, std::make_shared<FlushDenormals>(cpu_stream()), {});
   }, "An array whose evaluation sets flush-to-zero / denormals-are-zero on the CPU stream's thread.");
