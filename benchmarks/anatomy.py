@@ -39,13 +39,48 @@ def graph_ops(outputs: Any) -> tuple[int, int]:
         mx.export_to_dot(str(path), outputs)
         names = [line.split('label ="')[1].split('"')[0] for line in path.read_text().splitlines()
                  if 'label ="' in line]
-    return len(names), sum(1 for name in names if name.startswith(("Matmul", "Quantized", "Gather")))
+    return len(names), sum(1 for name in names
+                           if name.startswith(("Matmul", "Quantized", "Gather")) or name.endswith("QuantizedMatmul"))
+
+
+def weight_products(module: Any, joins: list[Any]) -> list[tuple[Any, int, int]]:
+    """Each weight product a decode step runs, as (a function of one input row, its input width, the bytes it
+    reads): the joined projections whole, every other linear layer, and the output head (a tied embedding's
+    ``as_linear``); quantized ones through mlxchat's kernels, counting their scales and biases."""
+    import mlx.nn as nn
+
+    from mlxchat.quantized import quantized_matmul
+
+    def packed(params: dict[str, Any], quantization: tuple[int, int, str]) -> tuple[Any, int, int]:
+        group_size, bits, mode = quantization
+        arrays = [params[k] for k in ("weight", "scales", "biases") if params.get(k) is not None]
+        return ((lambda x: quantized_matmul(x, params["weight"], params["scales"], params.get("biases"), group_size,
+                                            bits, mode)),
+                params["weight"].shape[1] * 32 // bits, sum(a.nbytes for a in arrays))
+
+    def plain(weight: Any) -> tuple[Any, int, int]:
+        return (lambda x: x @ weight.T), weight.shape[1], weight.nbytes
+
+    joined = {id(layer) for _, join in joins for layer in join.layers}
+    out = [packed(join.joined, join.quantization) if join.quantization else plain(join.joined["weight"])
+           for _, join in joins]
+    tied = getattr(module.config, "tie_word_embeddings", False)
+    for _, layer in module.named_modules():
+        if id(layer) in joined or "weight" not in layer or layer["weight"].ndim != 2:
+            continue
+        embedding = isinstance(layer, nn.Embedding | nn.QuantizedEmbedding)
+        if embedding and not tied:  # looked up, not multiplied
+            continue
+        if "scales" in layer:
+            out.append(packed(layer, (layer.group_size, layer.bits, layer.mode)))
+        elif isinstance(layer, nn.Linear | nn.Embedding):
+            out.append(plain(layer["weight"]))
+    return out
 
 
 def measure(name: str, reps: int, prompt: int) -> dict[str, Any]:
     import mlxchat  # first: it puts OpenBLAS under MLX  # noqa: I001
     import mlx.core as mx
-    from mlx.utils import tree_flatten
 
     from mlxchat.layers import Projections
 
@@ -55,25 +90,29 @@ def measure(name: str, reps: int, prompt: int) -> dict[str, Any]:
         module = model.module
         groups = [v for _, child in module.named_modules() for v in vars(child).values() if isinstance(v, Projections)]
         joins = [(group, group.joined) for group in groups if group.joined is not None]
-        views = {id(value) for _, join in joins for params in join.params for _, value in params}
-        tied = model.config.tie_word_embeddings
-        matrices = [join.joined["weight"] for _, join in joins] + [
-            w for k, w in tree_flatten(module.parameters())
-            if w.ndim == 2 and id(w) not in views and (tied or "embed_tokens" not in k)  # an embedding is looked up
-        ]
-        weight_bytes = sum(w.nbytes for _, w in tree_flatten(module.parameters()) if w.ndim == 2)
-        step_bytes = sum(w.nbytes for w in matrices)
-        rows = {w.shape[1]: mx.random.normal((1, w.shape[1])) for w in matrices}
+        matrices = weight_products(module, joins)
+        step_bytes = sum(nbytes for _, _, nbytes in matrices)
+        rows = {width: mx.random.normal((1, width)) for _, width, _ in matrices}
         big = mx.random.normal((max(1, step_bytes // 4 // 4096), 4096))
         probe = mx.random.normal((1, 4096))
         mx.eval(big, probe, *rows.values())
         cache = model.make_prompt_cache()
         cache.prefill(module, list(range(300, 300 + prompt)), step=512)
         token = mx.array([[7]])
+        # each step is undone: KV caches cut back, state caches (a hybrid's) restored from a snapshot, which makes
+        # their step copy the state where it would rewrite it in place
+        saved = [(layer, layer.snapshot()) for layer in cache.layers if not layer.trimmable]
+
+        def rewind() -> None:
+            for layer in cache.layers:
+                if layer.trimmable:
+                    layer.trim_to(len(cache))
+            for layer, snapshot in saved:
+                layer.restore(snapshot)
+
         graph = module.last_logits(token, cache.layers)
         ops, products = graph_ops(graph)
-        for layer in cache.layers:
-            layer.trim_to(len(cache))
+        rewind()
         hidden = mx.random.normal((1, 1, model.config.hidden_size))
         mx.eval(hidden)
 
@@ -87,8 +126,7 @@ def measure(name: str, reps: int, prompt: int) -> dict[str, Any]:
             start = time.perf_counter()
             mx.eval(module.last_logits(token, cache.layers))
             took = time.perf_counter() - start
-            for layer in cache.layers:
-                layer.trim_to(len(cache))
+            rewind()
             return took
 
         times: dict[str, list[float]] = {"step": [], "separate": [], "matmuls": [], "bandwidth": [], "per_op": []}
@@ -105,7 +143,7 @@ def measure(name: str, reps: int, prompt: int) -> dict[str, Any]:
             for key, run_step in [("step", step), ("separate", separate)][:: 1 if rep % 2 else -1]:
                 times[key].append(run_step())
             start = time.perf_counter()
-            mx.eval([rows[w.shape[1]] @ w.T for w in matrices])
+            mx.eval([product(rows[width]) for product, width, _ in matrices])
             times["matmuls"].append(time.perf_counter() - start)
             start = time.perf_counter()
             mx.eval(probe @ big.T)
@@ -114,7 +152,7 @@ def measure(name: str, reps: int, prompt: int) -> dict[str, Any]:
             mx.eval(elementwise())
             times["per_op"].append((time.perf_counter() - start) / (2 * max(ops - products, 1)))
         medians = {k: statistics.median(v) for k, v in times.items()}
-        return {"model": name, "weight_bytes": weight_bytes, "step_bytes": step_bytes, "ops": ops,
+        return {"model": name, "step_bytes": step_bytes, "ops": ops,
                 "products": products, "joined": len(joins), "seconds": medians,
                 "bandwidth_gbs": big.nbytes / medians["bandwidth"] / 1e9,
                 "matmul_gbs": step_bytes / medians["matmuls"] / 1e9}
