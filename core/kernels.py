@@ -185,7 +185,8 @@ def gated_delta_step(qkv: mx.array, z: mx.array, b: mx.array, a: mx.array, conv_
     nothing else holds it); ``None`` where the kernel does not apply. Decode only: it has no gradient."""
     arrays = (qkv, z, b, a, conv_state, conv_weight, state, a_log, dt_bias, norm)
     module = _applies(*arrays)
-    if module is None or not hasattr(module, "gated_delta_step") or qkv.ndim != 3 or qkv.shape[1] != 1:
+    if (module is None or not hasattr(module, "gated_delta_step") or qkv.ndim != 3 or qkv.shape[1] != 1
+            or conv_weight.ndim != 3 or conv_weight.shape[1] < 2):
         return None
     return tuple(module.gated_delta_step(*arrays, key_heads, q_weight, k_weight, l2_eps, eps))  # type: ignore[return-value]
 

@@ -191,3 +191,47 @@ def test_a_decode_step_refuses_arrays_that_do_not_fit() -> None:
         module.gated_delta_step(qkv[..., 1:], *ok[1:], 2, 0.1, 0.3, 1e-7, 1e-6)
     with pytest.raises(ValueError, match="float32"):
         module.gated_delta_step(*ok[:6], state.astype(mx.float16), *ok[7:], 2, 0.1, 0.3, 1e-7, 1e-6)
+
+
+def test_the_convolution_serves_layers_of_any_width_in_one_process() -> None:
+    """Its taps run as a shapeless compiled function: layers of other widths (another model, a sharded one) get
+    their own sums, not the first width's (a tap sliced inside the trace kept the first width)."""
+    from mlxchat.layers.gated_delta import causal_conv_silu
+
+    for channels in (40, 48, 24):
+        weight, window = mx.random.normal((4, channels)), mx.random.normal((2, 7, channels))
+        expected = sum(window[:, i : i + 4] * weight[i] for i in range(4))
+        got = causal_conv_silu(window, weight)
+        assert got.shape == (2, 4, channels)
+        assert float(mx.abs(got - expected * mx.sigmoid(expected)).max()) < 1e-5  # type: ignore[operator]
+
+
+def test_the_decode_rows_of_a_ragged_step_take_the_one_node_step_and_give_each_rows_own(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A serving step's decode rows (RaggedRows: two rows decoding a token each beside a prompt's chunk) run as
+    one batch through the one-node step; every sequence's output and state are what it gets alone."""
+    from mlxchat import kernels
+    from mlxchat.cache import RaggedRows
+
+    if kernels._native()[0] is None:
+        pytest.skip(f"fused kernels: {kernels._native()[1]}")
+    layer = _layer(chunk=8)
+    x = mx.random.normal((3, 12, 32))
+    caches = [StateCache(2) for _ in range(3)]
+    for i, cache in enumerate(caches):
+        mx.eval(layer(x[i : i + 1, :10], cache), cache.state)
+    before = [cache.snapshot() for cache in caches]
+    parts = [x[0:1, 10:11], x[1:2, 10:11], x[2:3, 10:12]]
+    alone = [np.array(layer(part, cache)) for part, cache in zip(parts, caches, strict=True)]
+    states = [[np.array(a) for a in cache.state] for cache in caches]
+    for cache, snapshot in zip(caches, before, strict=True):
+        cache.restore(snapshot)
+    calls = []
+    step = kernels.gated_delta_step
+    monkeypatch.setattr(kernels, "gated_delta_step", lambda *a: calls.append(a[0].shape[0]) or step(*a))
+    together = np.array(layer(mx.concatenate(parts, axis=1), RaggedRows(caches, [1, 1, 2], rows=2)))  # type: ignore[arg-type]
+    assert calls == [2]
+    assert np.abs(together - np.concatenate(alone, axis=1)).max() < 1e-5
+    for cache, expected in zip(caches, states, strict=True):
+        assert cache.offset == (11 if expected is not states[2] else 12)
+        assert all(np.abs(np.array(a) - b).max() < 1e-5 for a, b in zip(cache.state, expected, strict=True))

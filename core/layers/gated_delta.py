@@ -58,22 +58,23 @@ def causal_conv_silu(window: mx.array, weight: mx.array) -> mx.array:
     kernel = weight.shape[0]
     length = window.shape[1] - kernel + 1
     shifted = [window[:, i : i + length] for i in range(kernel)]
+    taps = [weight[i] for i in range(kernel)]  # sliced here: a slice traced into a shapeless compile keeps its size
     if kernels.fused(window, weight):  # MLX's CPU sigmoid is scalar: the silu runs vectorized on its own
-        return kernels.silu(_taps(shifted, weight))
-    return _taps_silu(shifted, weight)
+        return kernels.silu(_taps(shifted, taps))
+    return _taps_silu(shifted, taps)
 
 
 @partial(mx.compile, shapeless=True)
-def _taps(shifted: list[mx.array], weight: mx.array) -> mx.array:
-    out = shifted[0] * weight[0]
+def _taps(shifted: list[mx.array], taps: list[mx.array]) -> mx.array:
+    out = shifted[0] * taps[0]
     for i in range(1, len(shifted)):
-        out = out + shifted[i] * weight[i]
+        out = out + shifted[i] * taps[i]
     return out
 
 
 @partial(mx.compile, shapeless=True)
-def _taps_silu(shifted: list[mx.array], weight: mx.array) -> mx.array:
-    out = _taps(shifted, weight)
+def _taps_silu(shifted: list[mx.array], taps: list[mx.array]) -> mx.array:
+    out = _taps(shifted, taps)
     return out * mx.sigmoid(out)
 
 
@@ -264,16 +265,20 @@ class GatedDeltaNet(nn.Module):
         self._in = Projections("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
 
     def __call__(self, x: mx.array, cache: StateCache | RaggedRows | None = None) -> mx.array:
-        batch, length, _ = x.shape
         qkv, z, b, a = self._in(self, x)
-        if length == 1 and not isinstance(cache, RaggedRows):
-            stepped = self._step(qkv, z, b, a, cache)
-            if stepped is not None:
-                return self.out_proj(stepped)
-        out = each_sequence(self._recur, cache, qkv, b, a, axis=1)  # each sequence from its own state
+        return self.out_proj(each_sequence(self._mix, cache, qkv, z, b, a, axis=1))  # each from its own state
+
+    def _mix(self, qkv: mx.array, z: mx.array, b: mx.array, a: mx.array,
+             cache: StateCache | RowCaches | None) -> mx.array:
+        """One sequence's (or a batch of decode rows') gated, normalized heads ``[B, L, value_dim]``: a decode step
+        in one node where it applies, otherwise the convolution, the delta rule and the gated norm as ops."""
+        batch, length, _ = qkv.shape
+        stepped = self._step(qkv, z, b, a, cache) if length == 1 else None
+        if stepped is not None:
+            return stepped
+        out = self._recur(qkv, b, a, cache)
         z = z.reshape(batch, length, self.num_value_heads, self.value_head_dim)
-        out = self.norm(out.astype(x.dtype), z)
-        return self.out_proj(out.reshape(batch, length, self.value_dim))
+        return self.norm(out.astype(qkv.dtype), z).reshape(batch, length, self.value_dim)
 
     def _step(self, qkv: mx.array, z: mx.array, b: mx.array, a: mx.array,
               cache: StateCache | RowCaches | None) -> mx.array | None:

@@ -924,6 +924,7 @@ struct DeltaHeads {
   const float* norm;  // [Dv]
   float eps;
   float* out;  // [rows, value_heads * Dv]
+  unsigned fp_mode;  // the stream thread's MXCSR (its denormal flushing), which the pool's threads take on
 };
 
 __attribute__((target_clones("avx512f", "avx2", "default"))) void delta_sums(const float* S, const float* k, float* sum,
@@ -954,17 +955,22 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void delta_write(co
 
 void delta_head(const void* ctx, int task) {
   const auto& d = *static_cast<const DeltaHeads*>(ctx);
+#if defined(__x86_64__)
+  if (_mm_getcsr() != d.fp_mode) _mm_setcsr(d.fp_mode);  // a decaying state reaches denormals (FlushDenormals)
+#endif
   const int b = task / d.value_heads, h = task % d.value_heads, kh = h / (d.value_heads / d.key_heads);
   const int dk = d.key_dims, dv = d.value_dims;
   const int64_t at = int64_t(b) * d.value_heads + h, key_at = (int64_t(b) * d.key_heads + kh) * dk;
   const float *S = d.state + at * dk * dv, *v = d.v + at * dv;
-  std::vector<float> delta(dv), o(dv), normed(dv);
-  delta_sums(S, d.k + key_at, delta.data(), dk, dv);
+  thread_local std::vector<float> scratch;
+  scratch.resize(3 * size_t(dv));
+  float *delta = scratch.data(), *o = delta + dv, *normed = o + dv;
+  delta_sums(S, d.k + key_at, delta, dk, dv);
   const float decay = d.decay[at], beta = d.beta[at];
   for (int j = 0; j < dv; ++j) delta[j] = (v[j] - decay * delta[j]) * beta;
-  delta_write(S, d.next + at * dk * dv, d.q + key_at, d.k + key_at, delta.data(), decay, o.data(), dk, dv);
-  rms_norm_row(o.data(), d.norm, normed.data(), dv, d.eps);
-  silu_mul_all(d.z + b * d.z_row + int64_t(h) * dv, normed.data(), d.out + at * dv, dv);
+  delta_write(S, d.next + at * dk * dv, d.q + key_at, d.k + key_at, delta, decay, o, dk, dv);
+  rms_norm_row(o, d.norm, normed, dv, d.eps);
+  silu_mul_all(d.z + b * d.z_row + int64_t(h) * dv, normed, d.out + at * dv, dv);
 }
 
 /* A [B, 1, F] view's row b (copied into `copy` when its features are not contiguous). */
@@ -1072,8 +1078,12 @@ class GatedDeltaStep : public mx::Primitive {
           std::memmove(window_next, window + channels, size_t(taps - 2) * channels * sizeof(float));
         std::memcpy(window_next + int64_t(taps - 2) * channels, x, size_t(channels) * sizeof(float));
       }
+      unsigned fp_mode = 0;
+#if defined(__x86_64__)
+      fp_mode = _mm_getcsr();
+#endif
       DeltaHeads d{key_heads, value_heads, dk, dv, q.data(), k.data(), v.data(), decay.data(), beta.data(), old,
-                   made[2].data<float>(), row[1], strides[1], norm, eps, made[0].data<float>()};
+                   made[2].data<float>(), row[1], strides[1], norm, eps, made[0].data<float>(), fp_mode};
       const int tasks = rows * value_heads;
       if (int64_t(tasks) * dk * dv < (1 << 16))
         for (int t = 0; t < tasks; ++t) delta_head(&d, t);
