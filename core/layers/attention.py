@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -299,30 +300,31 @@ class Attention(nn.Module):
         self.rope = rope
 
     def __call__(self, x: mx.array, cache: KeysValues | RowCaches | RaggedRows | None = None) -> mx.array:
-        batch, length, _ = x.shape
         parts = self._qkv.parts(self, x)
-        if not isinstance(cache, RaggedRows):
-            made = self._heads(parts, cache)
-            if made is not None:
-                return self._project(attend(*made, cache, self.scale, window=self.window))
-        q, k, v = self._qkv.split(parts)
-        q = q.reshape(batch, length, self.num_heads, self.head_dim)
-        k = k.reshape(batch, length, self.num_kv_heads, self.head_dim)
-        v = v.reshape(batch, length, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))
-        return self._project(each_sequence(self._attend, cache, q, k, v, axis=2))  # each sequence over its own cache
+        return self.o_proj(each_sequence(self._attend, cache, *parts, axis=1))  # each sequence over its own cache
 
-    def _project(self, out: mx.array) -> mx.array:
-        """``o_proj`` of the heads' outputs ``[B, heads, L, Dv]`` side by side (one position: already so laid out)."""
-        batch, _, length, _ = out.shape
-        return self.o_proj((out if length == 1 else out.transpose(0, 2, 1, 3)).reshape(batch, length, -1))
+    def _attend(self, *arrays: Any) -> mx.array:
+        """One sequence's (or a batch of decode rows') attention, its heads side by side ``[B, L, heads * Dv]``,
+        from the q/k/v product's parts (:meth:`~mlxchat.layers.fused.Projections.parts`) and its cache (last)."""
+        *parts, cache = arrays
+        batch, length, _ = parts[0].shape
+        made = self._heads(parts, cache)
+        if made is None:
+            q, k, v = self._qkv.split(parts)
+            q = q.reshape(batch, length, self.num_heads, self.head_dim)
+            k = k.reshape(batch, length, self.num_kv_heads, self.head_dim)
+            v = v.reshape(batch, length, self.num_kv_heads, self.head_dim)
+            if self.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))
+            offset = cache.offset if cache is not None else 0
+            made = self.rope(q, offset), self.rope(k, offset), v
+        out = attend(*made, cache, self.scale, window=self.window)  # [B, heads, L, Dv]: one position is laid out so
+        return (out if length == 1 else out.transpose(0, 2, 1, 3)).reshape(batch, length, -1)
 
     def _heads(self, parts: list[mx.array],
                cache: KeysValues | RowCaches | None) -> tuple[mx.array, mx.array, mx.array] | None:
-        """The heads, normalized and turned, in one node (:func:`mlxchat.kernels.heads`) where it applies, from the
-        q/k/v product (:meth:`~mlxchat.layers.fused.Projections.parts`)."""
+        """The heads, normalized and turned, in one node (:func:`mlxchat.kernels.heads`) where it applies."""
         q, k, v = (parts[0], None, None) if len(parts) == 1 else parts
         turn = self.rope.rotation(cache.offset if cache is not None else 0, q.shape[1])
         if turn is None:
@@ -334,11 +336,6 @@ class Attention(nn.Module):
                 return None
             norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         return kernels.heads(q, k, v, self.num_heads, self.num_kv_heads, norms, turn)
-
-    def _attend(self, q: mx.array, k: mx.array, v: mx.array, cache: KeysValues | RowCaches | None) -> mx.array:
-        offset = cache.offset if cache is not None else 0
-        q, k = self.rope(q, offset), self.rope(k, offset)
-        return attend(q, k, v, cache, self.scale, window=self.window)
 
     def shard(self, group: mx.distributed.Group) -> None:
         """Tensor parallel: each rank keeps some query heads and the KV heads they read (see
