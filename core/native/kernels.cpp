@@ -7,7 +7,9 @@
  * seven separate operations (mx.fast.rope to about twenty), and attention to products whose scores grow with
  * the context. These primitives do each in one pass: attention over float32, float16 or packed keys and values
  * (attention.cpp: online softmax, keys and values read in place, split over the cores), silu(g) * u, RMS
- * normalization, rotate-half RoPE, and exp and silu alone (vectorized: simd.h).
+ * normalization, rotate-half RoPE, and exp and silu alone (vectorized: simd.h). A decode step is mostly small
+ * nodes, each a few microseconds to dispatch: attention's heads (Heads), a decode row's cache write and attention
+ * (DecodeRows) and a Gated DeltaNet layer's step (GatedDeltaStep) are one node each.
  *
  * They are ordinary nodes of MLX's lazy graph, evaluated on the CPU stream, built and used like
  * mlxchat._quantized (Linux, the MLX version they were built against, float32 on the CPU device).
@@ -500,6 +502,39 @@ class Rope : public Kernel {
 };
 
 /*
+ * A CPU primitive of several outputs: `dispatch_all` runs `run(held, made)` on the stream's CPU encoder, `held` the
+ * inputs and `made` the outputs (given their buffers by the caller first).
+ */
+class MultiKernel : public mx::Primitive {
+ public:
+  explicit MultiKernel(mx::Stream stream) : mx::Primitive(stream) {}
+
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("mlxchat's fused kernels run on the CPU only");
+  }
+
+ protected:
+  /* Every output holds the inputs (array::make_arrays), so no input would ever be donatable: the siblings of the
+   * output being evaluated let go of theirs now rather than when it is detached, right after this. */
+  static void release_inputs(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+    if (outputs[0].is_tracer()) return;
+    for (auto& out : outputs)
+      if (&out.inputs() != &inputs) out.inputs().clear();
+  }
+
+  template <typename Run>
+  void dispatch_all(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs, Run run) {
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (const auto& a : inputs) encoder.set_input_array(a);
+    for (auto& a : outputs) encoder.set_output_array(a);
+    std::vector<mx::array> held, made;
+    for (const auto& a : inputs) held.push_back(mx::array::unsafe_weak_copy(a));
+    for (const auto& a : outputs) made.push_back(mx::array::unsafe_weak_copy(a));
+    encoder.dispatch([held = std::move(held), made = std::move(made), run]() mutable { run(held, made); });
+  }
+};
+
+/*
  * The heads of attention from its q, k and v projections' outputs [B, L, heads * D] (views of one product: any
  * strides but the features'): q and k normalized per head (RMS norm, when their weights are given), their first
  * `dims` features multiplied by `scale` (yarn's attention factor) and rotated at each row's positions (rotate-half
@@ -508,16 +543,12 @@ class Rope : public Kernel {
  * frequencies. One node for what is otherwise eleven a layer (the split's
  * reshapes, two norms, three transposes, two rotations): a decode step of Qwen3-0.6B has 28 such layers.
  */
-class Heads : public Referenced<mx::Primitive> {
+class Heads : public Referenced<MultiKernel> {
  public:
   Heads(mx::Stream stream, int heads, int kv_heads, bool joined, bool norm, float eps, int dims, float scale,
         std::vector<int> offsets)
       : Referenced(stream), heads_(heads), kv_heads_(kv_heads), joined_(joined), norm_(norm), eps_(eps), dims_(dims),
         scale_(scale), offsets_(std::move(offsets)) {}
-
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("mlxchat's fused kernels run on the CPU only");
-  }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
     const int batch = in[0].shape(0), length = in[0].shape(1);
@@ -528,14 +559,8 @@ class Heads : public Referenced<mx::Primitive> {
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     for (auto& out : outputs) out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (const auto& a : inputs) encoder.set_input_array(a);
-    for (auto& a : outputs) encoder.set_output_array(a);
-    std::vector<mx::array> held, made;
-    for (const auto& a : inputs) held.push_back(mx::array::unsafe_weak_copy(a));
-    for (const auto& a : outputs) made.push_back(mx::array::unsafe_weak_copy(a));
-    encoder.dispatch([held = std::move(held), made = std::move(made), joined = joined_, norm = norm_, eps = eps_,
-                      dims = dims_, scale = scale_, offsets = offsets_]() mutable {
+    dispatch_all(inputs, outputs, [joined = joined_, norm = norm_, eps = eps_, dims = dims_, scale = scale_,
+                                   offsets = offsets_](std::vector<mx::array>& held, std::vector<mx::array>& made) {
       const int batch = held[0].shape(0), length = held[0].shape(1), half = dims / 2, first = joined ? 1 : 3;
       std::vector<float> copies[3];
       const float* rows[3];
@@ -799,11 +824,11 @@ class Attention : public Kernel {
  * parts, its attention, a concatenation), each about 10 us on MLX's CPU stream: with 8 rows, a third of a
  * Qwen3-0.6B 4-bit step.
  */
-class DecodeRows : public mx::Primitive {
+class DecodeRows : public MultiKernel {
  public:
   DecodeRows(mx::Stream stream, float scale, std::vector<int64_t> starts, std::vector<int64_t> from,
              std::vector<int64_t> to, bool lse)
-      : mx::Primitive(stream), scale_(scale), starts_(std::move(starts)), from_(std::move(from)), to_(std::move(to)),
+      : MultiKernel(stream), scale_(scale), starts_(std::move(starts)), from_(std::move(from)), to_(std::move(to)),
         lse_(lse) {}
 
   /* Where each row's key buffer is among the inputs (its value buffer next, then its prefix's when it has one). */
@@ -817,16 +842,8 @@ class DecodeRows : public mx::Primitive {
     return at;
   }
 
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("mlxchat's fused kernels run on the CPU only");
-  }
-
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    // Every output holds the inputs (array::make_arrays), so no input would ever be donatable: the siblings of the
-    // output being evaluated let go of theirs now rather than when it is detached, right after this.
-    if (!outputs[0].is_tracer())
-      for (auto& out : outputs)
-        if (&out.inputs() != &inputs) out.inputs().clear();
+    release_inputs(inputs, outputs);
     const std::vector<size_t> at = layout(from_, to_);
     std::vector<char> copied(2 * at.size(), 0);
     for (size_t i = 0; i < copied.size(); ++i) {
@@ -840,14 +857,8 @@ class DecodeRows : public mx::Primitive {
       }
     }
     outputs[0].set_data(mx::allocator::malloc(outputs[0].nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (const auto& a : inputs) encoder.set_input_array(a);
-    for (auto& a : outputs) encoder.set_output_array(a);
-    std::vector<mx::array> held, made;
-    for (const auto& a : inputs) held.push_back(mx::array::unsafe_weak_copy(a));
-    for (const auto& a : outputs) made.push_back(mx::array::unsafe_weak_copy(a));
-    encoder.dispatch([held = std::move(held), made = std::move(made), copied = std::move(copied), at, scale = scale_,
-                      starts = starts_, from = from_, to = to_, lse = lse_]() mutable {
+    dispatch_all(inputs, outputs, [copied = std::move(copied), at, scale = scale_, starts = starts_, from = from_,
+                                   to = to_, lse = lse_](std::vector<mx::array>& held, std::vector<mx::array>& made) {
       namespace att = mlxchat_attention;
       for (size_t i = 0; i < copied.size(); ++i)
         if (copied[i]) {
@@ -997,21 +1008,14 @@ const float* row_of(const mx::array& a, std::vector<float>& copy, int64_t& strid
  * it, as MLX's elementwise ops would). Why: those ops are some 75 nodes a layer and read the state three times;
  * Qwen3.5-0.8B has 18 such layers. Decode only: it has no gradient (a prompt, and training, run the chunked form).
  */
-class GatedDeltaStep : public mx::Primitive {
+class GatedDeltaStep : public MultiKernel {
  public:
   GatedDeltaStep(mx::Stream stream, int key_heads, float q_weight, float k_weight, float l2_eps, float eps)
-      : mx::Primitive(stream), key_heads_(key_heads), q_weight_(q_weight), k_weight_(k_weight), l2_eps_(l2_eps),
+      : MultiKernel(stream), key_heads_(key_heads), q_weight_(q_weight), k_weight_(k_weight), l2_eps_(l2_eps),
         eps_(eps) {}
 
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("mlxchat's fused kernels run on the CPU only");
-  }
-
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    // As DecodeRows: every output holds the inputs, so the state would never be donatable otherwise.
-    if (!outputs[0].is_tracer())
-      for (auto& out : outputs)
-        if (&out.inputs() != &inputs) out.inputs().clear();
+    release_inputs(inputs, outputs);
     const auto& state = inputs[6];
     const bool taken = state.is_donatable() && state.flags().row_contiguous;
     if (taken)
@@ -1019,14 +1023,9 @@ class GatedDeltaStep : public mx::Primitive {
     else
       outputs[2].set_data(mx::allocator::malloc(outputs[2].nbytes()));
     for (int i = 0; i < 2; ++i) outputs[i].set_data(mx::allocator::malloc(outputs[i].nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (const auto& a : inputs) encoder.set_input_array(a);
-    for (auto& a : outputs) encoder.set_output_array(a);
-    std::vector<mx::array> held, made;
-    for (const auto& a : inputs) held.push_back(mx::array::unsafe_weak_copy(a));
-    for (const auto& a : outputs) made.push_back(mx::array::unsafe_weak_copy(a));
-    encoder.dispatch([held = std::move(held), made = std::move(made), key_heads = key_heads_,
-                      q_weight = q_weight_, k_weight = k_weight_, l2_eps = l2_eps_, eps = eps_]() mutable {
+    dispatch_all(inputs, outputs, [key_heads = key_heads_, q_weight = q_weight_, k_weight = k_weight_,
+                                   l2_eps = l2_eps_, eps = eps_](std::vector<mx::array>& held,
+                                                                 std::vector<mx::array>& made) {
       const mx::array &qkv = held[0], &state = held[6];
       const int rows = qkv.shape(0), channels = qkv.shape(2), taps = held[5].shape(1);
       const int value_heads = state.shape(1), dk = state.shape(2), dv = state.shape(3);
