@@ -577,3 +577,34 @@ def test_heads_and_a_lone_decode_row_in_one_node_give_the_logits_of_the_ops_one_
     monkeypatch.setattr(kernels, "heads", lambda *a: None)
     monkeypatch.setattr(kernels, "decode_rows", lambda *a, **k: None)
     assert float(np.abs(model.worker.run(run) - fused).max()) < 1e-4
+
+
+def test_attention_with_a_rotation_of_its_own_runs_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plugin's rotation (a RoPE subclass of its own, Gemma's proportional RoPE) given to core's Attention is the one
+    that turns its heads: the one-node heads (core's RoPE only) stand aside; an empty batch of rows finds no
+    rotation either."""
+    from mlxchat.config import RopeConfig
+    from mlxchat.layers import Attention, ProportionalRoPE, RoPE
+
+    class Still(RoPE):  # turns nothing
+        def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
+            return x
+
+    calls = []
+    heads = kernels.heads
+    monkeypatch.setattr(kernels, "heads", lambda *a: calls.append(1) or heads(*a))
+    x = mx.random.normal((1, 5, 32))
+    plain = Attention(32, 4, 2, 8, RoPE(8, RopeConfig(), 64), qk_norm_eps=1e-6)
+    turned = plain(x, KVCache())
+    mx.eval(turned)
+    assert calls == [1]
+    for rope in (Still(8, RopeConfig(), 64), ProportionalRoPE(8, RopeConfig(rope_type="proportional",
+                                                                            partial_rotary_factor=0.5))):
+        layer = Attention(32, 4, 2, 8, rope, qk_norm_eps=1e-6)
+        layer.update(plain.parameters())
+        out = layer(x, KVCache())
+        assert calls == [1] and out.shape == (1, 5, 32)
+        if isinstance(rope, Still):  # no positions: not what plain RoPE gives
+            assert float(mx.abs(out - turned).max()) > 1e-4
+    assert RoPE(8, RopeConfig(), 64).rotation(mx.array([], dtype=mx.int32), 1) is None
+    assert RoPE(8, RopeConfig(), 64)(mx.zeros((0, 2, 1, 8)), mx.array([], dtype=mx.int32)).shape == (0, 2, 1, 8)

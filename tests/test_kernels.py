@@ -135,7 +135,7 @@ def test_heads_equal_the_ops_they_fuse_values_and_gradients(length: int, offsets
     batch, heads, kv_heads, d = len(offsets), 4, 2, 64
     joined = mx.random.normal((batch, length, (heads + 2 * kv_heads) * d))
     inv_freq = mx.array([1e4 ** (-2 * j / dims) for j in range(dims // 2)], dtype=mx.float32)
-    norms = (mx.random.normal((d,)), mx.random.normal((d,)), 1e-6) if normed else None
+    norms = (mx.random.normal((2 * d,))[::2], mx.random.normal((d,)), 1e-6) if normed else None  # (one strided)
     turn = kernels.Rotation(inv_freq, dims, scale, offsets)
 
     def split(x: mx.array) -> list[mx.array]:

@@ -25,7 +25,7 @@ from ..cache import (
 from .fused import Projections
 from .norms import RMSNorm
 from .parallel import RowParallelLinear, head_split, slice_outputs
-from .rope import RoPE
+from .rope import MRoPE, RoPE
 
 Attended = tuple[mx.array, mx.array] | PrefixedKeysValues | QuantizedKeysValues
 """What a chunk's queries attend over: float keys and values, those of a shared prefix and a cache's own
@@ -59,7 +59,8 @@ def attend(
 
     Keys and values keep their own (fewer) heads: grouped-query attention is done by the kernel. With the
     caches of several sequences (:class:`~mlxchat.cache.RowCaches`) each row attends over its own, but decode
-    rows whose caches read one shared prefix read it once for all (:func:`attend_shared`).
+    rows whose caches read one shared prefix read it once for all (:func:`attend_shared`); decode rows, and a lone
+    sequence's decode step over a float KV cache, write and attend in one node (:func:`attend_rows`).
     """
     if isinstance(cache, RowCaches):
         rows: list[KeysValues] = cache.caches  # type: ignore[assignment]
@@ -326,6 +327,8 @@ class Attention(nn.Module):
                cache: KeysValues | RowCaches | None) -> tuple[mx.array, mx.array, mx.array] | None:
         """The heads, normalized and turned, in one node (:func:`mlxchat.kernels.heads`) where it applies."""
         q, k, v = (parts[0], None, None) if len(parts) == 1 else parts
+        if type(self.rope) not in (RoPE, MRoPE):  # another rotation (a plugin's own): its ops run
+            return None
         turn = self.rope.rotation(cache.offset if cache is not None else 0, q.shape[1])
         if turn is None:
             return None

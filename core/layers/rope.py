@@ -162,9 +162,9 @@ class RoPE(nn.Module):
     def rotation(self, offset: int | mx.array, length: int) -> kernels.Rotation | None:
         """The rotation of a chunk of ``length`` positions from ``offset`` (or one offset per row, ``[B]``) as the
         fused kernels take it (:func:`mlxchat.kernels.heads`); ``None`` where only MLX's rope does it (a dynamic
-        RoPE's rows, each with a base of its own)."""
+        RoPE's rows, each with a base of its own; positions of another shape, MRoPE's ``[3, L]``; no rows)."""
         if isinstance(offset, mx.array):
-            if offset.ndim != 1 or self.dynamic_factor is not None:
+            if offset.ndim != 1 or offset.size == 0 or self.dynamic_factor is not None:
                 return None
             offsets = [int(o) for o in cast(list[int], offset.tolist())]
         else:
@@ -213,9 +213,6 @@ class MRoPE(RoPE):
                 for j in range(dims // 2)]
         self._inv_freq = mx.array(inv_freq, dtype=mx.float32)
         self._axes = mx.array(axes)
-
-    def rotation(self, offset: int | mx.array, length: int) -> kernels.Rotation | None:
-        return super().rotation(offset, length) if isinstance(offset, int) or offset.ndim == 1 else None
 
     def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:  # type: ignore[override]
         if isinstance(offset, int) or offset.ndim == 1:  # text: a position, or one per row of a batch

@@ -535,13 +535,14 @@ class MultiKernel : public mx::Primitive {
 };
 
 /*
- * The heads of attention from its q, k and v projections' outputs [B, L, heads * D] (views of one product: any
- * strides but the features'): q and k normalized per head (RMS norm, when their weights are given), their first
- * `dims` features multiplied by `scale` (yarn's attention factor) and rotated at each row's positions (rotate-half
- * RoPE, as Rope, when `dims` > 0), and all three laid out [B, heads, L, D]. Inputs: q, k, v (or, `joined`, the one
- * product [B, L, (heads + 2 * kv_heads) * D] they are parts of), then the q and k norms' weights, then the inverse
- * frequencies. One node for what is otherwise eleven a layer (the split's
- * reshapes, two norms, three transposes, two rotations): a decode step of Qwen3-0.6B has 28 such layers.
+ * The heads of attention from its q, k and v projections' outputs [B, L, heads * D] (views of one product, read
+ * where they lie; copied where the features are not contiguous): q and k normalized per head (RMS norm, when their
+ * weights are given), their first `dims` features multiplied by `scale` (yarn's attention factor) and rotated at
+ * each row's positions (rotate-half RoPE, as Rope, when `dims` > 0), and all three laid out [B, heads, L, D].
+ * Inputs: q, k, v (or, `joined`, the one product [B, L, (heads + 2 * kv_heads) * D] they are parts of), then the q
+ * and k norms' weights, then the inverse frequencies. One node for what is otherwise twelve a layer (the split,
+ * three reshapes, two norms, three transposes, two rotations): a decode step of Qwen3-0.6B has 28 such layers. Its
+ * gradient is the separate ops'; jvp and vmap with a rotation are not there (Rope has only its gradient).
  */
 class Heads : public Referenced<MultiKernel> {
  public:
@@ -579,10 +580,18 @@ class Heads : public Referenced<MultiKernel> {
         rows[i] = rows[i - 1] + int64_t(made[i - 1].shape(1)) * made[i - 1].shape(3);
         strides[i][0] = strides[0][0], strides[i][1] = strides[0][1];
       }
+      std::vector<float> vectors[3];  // the norms' weights and the inverse frequencies, where not contiguous
+      auto vector = [&](int i, int k) -> const float* {
+        if (held[i].flags().row_contiguous) return held[i].data<float>();
+        vectors[k].resize(held[i].size());
+        copy_contiguous(held[i], vectors[k].data());
+        return vectors[k].data();
+      };
+      const float* weights[2] = {norm ? vector(first, 0) : nullptr, norm ? vector(first + 1, 1) : nullptr};
       // angles as Rope computes them: float32 position times float32 inverse frequency
       const size_t table = size_t(length) * half;
       std::vector<float> cos(offsets.size() * table), sin(offsets.size() * table);
-      const float* inv_freq = dims > 0 ? held[first + (norm ? 2 : 0)].data<float>() : nullptr;
+      const float* inv_freq = dims > 0 ? vector(first + (norm ? 2 : 0), 2) : nullptr;
       for (size_t o = 0; dims > 0 && o < offsets.size(); ++o)
         for (int l = 0; l < length; ++l)
           for (int j = 0; j < half; ++j) {
@@ -593,7 +602,7 @@ class Heads : public Referenced<MultiKernel> {
       std::vector<float> normed;
       for (int i = 0; i < 3; ++i) {
         const int count = made[i].shape(1), d = made[i].shape(3);
-        const float* weight = norm && i < 2 ? held[first + i].data<float>() : nullptr;
+        const float* weight = i < 2 ? weights[i] : nullptr;
         const bool turn = dims > 0 && i < 2;
         normed.resize(d);
         float* out = made[i].data<float>();
