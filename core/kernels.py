@@ -166,10 +166,8 @@ def heads(q: mx.array, k: mx.array | None, v: mx.array | None, heads: int, kv_he
         return None
     if k is None and q.shape[-1] % (heads + 2 * kv_heads):
         return None
-    if rotation is None:
-        return tuple(module.heads(q, k, v, heads, kv_heads, weights, norms[2] if norms else 0.0))  # type: ignore[return-value]
-    return tuple(module.heads(q, k, v, heads, kv_heads, weights, norms[2] if norms else 0.0,  # type: ignore[return-value]
-                              rotation.inv_freq, rotation.dims, rotation.scale, rotation.offsets))
+    turn = () if rotation is None else (rotation.inv_freq, rotation.dims, rotation.scale, rotation.offsets)
+    return tuple(module.heads(q, k, v, heads, kv_heads, weights, norms[2] if norms else 0.0, *turn))  # type: ignore[return-value]
 
 
 # -- Gated DeltaNet ------------------------------------------------------------------------------------------

@@ -111,6 +111,11 @@ def _yarn(inv: list[float], dims: int, rope: RopeConfig, max_position_embeddings
     return out, attention
 
 
+def _positions(offsets: mx.array) -> list[int]:
+    """A batch's offsets ``[B]``, one per row, as the kernels take them."""
+    return [int(o) for o in cast(list[int], offsets.tolist())]
+
+
 class RoPE(nn.Module):
     """Rotates the first ``dims`` features of each head (all of them unless a partial factor says less).
 
@@ -139,8 +144,7 @@ class RoPE(nn.Module):
     def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
         """``offset``: the position of ``x``'s first token, or one per row of a batch (``[B]``)."""
         if isinstance(offset, mx.array) and self.dynamic_factor is not None:  # a base per row's length
-            rows = [int(o) for o in cast(list[int], offset.tolist())]
-            return mx.concatenate([self(x[i : i + 1], o) for i, o in enumerate(rows)], axis=0)
+            return mx.concatenate([self(x[i : i + 1], o) for i, o in enumerate(_positions(offset))], axis=0)
         if self.scale != 1.0:
             x = x.at[..., : self.dims].multiply(self.scale)
         turn = self.rotation(offset, x.shape[-2])
@@ -166,7 +170,7 @@ class RoPE(nn.Module):
         if isinstance(offset, mx.array):
             if offset.ndim != 1 or offset.size == 0 or self.dynamic_factor is not None:
                 return None
-            offsets = [int(o) for o in cast(list[int], offset.tolist())]
+            offsets = _positions(offset)
         else:
             offsets = [offset]
         base = self._base(offsets[0], length)
@@ -243,8 +247,7 @@ class ProportionalRoPE(nn.Module):
 
     def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
         """``offset``: the position of ``x``'s first token, or one per row of a batch (``[B]``)."""
-        at = offset if isinstance(offset, int) else [int(o) for o in cast(list[int], offset.tolist())] \
-            if offset.ndim == 1 else None
+        at = offset if isinstance(offset, int) else _positions(offset) if offset.ndim == 1 else None
         fused = None if at is None else kernels.rope(x, self._inv_freq, self.head_dim, at)
         if fused is not None:
             return fused

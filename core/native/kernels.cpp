@@ -210,6 +210,25 @@ void copy_contiguous(const mx::array& a, T* out) {
   }
 }
 
+/* A float32 array's values in row-major order: where they lie, or copied into `copy` when laid out otherwise. */
+const float* row_major(const mx::array& a, std::vector<float>& copy) {
+  if (a.flags().row_contiguous) return a.data<float>();
+  copy.resize(a.size());
+  copy_contiguous(a, copy.data());
+  return copy.data();
+}
+
+/* A [B, L, F] float32 view's rows (a view of a wider product's columns, say), read where they lie when its features
+ * are contiguous, else copied; `strides` are then the batch's and the positions'. */
+const float* rows_of(const mx::array& a, std::vector<float>& copy, int64_t (&strides)[2]) {
+  if (a.strides()[2] == 1 || a.shape(2) == 1) {
+    strides[0] = a.strides()[0], strides[1] = a.strides()[1];
+    return a.data<float>();
+  }
+  strides[0] = int64_t(a.shape(1)) * a.shape(2), strides[1] = a.shape(2);
+  return row_major(a, copy);
+}
+
 /*
  * Transforms of a primitive through `references`, the same function in MLX's own operations (one array per output),
  * over the inputs it differentiates (the others, such as packed integers, are held constant: their gradient is zero).
@@ -331,15 +350,7 @@ class Kernel : public Referenced<mx::UnaryPrimitive> {
     dispatch_held(inputs, out, [run](const std::vector<mx::array>& held, mx::array& out) {
       std::vector<std::vector<float>> copies(held.size());
       std::vector<const float*> data;
-      for (size_t i = 0; i < held.size(); ++i) {
-        if (held[i].flags().row_contiguous) {
-          data.push_back(held[i].data<float>());
-        } else {
-          copies[i].resize(held[i].size());
-          copy_contiguous(held[i], copies[i].data());
-          data.push_back(copies[i].data());
-        }
-      }
+      for (size_t i = 0; i < held.size(); ++i) data.push_back(row_major(held[i], copies[i]));
       run(held, data, out.data<float>());
     });
   }
@@ -563,35 +574,20 @@ class Heads : public Referenced<MultiKernel> {
     dispatch_all(inputs, outputs, [joined = joined_, norm = norm_, eps = eps_, dims = dims_, scale = scale_,
                                    offsets = offsets_](std::vector<mx::array>& held, std::vector<mx::array>& made) {
       const int batch = held[0].shape(0), length = held[0].shape(1), half = dims / 2, first = joined ? 1 : 3;
-      std::vector<float> copies[3];
+      std::vector<float> copies[6];  // q, k, v; the norms' weights and the inverse frequencies (where laid out otherwise)
       const float* rows[3];
       int64_t strides[3][2];
-      for (int i = 0; i < first; ++i) {
-        const auto& a = held[i];
-        if (a.strides()[2] == 1) {
-          rows[i] = a.data<float>(), strides[i][0] = a.strides()[0], strides[i][1] = a.strides()[1];
-        } else {
-          copies[i].resize(a.size());
-          copy_contiguous(a, copies[i].data());
-          rows[i] = copies[i].data(), strides[i][0] = int64_t(length) * a.shape(2), strides[i][1] = a.shape(2);
-        }
-      }
+      for (int i = 0; i < first; ++i) rows[i] = rows_of(held[i], copies[i], strides[i]);
       for (int i = 1; joined && i < 3; ++i) {  // k and v: the product's columns after q's, after k's
         rows[i] = rows[i - 1] + int64_t(made[i - 1].shape(1)) * made[i - 1].shape(3);
         strides[i][0] = strides[0][0], strides[i][1] = strides[0][1];
       }
-      std::vector<float> vectors[3];  // the norms' weights and the inverse frequencies, where not contiguous
-      auto vector = [&](int i, int k) -> const float* {
-        if (held[i].flags().row_contiguous) return held[i].data<float>();
-        vectors[k].resize(held[i].size());
-        copy_contiguous(held[i], vectors[k].data());
-        return vectors[k].data();
-      };
-      const float* weights[2] = {norm ? vector(first, 0) : nullptr, norm ? vector(first + 1, 1) : nullptr};
+      const float* weights[2] = {norm ? row_major(held[first], copies[3]) : nullptr,
+                                 norm ? row_major(held[first + 1], copies[4]) : nullptr};
       // angles as Rope computes them: float32 position times float32 inverse frequency
       const size_t table = size_t(length) * half;
       std::vector<float> cos(offsets.size() * table), sin(offsets.size() * table);
-      const float* inv_freq = dims > 0 ? vector(first + (norm ? 2 : 0), 2) : nullptr;
+      const float* inv_freq = dims > 0 ? row_major(held[first + (norm ? 2 : 0)], copies[5]) : nullptr;
       for (size_t o = 0; dims > 0 && o < offsets.size(); ++o)
         for (int l = 0; l < length; ++l)
           for (int j = 0; j < half; ++j) {
@@ -993,18 +989,6 @@ void delta_head(const void* ctx, int task) {
   silu_mul_all(d.z + b * d.z_row + int64_t(h) * dv, normed, d.out + at * dv, dv);
 }
 
-/* A [B, 1, F] view's row b (copied into `copy` when its features are not contiguous). */
-const float* row_of(const mx::array& a, std::vector<float>& copy, int64_t& stride) {
-  if (a.strides()[2] == 1 || a.shape(2) == 1) {
-    stride = a.strides()[0];
-    return a.data<float>();
-  }
-  copy.resize(a.size());
-  copy_contiguous(a, copy.data());
-  stride = a.shape(1) * a.shape(2);
-  return copy.data();
-}
-
 /*
  * One decode step of B rows of a Gated DeltaNet layer (Qwen3.5's linear attention) in one node: the causal
  * depthwise convolution of the last K - 1 inputs and this one, SiLU, q and k L2-normalized per key head (rms_norm
@@ -1040,25 +1024,20 @@ class GatedDeltaStep : public MultiKernel {
       const int value_heads = state.shape(1), dk = state.shape(2), dv = state.shape(3);
       const int key_dim = key_heads * dk;
       std::vector<float> copies[10];
-      int64_t strides[4];
+      int64_t strides[4][2];  // qkv, z, b and a: [B, 1, F] views, a row each
       const float* row[4];
-      for (int i = 0; i < 4; ++i) row[i] = row_of(held[i], copies[i], strides[i]);
-      auto contiguous = [&](int i) -> const float* {
-        if (held[i].flags().row_contiguous) return held[i].data<float>();
-        copies[i].resize(held[i].size());
-        copy_contiguous(held[i], copies[i].data());
-        return copies[i].data();
-      };
-      const float *conv_state = contiguous(4), *weight = contiguous(5), *a_log = contiguous(7);
-      const float *dt_bias = contiguous(8), *norm = contiguous(9);
-      const float* old = contiguous(6);  // (where it is taken over, the output's own buffer)
+      for (int i = 0; i < 4; ++i) row[i] = rows_of(held[i], copies[i], strides[i]);
+      const float *conv_state = row_major(held[4], copies[4]), *weight = row_major(held[5], copies[5]);
+      const float *a_log = row_major(held[7], copies[7]), *dt_bias = row_major(held[8], copies[8]);
+      const float* norm = row_major(held[9], copies[9]);
+      const float* old = row_major(held[6], copies[6]);  // (where it is taken over, the output's own buffer)
       float* next_conv = made[1].data<float>();
       std::vector<float> conv(channels), mixed(channels), q(size_t(rows) * key_dim), k(size_t(rows) * key_dim);
       std::vector<float> v(size_t(rows) * value_heads * dv), decay(size_t(rows) * value_heads),
           beta(size_t(rows) * value_heads);
       const std::vector<float> qw(dk, q_weight), kw(dk, k_weight);
       for (int b = 0; b < rows; ++b) {
-        const float* x = row[0] + b * strides[0];
+        const float* x = row[0] + b * strides[0][0];
         const float* window = conv_state + int64_t(b) * (taps - 1) * channels;
         for (int c = 0; c < channels; ++c) {
           float sum = window[c] * weight[int64_t(c) * taps];
@@ -1075,7 +1054,7 @@ class GatedDeltaStep : public MultiKernel {
         std::memcpy(v.data() + int64_t(b) * value_heads * dv, mixed.data() + 2 * key_dim,
                     size_t(value_heads) * dv * sizeof(float));
         for (int h = 0; h < value_heads; ++h) {
-          const float bh = row[2][b * strides[2] + h], ah = row[3][b * strides[3] + h] + dt_bias[h];
+          const float bh = row[2][b * strides[2][0] + h], ah = row[3][b * strides[3][0] + h] + dt_bias[h];
           const float high = std::max(ah, 0.0f), low = std::min(ah, 0.0f);
           const float softplus = high + std::log1p(std::exp(low - high));
           beta[int64_t(b) * value_heads + h] = 1.0f / (1.0f + std::exp(-bh));
@@ -1091,7 +1070,7 @@ class GatedDeltaStep : public MultiKernel {
       fp_mode = _mm_getcsr();
 #endif
       DeltaHeads d{key_heads, value_heads, dk, dv, q.data(), k.data(), v.data(), decay.data(), beta.data(), old,
-                   made[2].data<float>(), row[1], strides[1], norm, eps, made[0].data<float>(), fp_mode};
+                   made[2].data<float>(), row[1], strides[1][0], norm, eps, made[0].data<float>(), fp_mode};
       const int tasks = rows * value_heads;
       if (int64_t(tasks) * dk * dv < (1 << 16))
         for (int t = 0; t < tasks; ++t) delta_head(&d, t);
