@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import mlxchat.quantized as mq
-from mlxchat.layers.quantized import QuantizedLinear
+from mlxchat.layers.quantized import QuantizedEmbedding, QuantizedLinear
 
 native = pytest.importorskip("mlxchat._quantized", reason="native quantized kernels not built here")
 
@@ -230,6 +230,47 @@ def test_quantized_linear_uses_mlx_where_the_kernels_do_not_apply(monkeypatch: p
     layer.set_dtype(mx.bfloat16)
     x16 = x.astype(mx.bfloat16)
     np.testing.assert_array_equal(np.array(layer(x16).astype(mx.float32)), mlx_op(layer, x16))
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_quantized_rows_equal_mlx_dequantize_bit_for_bit(bits: int, group_size: int) -> None:
+    """A quantized embedding's lookup in one node: the rows MLX's gathers and dequantize give, exactly, for ids of
+    any shape (int32 or uint32), and its scales' and biases' gradients."""
+    packed, scales, biases = _quantized(50, 256, group_size, bits, seed=bits)
+    for ids in (mx.array([[7, 0, 49], [7, 7, 3]]), mx.array([5], dtype=mx.uint32)):
+        ours = mq.dequantize_rows(packed, scales, biases, ids, group_size, bits)
+        theirs = mx.dequantize(packed[ids], scales[ids], biases[ids], group_size, bits)
+        assert ours.shape == (*ids.shape, 256)
+        np.testing.assert_array_equal(np.array(ours), np.array(theirs))
+    ids = mx.array([1, 3, 3])
+    weights = mx.random.normal((3, 256))
+
+    def loss(lookup):  # type: ignore[no-untyped-def]
+        return lambda s, b: (lookup(s, b) * weights).sum()
+
+    ours_grads = mx.grad(loss(lambda s, b: native.dequantize_rows(packed, s, b, ids, group_size, bits)), (0, 1))(
+        scales, biases)
+    theirs_grads = mx.grad(loss(lambda s, b: mx.dequantize(packed[ids], s[ids], b[ids], group_size, bits)), (0, 1))(
+        scales, biases)
+    for ours_grad, theirs_grad in zip(ours_grads, theirs_grads, strict=True):
+        np.testing.assert_allclose(np.array(ours_grad), np.array(theirs_grad), rtol=1e-6, atol=1e-6)
+
+
+def test_quantized_embedding_is_one_node_and_refuses_to_read_outside_its_rows() -> None:
+    """The layer's lookup runs the native node (an out-of-range id, which a model never receives, gives NaNs
+    rather than memory past the matrix); the output head it ties to is unchanged."""
+    layer = QuantizedEmbedding.from_embedding(nn.Embedding(40, 128), 64, 4)
+    ids = mx.array([[3, 39]])
+    out = layer(ids)
+    assert out.shape == (1, 2, 128)
+    np.testing.assert_array_equal(np.array(out), np.array(nn.QuantizedEmbedding.__call__(layer, ids)))
+    bad = np.array(native.dequantize_rows(layer.weight, layer.scales, layer.biases, mx.array([40, -1, 2]), 64, 4))
+    assert np.isnan(bad[:2]).all() and np.isfinite(bad[2]).all()
+    with pytest.raises(ValueError, match="int32 or uint32"):
+        native.dequantize_rows(layer.weight, layer.scales, layer.biases, mx.array([1.0]), 64, 4)
+    with pytest.raises(ValueError, match="do not match"):
+        native.dequantize_rows(layer.weight, layer.scales[:, :1], layer.biases[:, :1], ids, 64, 4)
 
 
 def test_runtime_info_names_the_quantized_kernels() -> None:

@@ -10,7 +10,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_map_with_path
 
-from ..quantized import quantized_matmul
+from ..quantized import dequantize_rows, quantized_matmul
 
 
 class QuantizedLinear(nn.QuantizedLinear):
@@ -23,7 +23,11 @@ class QuantizedLinear(nn.QuantizedLinear):
 
 
 class QuantizedEmbedding(nn.QuantizedEmbedding):
-    """:class:`mlx.nn.QuantizedEmbedding` whose ``as_linear`` (a tied output head) uses the same kernels."""
+    """:class:`mlx.nn.QuantizedEmbedding` whose lookup and ``as_linear`` (a tied output head) use the same kernels."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return dequantize_rows(self["weight"], self["scales"], self.get("biases"), x, self.group_size, self.bits,
+                               self.mode)
 
     def as_linear(self, x: mx.array) -> mx.array:
         return quantized_matmul(x, self["weight"], self["scales"], self.get("biases"), self.group_size, self.bits,

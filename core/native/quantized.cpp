@@ -19,6 +19,7 @@
 #include <mutex>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -508,6 +509,89 @@ int64_t index_at(const mx::array& indices, int64_t i) {
   return indices.dtype() == mx::uint32 ? int64_t(indices.data<uint32_t>()[at]) : int64_t(indices.data<int32_t>()[at]);
 }
 
+/*
+ * Rows of a quantized matrix as float32: out[i] = dequantize(w[indices[i]]) (a quantized embedding's lookup). MLX
+ * runs it as three gathers and a dequantize that its CPU backend spells as some fifty operations (shifts, masks,
+ * broadcasts) for one token; here it is one node. An index out of range gives a row of NaNs (token ids are checked
+ * before they reach a model: this only keeps a bad one from reading outside the matrix).
+ */
+class DequantizeRows : public mx::UnaryPrimitive {
+ public:
+  DequantizeRows(mx::Stream stream, int group_size, int bits)
+      : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (const auto& a : inputs) encoder.set_input_array(a);
+    encoder.set_output_array(out);
+    encoder.dispatch([w = mx::array::unsafe_weak_copy(inputs[0]), scales = mx::array::unsafe_weak_copy(inputs[1]),
+                      biases = mx::array::unsafe_weak_copy(inputs[2]), indices = mx::array::unsafe_weak_copy(inputs[3]),
+                      out = mx::array::unsafe_weak_copy(out), gs = group_size_, bits = bits_]() mutable {
+      const int64_t rows = w.shape(0), G = scales.shape(1), K = G * gs, row_bytes = K * bits / 8;
+      const unsigned mask = (1u << bits) - 1;
+      const uint8_t* packed = w.data<uint8_t>();
+      float* y = out.data<float>();
+      for (int64_t i = 0; i < int64_t(indices.size()); ++i, y += K) {
+        const int64_t row = index_at(indices, i);
+        if (row < 0 || row >= rows) {
+          std::fill(y, y + K, std::numeric_limits<float>::quiet_NaN());
+          continue;
+        }
+        const uint8_t* src = packed + row * row_bytes;
+        const float* s = scales.data<float>() + row * G;
+        const float* b = biases.data<float>() + row * G;
+        for (int64_t k = 0; k < K; ++k) {  // value k in bits [k * bits, (k + 1) * bits) of the row, little-endian
+          const int64_t bit = k * bits, byte = bit >> 3;
+          const unsigned word = src[byte] | (bit % 8 + bits > 8 ? unsigned(src[byte + 1]) << 8 : 0u);
+          const float scaled = s[k / gs] * float((word >> (bit % 8)) & mask);
+          y[k] = scaled + b[k / gs];
+        }
+      }
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("mlxchat's quantized rows run on the CPU only; use mx.dequantize on a GPU");
+  }
+
+  /* The scales' and biases' gradients, of the same lookup written with MLX's ops. */
+  std::vector<mx::array> vjp(const std::vector<mx::array>& primals, const std::vector<mx::array>& cotangents,
+                             const std::vector<int>& argnums, const std::vector<mx::array>&) override {
+    const mx::array w = primals[0], indices = primals[3];
+    const auto lookup = [w, indices, gs = group_size_, bits = bits_, s = stream()](const std::vector<mx::array>& sb) {
+      return std::vector<mx::array>{mx::dequantize(mx::take(w, indices, 0, s), mx::take(sb[0], indices, 0, s),
+                                                   mx::take(sb[1], indices, 0, s), gs, bits, "affine", std::nullopt,
+                                                   mx::float32, s)};
+    };
+    const auto grads = mx::vjp(lookup, {primals[1], primals[2]}, cotangents).second;
+    std::vector<mx::array> out;
+    for (int arg : argnums) {
+      if (arg != 1 && arg != 2) throw std::invalid_argument("mlxchat quantized rows: only scales and biases have a gradient");
+      out.push_back(grads[arg - 1]);
+    }
+    return out;
+  }
+
+  const char* name() const override {
+    return "MlxchatDequantizeRows";
+  }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const DequantizeRows&>(other);
+    return group_size_ == o.group_size_ && bits_ == o.bits_;
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    auto shape = inputs[3].shape();
+    shape.push_back(inputs[1].shape(1) * group_size_);
+    return {shape};
+  }
+
+ private:
+  int group_size_, bits_;
+};
+
 /* x [..., M, K] against indices [...] and w [E, N, K']: [broadcast(x's batch, indices), M, N]. */
 mx::Shape gathered_shape(const mx::array& x, const mx::array& w, const mx::array& indices) {
   auto shape = mx::broadcast_shapes(mx::Shape(x.shape().begin(), x.shape().end() - 2), indices.shape());
@@ -715,21 +799,27 @@ class GatherQuantizedMatmul : public mx::UnaryPrimitive {
 
 // -- the operations -------------------------------------------------------------------------------------
 
-void check_common(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
-                  int group_size, int bits) {
+/* A packed matrix (w [..., N, K*bits/32] uint32, its scales and biases [..., N, K/group_size] float32) of depth K. */
+void check_packed(const mx::array& w, const mx::array& scales, const mx::array& biases, int64_t K, int group_size,
+                  int bits) {
   if (bits < 2 || bits > 8 || bits == 7) throw std::invalid_argument("bits must be 2, 3, 4, 5, 6 or 8");
   if (group_size != 32 && group_size != 64 && group_size != 128)
     throw std::invalid_argument("group_size must be 32, 64 or 128");
-  if (x.dtype() != mx::float32 || scales.dtype() != mx::float32 || biases.dtype() != mx::float32)
-    throw std::invalid_argument("x, scales and biases must be float32");
+  if (scales.dtype() != mx::float32 || biases.dtype() != mx::float32)
+    throw std::invalid_argument("scales and biases must be float32");
   if (w.dtype() != mx::uint32) throw std::invalid_argument("w must be uint32 (packed)");
-  if (x.ndim() < 1) throw std::invalid_argument("x must have at least one dimension");
-  const int K = x.shape(-1);
-  if (K % group_size != 0 || int64_t(w.shape(-1)) * 32 != int64_t(K) * bits)
-    throw std::invalid_argument("x's last dimension does not match the packed weight");
+  if (w.ndim() < 1 || K % group_size != 0 || int64_t(w.shape(-1)) * 32 != K * bits)
+    throw std::invalid_argument("the depth does not match the packed weight");
   if (scales.shape() != biases.shape() || scales.ndim() != w.ndim() || scales.shape(-1) != K / group_size ||
       scales.shape(-2) != w.shape(-2))
     throw std::invalid_argument("scales and biases do not match the packed weight");
+}
+
+void check_common(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
+                  int group_size, int bits) {
+  if (x.dtype() != mx::float32) throw std::invalid_argument("x, scales and biases must be float32");
+  if (x.ndim() < 1) throw std::invalid_argument("x must have at least one dimension");
+  check_packed(w, scales, biases, x.shape(-1), group_size, bits);
 }
 
 mx::Stream cpu_stream() {
@@ -779,6 +869,21 @@ mx::array gather_quantized_matmul(const mx::array& x, const mx::array& w, const 
                    {x, row_contiguous(w), row_contiguous(scales), row_contiguous(biases), indices});
 }
 
+/* Rows indices[...] of w [rows, K*bits/32] dequantized: [..., K] float32. */
+mx::array dequantize_rows(const mx::array& w, const mx::array& scales, const mx::array& biases,
+                          const mx::array& indices, int group_size, int bits) {
+  if (w.ndim() != 2) throw std::invalid_argument("w must be 2-dimensional");
+  if (indices.dtype() != mx::uint32 && indices.dtype() != mx::int32)
+    throw std::invalid_argument("indices must be int32 or uint32");
+  if (bits < 2 || int64_t(w.shape(1)) * 32 % bits != 0) throw std::invalid_argument("w does not hold whole values");
+  const int K = int(int64_t(w.shape(1)) * 32 / bits);
+  check_packed(w, scales, biases, K, group_size, bits);
+  auto shape = indices.shape();
+  shape.push_back(K);
+  return mx::array(shape, mx::float32, std::make_shared<DequantizeRows>(cpu_stream(), group_size, bits),
+                   {row_contiguous(w), row_contiguous(scales), row_contiguous(biases), indices});
+}
+
 }  // namespace
 
 NB_MODULE(_quantized, m) {
@@ -793,6 +898,9 @@ NB_MODULE(_quantized, m) {
   m.def("gather_matmul", &gather_matmul, nb::arg("x"), nb::arg("w"), nb::arg("indices"),
         "x @ w[indices].T for float32 experts w [E, out, in], rows grouped by expert (mx.gather_mm with "
         "rhs_indices and w transposed).");
+  m.def("dequantize_rows", &dequantize_rows, nb::arg("w"), nb::arg("scales"), nb::arg("biases"),
+        nb::arg("indices"), nb::arg("group_size"), nb::arg("bits"),
+        "dequantize(w[indices], scales[indices], biases[indices]) in one node (a quantized embedding's lookup).");
   m.def("mlx_version", [] {
     return std::to_string(MLX_VERSION_MAJOR) + "." + std::to_string(MLX_VERSION_MINOR) + "." +
            std::to_string(MLX_VERSION_PATCH);
