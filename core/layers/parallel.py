@@ -27,7 +27,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from ..errors import DistributedError
-from ..quantized import quantized_matmul
+from ..quantized import dequantize_rows, quantized_matmul
 
 Ranges = Sequence[tuple[int, int]]
 ExpertSplit = Literal["width", "expert"]
@@ -247,10 +247,8 @@ class VocabParallelEmbedding(_VocabRows):
         held = (local >= 0) & (local < self.count)
         index = mx.where(held, local, 0)
         if self.quantized:
-            biases = self.get("biases")
-            rows = mx.dequantize(self["weight"][index], scales=self["scales"][index],
-                                 biases=biases[index] if biases is not None else None,
-                                 group_size=self.group_size, bits=self.bits, mode=self.mode)
+            rows = dequantize_rows(self["weight"], self["scales"], self.get("biases"), index, self.group_size,
+                                   self.bits, self.mode)
         else:
             rows = self["weight"][index]
         return mx.distributed.all_sum(mx.where(held[..., None], rows, 0), group=self.group)
