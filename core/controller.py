@@ -102,12 +102,17 @@ class ChatController:
         clock: Callable[[], float] | None = None,
         publish_interval: float = 0.032,
         gate: Callable[[], TurnGate] | None = None,
+        input_timeout: float | None = None,
     ):
         """``model_or_provider``: a model, or a function called at every turn that returns one. When it
         returns another model than the last turn's, the conversation moves to a new session on that model
         (primed with the messages, ids kept); its next turn prefills the whole conversation once. ``gate``
         makes what each turn waits for before it runs (a prompt stopped while it waits goes back to the head of
-        the queue, paused)."""
+        the queue, paused). ``input_timeout``: seconds a tool's question waits for :meth:`respond_to_input`
+        (``None``: as long as it takes); past it the tool sees an error, as when the turn is stopped, and the turn
+        goes on (a server bounds it: the turn holds its memory while it waits)."""
+        if input_timeout is not None and not input_timeout > 0:
+            raise ValueError(f"input_timeout must be a positive number of seconds or None, got {input_timeout}")
         if publish_interval < 0:
             raise ValueError(f"publish_interval must be at least 0, got {publish_interval}")
         self._provider: Provider = (model_or_provider if not hasattr(model_or_provider, "chat_session")
@@ -117,6 +122,7 @@ class ChatController:
         self._new_id = new_id or (lambda: uuid.uuid4().hex)
         self._clock = clock
         self._gate = gate
+        self._input_timeout = input_timeout
         self._lock = threading.RLock()
         self._session = self._new_session(self._provider(), initial_messages)
         self._messages = self._session.messages
@@ -474,11 +480,13 @@ class ChatController:
             self._inputs[request.id] = (request, answered, answer)
             self._status = "awaiting_input"
             self._publish_now()
-        answered.wait()
+        answered.wait(self._input_timeout)
         with self._lock:
             del self._inputs[request.id]
             self._status = "streaming" if not self._inputs else "awaiting_input"
             self._publish_now()
+        if not answered.is_set():
+            raise SessionStateError(f"no answer to {prompt!r} came within {self._input_timeout:g} s")
         if not answer or (self._stream is not None and self._stream._cancel):
             raise SessionStateError("the input request was cancelled")
         return answer[0]

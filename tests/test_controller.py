@@ -11,7 +11,7 @@ import time
 import pytest
 
 import mlxchat
-from mlxchat import ChatController, ChatState, ToolContext, tool
+from mlxchat import ChatController, ChatState, SessionStateError, ToolContext, tool
 from mlxchat.demo.world import get_time, weather_report
 
 from conftest import fixture_path, loaded
@@ -324,6 +324,31 @@ def test_a_tool_asks_the_user_and_respond_to_input_resumes_it() -> None:
     done = wait_for(controller, lambda s: s.status == "idle" and s.messages[-1].role == "assistant"
                     and not s.messages[-1].tool_calls)
     assert json.loads([m for m in done.messages if m.role == "tool"][0].content)["unit"] == "Fahrenheit"
+    controller.close()
+
+
+def test_a_question_nobody_answers_ends_at_the_input_timeout_and_the_turn_goes_on() -> None:
+    """A server bounds how long a turn waits for its user (it holds its memory meanwhile): past
+    ``input_timeout`` the tool sees an error, the model answers from it, and the conversation is idle again."""
+    @tool
+    def get_weather(city: str, ctx: ToolContext) -> str:
+        """Get the current weather in a city.
+
+        Args:
+            city: Name of the city.
+        """
+        return ctx.request_input("Celsius or Fahrenheit?")
+
+    with pytest.raises(ValueError, match="input_timeout"):
+        ChatController(mlxchat.load_model(), input_timeout=0)
+    controller = ChatController(mlxchat.load_model(), tools=[get_weather], publish_interval=0, input_timeout=0.2)
+    controller.send("What's the weather in Rome?")
+    done = wait_for(controller, lambda s: s.status == "idle" and s.messages[-1].role == "assistant"
+                    and not s.messages[-1].tool_calls)
+    (result,) = [m for m in done.messages if m.role == "tool"]
+    assert "no answer to 'Celsius or Fahrenheit?' came within 0.2 s" in result.content and not done.input_requests
+    with pytest.raises(SessionStateError):
+        controller.respond_to_input("late", "Celsius")
     controller.close()
 
 

@@ -232,6 +232,18 @@ def test_an_input_request_is_answered_and_a_stop_cancels_it(client) -> None:
         assert act(client, conversation, "dismiss_error")["status"] == "idle"
 
 
+def test_a_question_left_unanswered_ends_at_the_input_timeout(model, tmp_path) -> None:
+    """``--input-timeout``: a tool's question nobody answers ends with an error for the tool, and the turn (which
+    holds its memory while it waits) goes on to its reply."""
+    with serving("demo", model=model, tools=DEMO_PAGE_TOOLS, store=str(tmp_path / "s.sqlite3"),
+                 input_timeout=0.3) as served, httpx.Client(base_url=served.url, timeout=60) as client:
+        conversation = new(client)
+        act(client, conversation, "send", text="What time is it in Paris?")
+        done = until(client, conversation, lambda s: idle(s) and s["messages"][-1]["role"] == "assistant")
+        (result,) = [m for m in done["messages"] if m["role"] == "tool"]
+        assert "no answer to" in result["content"] and "within 0.3 s" in result["content"]
+
+
 def test_the_queue_while_a_reply_streams_and_stop_keeps_the_text(client, model) -> None:
     with long_replies(model):  # a conversation's session takes the model's defaults when it starts
         conversation = new(client)

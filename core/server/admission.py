@@ -388,7 +388,7 @@ class ThreadHold:
     API's requests, and held by the conversation's cache as its growth while the turn runs. Its estimate is the
     conversation with the prompt and one reply (a reply after tools' results, automatic on the page, grows past
     it, as any estimate too low does). A turn waiting for the user's answer to a tool keeps its hold (its cache
-    holds that memory meanwhile)."""
+    holds that memory meanwhile), for ``--input-timeout`` at most."""
 
     SHOW_WAIT = 0.1
     """Seconds granting may take before the turn shows as waiting."""

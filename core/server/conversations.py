@@ -232,7 +232,8 @@ class Conversations:
         loop, kv, model = self.loop, self.state.kv, self.state.model
         assert loop is not None
         controller = ChatController(model, tools=self.tools,
-                                    gate=lambda: ThreadHold(kv, loop, model.defaults, self.state.turns))
+                                    gate=lambda: ThreadHold(kv, loop, model.defaults, self.state.turns),
+                                    input_timeout=self.state.settings.input_timeout)
         try:
             if messages:
                 controller.load(messages)

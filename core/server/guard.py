@@ -75,6 +75,9 @@ class ServerSettings(BaseModel):
     """Most requests in flight on all routes at once (503 beyond)."""
     header_timeout: float = Field(10.0, gt=0)
     """Seconds a connection may take to send a request's headers (idle connections are closed)."""
+    input_timeout: float = Field(600.0, gt=0)
+    """Seconds a chat page tool's question waits for the user's answer; past it the tool sees an error and the
+    turn goes on (a turn holds its reserved memory while its tool waits)."""
     allow_remote_images: bool = False
     """Fetch ``http(s)`` image URLs (off: only ``data:`` URLs; a local file is never read)."""
     cors_origins: list[str] = Field(default_factory=list)
