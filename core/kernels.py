@@ -191,6 +191,19 @@ def gated_delta_step(qkv: mx.array, z: mx.array, b: mx.array, a: mx.array, conv_
     return tuple(module.gated_delta_step(*arrays, key_heads, q_weight, k_weight, l2_eps, eps))  # type: ignore[return-value]
 
 
+def short_conv_step(bcx: mx.array, conv_state: mx.array, conv_weight: mx.array) -> tuple[mx.array, mx.array] | None:
+    """One decode step of a gated short convolution (:class:`mlxchat.layers.ShortConv`) for ``B`` rows in one node:
+    from the input projection's output ``bcx [B, 1, 3H]`` (``B | C | x``), ``C * conv(B * x)`` over the last
+    ``K - 1`` values of ``B * x`` (``conv_state [B, K-1, H]``, ``conv_weight [H, K, 1]``), the same float steps as
+    the layer's ops for a chunk. Returns the output ``[B, 1, H]`` and the next conv state; ``None`` where the
+    kernel does not apply. Decode only: it has no gradient."""
+    module = _applies(bcx, conv_state, conv_weight)
+    if (module is None or not hasattr(module, "short_conv_step") or bcx.ndim != 3 or bcx.shape[1] != 1
+            or conv_weight.ndim != 3 or conv_weight.shape[1] < 2):
+        return None
+    return tuple(module.short_conv_step(bcx, conv_state, conv_weight))  # type: ignore[return-value]
+
+
 # -- attention ----------------------------------------------------------------------------------------------
 
 

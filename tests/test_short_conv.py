@@ -82,3 +82,52 @@ def test_depthwise_weight_layouts() -> None:
     assert mx.array_equal(depthwise_weight("w", mlx_layout), mlx_layout)
     with pytest.raises(CheckpointError, match="model.layers.0.conv.conv.weight"):
         depthwise_weight("model.layers.0.conv.conv.weight", mx.zeros((4, 3)))
+
+
+def test_a_decode_step_in_one_node_is_a_chunks_arithmetic(monkeypatch: pytest.MonkeyPatch) -> None:
+    """kernels.short_conv_step takes a decode step of a batch of rows in one node: from the same input projections,
+    its outputs and next states are bit for bit those of one chunk over the same tokens (the same products and
+    sums in the same order); the ops one at a time give them within float rounding."""
+    from mlxchat import kernels
+
+    if kernels._native()[0] is None:
+        pytest.skip(f"fused kernels: {kernels._native()[1]}")
+    conv = layer(24, 3, False)
+    bcx = mx.random.normal((2, 12, 72), key=mx.random.key(4))
+    whole_cache = StateCache(1)
+    whole = conv._mix(bcx, whole_cache)
+
+    def steps() -> tuple[np.ndarray, np.ndarray]:
+        cache = StateCache(1)
+        outs = [conv._mix(bcx[:, :5], cache)] + [conv._mix(bcx[:, t : t + 1], cache) for t in range(5, 12)]
+        return np.array(mx.concatenate(outs, axis=1)), np.array(cache[0])
+
+    calls = []
+    step = kernels.short_conv_step
+    monkeypatch.setattr(kernels, "short_conv_step", lambda *a: calls.append(1) or step(*a))
+    fused, state = steps()
+    assert len(calls) == 7
+    np.testing.assert_array_equal(fused, np.array(whole))
+    np.testing.assert_array_equal(state, np.array(whole_cache[0]))
+    monkeypatch.setattr(kernels, "short_conv_step", lambda *a: None)
+    plain, plain_state = steps()
+    assert np.abs(plain - fused).max() < 1e-5 and np.array_equal(plain_state, state)
+
+
+def test_a_decode_step_refuses_arrays_that_do_not_fit() -> None:
+    from mlxchat import kernels
+
+    module = kernels._native()[0]
+    if module is None:
+        pytest.skip(f"fused kernels: {kernels._native()[1]}")
+    bcx, state, weight = mx.zeros((2, 1, 24)), mx.zeros((2, 2, 8)), mx.zeros((8, 3, 1))
+    mx.eval(module.short_conv_step(bcx, state, weight))
+    with pytest.raises(ValueError, match="conv_state"):
+        module.short_conv_step(bcx, state[:, :1], weight)
+    with pytest.raises(ValueError, match="bcx"):
+        module.short_conv_step(bcx[..., 1:], state, weight)
+    with pytest.raises(ValueError, match="conv_weight"):
+        module.short_conv_step(bcx, state, weight[:, :1])
+    with pytest.raises(ValueError, match="float32"):
+        module.short_conv_step(bcx, state.astype(mx.float16), weight)
+    assert kernels.short_conv_step(bcx, state, weight[:, :1]) is None  # one tap: the layer's ops take it

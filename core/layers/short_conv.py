@@ -5,6 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from .. import kernels
 from ..cache import RaggedRows, RowCaches, StateCache, each_sequence
 from ..errors import CheckpointError
 from .parallel import RowParallelLinear, balanced, input_unit, slice_outputs
@@ -27,9 +28,20 @@ class ShortConv(nn.Module):
         self.out_proj: nn.Module = nn.Linear(dims, dims, bias=bias)
 
     def __call__(self, h: mx.array, cache: StateCache | RaggedRows | None = None) -> mx.array:
-        b, c, x = mx.split(self.in_proj(h), 3, axis=-1)
-        y = each_sequence(self._convolve, cache, b * x, axis=1)  # each sequence over its own past
-        return self.out_proj(c * y)
+        return self.out_proj(each_sequence(self._mix, cache, self.in_proj(h), axis=1))  # each over its own past
+
+    def _mix(self, bcx: mx.array, cache: StateCache | RowCaches | None) -> mx.array:
+        """One sequence's (or a batch of decode rows') ``C * conv(B * x)`` from the input projection's output: a
+        decode step in one node where it applies (:func:`mlxchat.kernels.short_conv_step`), else the ops."""
+        past = cache[0] if cache is not None and bcx.shape[1] == 1 and "bias" not in self.conv else None
+        made = kernels.short_conv_step(bcx, past, self.conv.weight) if past is not None else None
+        if made is not None:
+            assert cache is not None
+            out, state = made
+            cache.update(state, tokens=1)
+            return out
+        b, c, x = mx.split(bcx, 3, axis=-1)
+        return c * self._convolve(b * x, cache)
 
     def _convolve(self, gated: mx.array, cache: StateCache | RowCaches | None) -> mx.array:
         batch, length, dims = gated.shape

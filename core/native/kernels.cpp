@@ -927,6 +927,58 @@ class DecodeRows : public MultiKernel {
   bool lse_;
 };
 
+/*
+ * One decode step of B rows of LFM2's gated short convolution in one node: from the input projection's output
+ * [B, 1, 3H] (B | C | x, a view read where it lies), B * x joins the last K - 1 of them (conv_state [B, K - 1, H]),
+ * the causal depthwise convolution (conv_weight [H, K, 1]) sums the window tap by tap, and C gates the sum. Outputs:
+ * C * conv(B * x) [B, 1, H] for the output projection and the next conv_state. The same float steps, in the same
+ * order, as core/layers/short_conv.py's ops for a chunk (each product rounded, then added), so a decode step gives
+ * what a prompt chunk would. Why: those ops are some ten nodes a layer (LFM2-350M has ten such layers). Decode only:
+ * it has no gradient.
+ */
+class ShortConvStep : public MultiKernel {
+ public:
+  explicit ShortConvStep(mx::Stream stream) : MultiKernel(stream) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    release_inputs(inputs, outputs);
+    for (auto& out : outputs) out.set_data(mx::allocator::malloc(out.nbytes()));
+    dispatch_all(inputs, outputs, [](std::vector<mx::array>& held, std::vector<mx::array>& made) {
+      const int rows = held[0].shape(0), dims = held[0].shape(2) / 3, taps = held[2].shape(1);
+      std::vector<float> copies[3];
+      int64_t strides[2];
+      const float* bcx = rows_of(held[0], copies[0], strides);
+      const float *past = row_major(held[1], copies[1]), *weight = row_major(held[2], copies[2]);
+      float *out = made[0].data<float>(), *next = made[1].data<float>();
+      for (int b = 0; b < rows; ++b) {
+        const float *gate_in = bcx + b * strides[0], *gate_out = gate_in + dims, *x = gate_in + 2 * dims;
+        const float* window = past + int64_t(b) * (taps - 1) * dims;
+        float* window_next = next + int64_t(b) * (taps - 1) * dims;
+        for (int c = 0; c < dims; ++c) {
+          const float newest = gate_in[c] * x[c];
+          const float* w = weight + int64_t(c) * taps;
+          float sum = window[c] * w[0];
+          for (int t = 1; t < taps; ++t) {
+            const float product = (t < taps - 1 ? window[int64_t(t) * dims + c] : newest) * w[t];
+            sum = sum + product;
+          }
+          out[int64_t(b) * dims + c] = gate_out[c] * sum;
+          window_next[int64_t(taps - 2) * dims + c] = newest;
+        }
+        if (taps > 2) std::memcpy(window_next, window + dims, size_t(taps - 2) * dims * sizeof(float));
+      }
+    });
+  }
+
+  const char* name() const override {
+    return "MlxchatShortConvStep";
+  }
+
+  bool is_equivalent(const mx::Primitive&) const override {
+    return true;
+  }
+};
+
 /* One value head's delta rule for one token: the state S [Dk, Dv] decays and is corrected towards v along k,
  * S' = decay * S + k (beta (v - decay * S^T k))^T, and read by q, o = S'^T q; then o's gated RMS norm. */
 struct DeltaHeads {
@@ -1261,6 +1313,20 @@ std::vector<mx::array> heads(const mx::array& q, const std::optional<mx::array>&
                                 inputs);
 }
 
+/* See ShortConvStep: bcx [B, 1, 3H], conv_state [B, K - 1, H], conv_weight [H, K, 1] (K >= 2), float32. */
+std::vector<mx::array> short_conv_step(const mx::array& bcx, const mx::array& conv_state, const mx::array& conv_weight) {
+  for (const auto* x : {&bcx, &conv_state, &conv_weight}) check_float32(*x, "the step's arrays");
+  if (bcx.ndim() != 3 || bcx.shape(1) != 1 || bcx.shape(2) % 3)
+    throw std::invalid_argument("bcx must be [B, 1, 3 * dims]: B, C and x side by side");
+  const int rows = bcx.shape(0), dims = bcx.shape(2) / 3;
+  if (conv_weight.ndim() != 3 || conv_weight.shape(0) != dims || conv_weight.shape(1) < 2 || conv_weight.shape(2) != 1)
+    throw std::invalid_argument("conv_weight must be [dims, taps >= 2, 1]");
+  if (conv_state.shape() != mx::Shape{rows, conv_weight.shape(1) - 1, dims})
+    throw std::invalid_argument("conv_state must be [B, taps - 1, dims]");
+  return mx::array::make_arrays({{rows, 1, dims}, conv_state.shape()}, {mx::float32, mx::float32},
+                                std::make_shared<ShortConvStep>(cpu_stream()), {bcx, conv_state, conv_weight});
+}
+
 /* See GatedDeltaStep. */
 std::vector<mx::array> gated_delta_step(const mx::array& qkv, const mx::array& z, const mx::array& b, const mx::array& a,
                                         const mx::array& conv_state, const mx::array& conv_weight,
@@ -1480,6 +1546,9 @@ NB_MODULE(_kernels, m) {
         nb::arg("eps"),
         "One decode step of a Gated DeltaNet layer for B rows: its convolution, normalized q and k, the delta rule on "
         "each value head's state and the output's gated RMS norm. Returns [out [B, 1, Hv * Dv], conv_state, state].");
+  m.def("short_conv_step", &short_conv_step, nb::arg("bcx"), nb::arg("conv_state"), nb::arg("conv_weight"),
+        "One decode step of a gated short convolution (LFM2) for B rows: C * conv(B * x) over the last taps. Returns "
+        "[out [B, 1, dims], conv_state].");
   m.def("flush_denormals", [] {
     return mx::array(mx::Shape{}, mx::bool_, std::make_shared<FlushDenormals>(cpu_stream()), {});
   }, "An array whose evaluation sets flush-to-zero / denormals-are-zero on the CPU stream's thread.");
