@@ -146,6 +146,18 @@ def _load(rows: Sequence[DecodeRow], spans: Sequence[PromptSpan]) -> Load:
                 sum((span.end - span.start) * (2 * span.start + span.end - span.start + 1) // 2 for span in spans))
 
 
+def _alone(row: DecodeRow, run: Any, *args: Any) -> Any:
+    """``run(*args)`` for one row of a step (its constraint's work): a failure is that row's alone (raised where
+    its generation waits; the step goes on for the others), and gives ``None``."""
+    if row.error is not None:
+        return None
+    try:
+        return run(*args)
+    except Exception as exc:  # noqa: BLE001 - raised where its generation waits (Together.check)
+        row.error = exc
+        return None
+
+
 def _failing(items: list[Any], run: Any, *args: Any) -> None:
     """``run(*args)``; its failure is each of ``items``', raised where its generation waits."""
     try:
@@ -231,9 +243,10 @@ class DecodeRow(StepItem):
             mx.async_eval(logits)  # the forward runs while the masks are computed
             for row in constrained:
                 row.value = int(row.current.item())  # type: ignore[arg-type]  # a token id array holds ints
-                row.constraint.advance(row.value)
-            fill_masks([row.constraint for row in constrained])
-        following = [row.pick(logits[i : i + 1]) for i, row in enumerate(rows)]
+                _alone(row, row.constraint.advance, row.value)
+            fill_masks([row.constraint for row in constrained if row.error is None])
+        picked = [_alone(row, row.pick, logits[i : i + 1]) for i, row in enumerate(rows)]
+        following = [row.current if token is None else token for row, token in zip(rows, picked, strict=True)]
         mx.async_eval(following, *also)
         pace = next((row.pace for row in rows if row.pace is not None), None)
         if pace is not None:

@@ -183,6 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-connections", type=int, default=128, help="requests in flight at once (503 beyond)")
     serve.add_argument("--header-timeout", type=float, default=10.0,
                        help="seconds a connection may take to send a request's headers")
+    serve.add_argument("--body-timeout", type=float, default=30.0, metavar="SECONDS",
+                       help="seconds a request may take to send its body (408 beyond)")
     serve.add_argument("--input-timeout", type=float, default=600.0, metavar="SECONDS",
                        help="how long a chat page tool's question waits for the user's answer (the turn holds its "
                             "memory meanwhile); past it the tool gets an error and the turn goes on")
@@ -295,7 +297,7 @@ def _serve(args: argparse.Namespace) -> int:
     values = {"model_name": args.name, "api_key": args.api_key or None, "caches": args.caches,
               "max_cache_gb": args.max_cache_gb, "max_body_mb": args.max_body_mb, "max_queue": args.max_queue,
               "max_connections": args.max_connections, "header_timeout": args.header_timeout,
-              "input_timeout": args.input_timeout,
+              "input_timeout": args.input_timeout, "body_timeout": args.body_timeout,
               "cors_origins": args.cors_origin, "allow_remote_images": args.allow_remote_images,
               "store": args.store, "max_spill_gb": args.max_spill_gb, "store_max_age_days": args.store_max_age,
               "store_max_rows": args.store_max_rows, "max_kv_gb": args.max_kv_gb,

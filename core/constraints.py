@@ -176,8 +176,8 @@ def failing_path(schema: Any, path: str = "$", defs: dict[str, Any] | None = Non
         if isinstance(schema.get(key), list):
             parts += [(f"{path}.{key}[{i}]", sub) for i, sub in enumerate(schema[key])]
     parts += [(f"{path}.{key}", schema[key]) for key in _SINGLE if isinstance(schema.get(key), dict)]
-    for where, sub in parts:
-        if grammar_problem(f"start: {json_rule({**defs, **sub})}\n"):
+    for where, sub in parts:  # (a part may be a boolean schema: `false` fails alone, `true` never)
+        if grammar_problem(f"start: {json_rule({**defs, **sub} if isinstance(sub, dict) else sub)}\n"):
             return failing_path(sub, where, defs)
     return path
 
@@ -238,13 +238,20 @@ class TokenTable:
     def matcher(self, grammar: str) -> llguidance.LLMatcher:
         matcher = llguidance.LLMatcher(self.table, llguidance.LLMatcher.grammar_from_lark(grammar), log_level=0)
         if matcher.is_error():
-            raise GrammarError(f"the grammar cannot be compiled: {matcher.get_error()}")
+            raise GrammarError(f"the grammar cannot be compiled: {matcher_error(matcher)}")
         return matcher
 
     def only(self, tokens: Sequence[int]) -> np.ndarray:
         mask = np.zeros(self.vocab_size, dtype=bool)
         mask[list(tokens)] = True
         return mask
+
+
+def matcher_error(matcher: llguidance.LLMatcher) -> str:
+    """llguidance's reason for a matcher's error, its first line only: the rest is the engine's internal state
+    (a dump of its parser and grammar), which stays out of replies."""
+    reason = matcher.get_error().strip().split("\n", 1)[0].split("<state>", 1)[0].strip()
+    return reason[:300] or "the grammar engine failed"
 
 
 def markup(tokenizer: Tokenizer, text: str) -> str:
@@ -296,8 +303,13 @@ class RowMatcher:
         self.matcher = table.matcher(constraint.grammar)
         self._bits = llnp.allocate_token_bitmask(1, table.width)
         """Where llguidance writes this row's packed mask (one bit a token, 32 to a word)."""
-        self._filled: np.ndarray | None = None
-        """The next mask's words when :func:`fill_masks` computed them with other rows'."""
+        # The first mask, now: a grammar that compiles but cannot be followed (a schema that refers to itself
+        # without end) fails its request here, before any work, not in a step shared with other generations.
+        llnp.fill_next_token_bitmask(self.matcher, self._bits)
+        if self.matcher.is_error():
+            raise GrammarError(f"the grammar cannot be followed: {matcher_error(self.matcher)}")
+        self._filled: np.ndarray | None = self._bits[0]
+        """The next mask's words when computed ahead (the first, or :func:`fill_masks` with other rows')."""
         self._forced: list[int] = []
         self._tail = ""
         self._spent = 0
@@ -336,7 +348,7 @@ class RowMatcher:
         words, self._filled = self._filled, None
         if words is None:
             if self.matcher.is_error():
-                raise GrammarError(f"the constrained reply left its grammar: {self.matcher.get_error()}")
+                raise GrammarError(f"the constrained reply left its grammar: {matcher_error(self.matcher)}")
             llnp.fill_next_token_bitmask(self.matcher, self._bits)
             words = self._bits[0]
         mask = np.unpackbits(words.view(np.uint8), bitorder="little")[: self.table.vocab_size].view(bool)

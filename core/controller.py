@@ -72,6 +72,10 @@ class ChatState(BaseModel):
     """The turn waits before it runs (its :class:`TurnGate`: a server holds the memory its cache may need)."""
 
 
+MAX_QUEUED = 32
+"""Prompts a conversation's queue holds (each is in every state a UI is sent)."""
+
+
 class TurnGate(Protocol):
     """What a turn waits for before it runs, made for each turn (a server's memory admission:
     :class:`mlxchat.server.admission.ThreadHold`). :meth:`enter` blocks the controller's thread until the turn
@@ -207,6 +211,9 @@ class ChatController:
             return False
         prompt = QueuedPrompt(id=self._new_id(), text=text, images=[as_data_url(image) for image in images])
         with self._lock:
+            if len(self._queue) >= MAX_QUEUED:
+                raise SessionStateError(f"{MAX_QUEUED} prompts already wait in this conversation's queue; send "
+                                        "this one when they have gone")
             self._paused = False
             if self._turn_running or self._status == "awaiting_approval":
                 self._queue.append(prompt)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,10 @@ def _token_text(value: Any) -> str | None:
     if isinstance(value, dict):
         value = value.get("content")
     return value if isinstance(value, str) else None
+
+
+LONG_TEXT = 16_384
+"""Characters from which :meth:`Tokenizer.encode` releases the GIL while it works."""
 
 
 class Tokenizer:
@@ -66,13 +71,23 @@ class Tokenizer:
     def token_id(self, text: str) -> int | None:
         return self.backend.token_to_id(text)
 
+    @functools.cached_property
+    def longest_token(self) -> int:
+        """Characters of the longest token (byte-level vocabularies: bytes), a bound on how much text one token
+        covers."""
+        return max((len(token) for token in self.backend.get_vocab()), default=1)
+
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of ``text``; added tokens written in it become their control tokens.
 
         ``add_special_tokens`` applies the tokenizer's post-processor (e.g. a BOS), as for a raw prompt;
         chat templates write their own BOS, so rendered chats are encoded without it.
         """
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        if len(text) < LONG_TEXT:
+            return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # (the batch form lets go of the GIL: a long prompt tokenized on a server's thread leaves its event loop
+        # running; the same ids)
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def encode_plain(self, text: str) -> list[int]:
         """Token ids of ``text`` read as plain text: no added token is recognised in it."""

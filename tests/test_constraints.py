@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import jsonschema
 import pytest
@@ -105,6 +107,51 @@ def test_batched_constrained_and_free_rows_equal_each_alone(qwen3_real, monkeypa
     assert any(True in step and False in step for step in steps)  # mixed rows did share a step
     assert_valid(alone[0], schema)
     assert re.fullmatch("[a-z]{3,8}", alone[2].text)
+
+
+def test_a_row_whose_constraint_fails_fails_alone_and_the_step_goes_on(qwen3_real,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A constraint that fails in the middle of a batched step (its engine in error) fails its own generation
+    only: the rows decoding beside it finish as each would alone."""
+    configs = [{"temperature": 0.0, "max_tokens": 16, "response_format": f}
+               for f in (None, {"type": "regex", "pattern": "[a-z]{20,30}"}, {"type": "regex", "pattern": "[0-9]{9}"})]
+    alone = [qwen3_real.generate(f"prompt {i}", c) for i, c in enumerate(configs)]
+    real = RowMatcher.advance
+    seen: dict[int, int] = {}
+
+    def failing(self: RowMatcher, token: int) -> None:  # the second row's matcher breaks at its fourth token
+        seen[id(self)] = seen.get(id(self), 0) + 1
+        if "[a-z]" in self.constraint.grammar and seen[id(self)] == 4:
+            raise GrammarError("the engine broke")
+        real(self, token)
+
+    monkeypatch.setattr(RowMatcher, "advance", failing)
+    sizes: list[int] = []
+    together = DecodeRow.run_together.__func__  # type: ignore[attr-defined]
+    monkeypatch.setattr(DecodeRow, "run_together", classmethod(lambda cls, rows: sizes.append(len(rows))
+                                                                or together(cls, rows)))
+    started = threading.Barrier(len(configs))
+
+    def run(index: int) -> Any:
+        started.wait()
+        try:
+            return qwen3_real.generate(f"prompt {index}", configs[index])
+        except GrammarError as exc:
+            return exc
+
+    with ThreadPoolExecutor(len(configs)) as pool:
+        results = list(pool.map(run, range(len(configs))))
+    assert max(sizes) == len(configs)  # (the rows did share steps)
+    assert isinstance(results[1], GrammarError) and "the engine broke" in str(results[1])
+    assert [results[0].tokens, results[2].tokens] == [alone[0].tokens, alone[2].tokens]
+
+
+def test_a_grammar_that_compiles_but_cannot_be_followed_is_refused_before_any_work(qwen3_real) -> None:
+    """A schema that refers to itself without end compiles, then fails at its first mask: the request is refused
+    there (never in a step shared with others), and the engine's internal state stays out of the message."""
+    with pytest.raises(GrammarError) as caught:
+        qwen3_real.generate("Hi", {"response_format": schema_format({"$ref": "#"})})
+    assert "<state>" not in str(caught.value) and len(str(caught.value)) < 400
 
 
 def test_masks_computed_together_equal_each_rows_own(qwen3_real) -> None:

@@ -289,6 +289,25 @@ def test_a_reply_to_approved_calls_stopped_at_its_gate_runs_before_the_next_prom
     controller.close()
 
 
+def test_a_conversations_queue_holds_a_bounded_number_of_prompts() -> None:
+    """Every prompt queued is in each state a UI is sent: past MAX_QUEUED the next send is refused (and the queue
+    takes prompts again as it drains)."""
+    from mlxchat.controller import MAX_QUEUED
+
+    gate = Gate()
+    controller = ChatController(loaded("qwen3"), publish_interval=0, gate=gate)
+    controller.send("first")  # its turn waits at the gate: the others queue
+    for i in range(MAX_QUEUED):
+        controller.send(f"queued {i}")
+    with pytest.raises(SessionStateError, match="already wait"):
+        controller.send("one too many")
+    assert len(controller.state.queue) == MAX_QUEUED
+    controller.remove_queued(controller.state.queue[-1].id)
+    assert controller.send("now it fits")
+    gate.cancel()
+    controller.close()
+
+
 def test_a_gate_that_lets_a_turn_not_through_pauses_the_queue_with_the_prompt_first() -> None:
     class Closed(Gate):
         def enter(self, session: mlxchat.ChatSession, prompt, waiting) -> bool:

@@ -118,6 +118,16 @@ CASES: list[tuple[str, str, str, Any, dict[str, str], int]] = [
     ("logit_bias key a word", "POST", "/v1/chat/completions", body(logit_bias={"abc": 1}), {}, 400),
     ("logit_bias key negative", "POST", "/v1/chat/completions", body(logit_bias={"-1": 1}), {}, 400),
     ("logit_bias value 500", "POST", "/v1/chat/completions", body(logit_bias={"1": 500}), {}, 400),
+    ("logit_bias key a superscript digit", "POST", "/v1/chat/completions", body(logit_bias={"\u00b2": 1}), {}, 400),
+    ("logit_bias key an Arabic-Indic digit", "POST", "/v1/chat/completions", body(logit_bias={"\u0663": 1}), {},
+     400),
+    ("a number of 5,000 digits", "POST", "/v1/chat/completions",
+     b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": ' + b"1" * 5000 + b"}", {}, 400),
+    ("response_format requiring a property that is false", "POST", "/v1/chat/completions", body(response_format={
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {
+            "type": "object", "properties": {"b": False}, "required": ["b"]}}}), {}, 400),
+    ("response_format referring to itself without end", "POST", "/v1/chat/completions", body(response_format={
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#"}}}), {}, 400),
     ("logit_bias a list", "POST", "/v1/chat/completions", body(logit_bias=[1]), {}, 400),
     ("stop a number", "POST", "/v1/chat/completions", body(stop=42), {}, 400),
     ("17 stop strings", "POST", "/v1/chat/completions", body(stop=[str(i) for i in range(17)]), {}, 400),
@@ -183,6 +193,14 @@ CASES: list[tuple[str, str, str, Any, dict[str, str], int]] = [
     ("responses: delete an unknown response", "DELETE", "/v1/responses/resp_x", None, {}, 404),
     ("responses: input items of an unknown response", "GET", "/v1/responses/resp_x/input_items", None, {}, 404),
     ("responses: input items limit 0", "GET", "/v1/responses/resp_x/input_items?limit=0", None, {}, 400),
+    ("responses: an image in a function_call_output", "POST", "/v1/responses", {"input": [
+        {"role": "user", "content": "hi"}, {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": [
+            {"type": "input_image", "image_url": "data:image/png;base64,AAAA"}]}]}, {}, 400),
+    ("responses: input items limit a superscript digit", "GET", "/v1/responses/resp_x/input_items?limit=%C2%B2",
+     None, {}, 400),
+    ("responses: input items limit of 5,000 digits", "GET", "/v1/responses/resp_x/input_items?limit=" + "9" * 5000,
+     None, {}, 400),
     ("GET on a POST route", "GET", "/v1/chat/completions", None, {}, 405),
     ("PUT on a POST route", "PUT", "/v1/chat/completions", OK, {}, 405),
     ("DELETE models", "DELETE", "/v1/models", None, {}, 405),
@@ -397,11 +415,68 @@ def test_the_queue_refuses_with_429() -> None:
         assert send(served, "POST", "/v1/chat/completions", OK).status_code == 200
 
 
-def test_requests_in_flight_beyond_the_connection_limit_get_503() -> None:
+def test_requests_in_flight_beyond_the_connection_limit_get_503_but_health_answers() -> None:
     with serving("qwen3_chat", max_connections=1) as served:
         with one_long_request(served):
-            assert assert_openai_error(send(served, "GET", "/health"), 503)["code"] == "too_many_connections"
-        assert send(served, "GET", "/health").status_code == 200
+            assert assert_openai_error(send(served, "GET", "/v1/models"), 503)["code"] == "too_many_connections"
+            assert send(served, "GET", "/health").status_code == 200
+        assert send(served, "GET", "/v1/models").status_code == 200
+
+
+def test_a_body_that_stalls_gets_408_and_gives_its_place_back(caplog) -> None:
+    """A client that sends its headers and part of its body, then nothing, is answered 408 at --body-timeout (it
+    does not hold a place among --max-connections for good); one that leaves mid-body is a 499, not an error."""
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 100\r\n\r\n{\"mes")
+    with serving("qwen3_chat", max_connections=1, body_timeout=0.5) as served:
+        with socket.create_connection(("127.0.0.1", served.port)) as sock:
+            sock.sendall(head)
+            sock.settimeout(10)
+            assert b" 408 " in sock.recv(200).split(b"\r\n", 1)[0]
+        assert send(served, "POST", "/v1/chat/completions", OK).status_code == 200
+        with caplog.at_level(logging.ERROR):
+            with socket.create_connection(("127.0.0.1", served.port)) as sock:
+                sock.sendall(head)
+            time.sleep(0.3)
+            assert send(served, "GET", "/health").status_code == 200
+        assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
+def test_a_prompt_longer_than_any_context_is_refused_before_it_is_tokenized(server) -> None:
+    """More characters than the context's tokens could ever cover: 400 at once, without tokenizing them."""
+    model = server.state.model
+    most = model.context_length * model.tokenizer.longest_token * 2
+    error = assert_openai_error(send(server, "POST", "/v1/chat/completions", body(messages=[
+        {"role": "user", "content": "x" * (most + 1)}])), 400)
+    assert error["code"] == "context_length_exceeded" and "characters" in error["message"]
+
+
+def test_a_prompt_that_cannot_fit_is_a_400_even_where_memory_is_short() -> None:
+    """The context is checked before memory is reserved: a prompt too long is never a retryable 503."""
+    with serving("qwen3_chat", max_kv_gb=0.00001) as served:
+        error = assert_openai_error(send(served, "POST", "/v1/chat/completions", body(messages=[
+            {"role": "user", "content": "hi"}] * 10_000)), 400)
+        assert error["code"] == "context_length_exceeded"
+
+
+def test_each_failure_has_its_own_log_allowance() -> None:
+    """The log's rate limit is per message and per place an exception was raised: a flood of one failure does not
+    hide another's traceback."""
+    from mlxchat.server.errors import RateLimitedFilter
+
+    def record(exc: BaseException | None) -> logging.LogRecord:
+        return logging.LogRecord("mlxchat.server", logging.ERROR, __file__, 1, "unexpected error", None,
+                                 (type(exc), exc, exc.__traceback__) if exc is not None else None)
+
+    def raised(kind: type[BaseException]) -> BaseException:
+        try:
+            raise kind("x")
+        except BaseException as exc:  # noqa: BLE001
+            return exc
+
+    limit = RateLimitedFilter()
+    first, again, other = raised(ValueError), raised(ValueError), raised(KeyError)
+    assert limit.filter(record(first)) and not limit.filter(record(again)) and limit.filter(record(other))
 
 
 def test_bodies_over_the_size_limit_get_413_with_or_without_a_length() -> None:

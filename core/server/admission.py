@@ -229,15 +229,17 @@ class KvBudget:
         return sum(hold.paused for hold in list(self._holds))
 
     async def estimate(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                       config: GenerationConfig) -> Reservation:
+                       config: GenerationConfig, fits: bool = False) -> Reservation:
         """What a turn over ``messages`` may hold (:meth:`reservation`, off the event loop)."""
-        return await asyncio.to_thread(self.reservation, messages, tools, config)
+        return await asyncio.to_thread(self.reservation, messages, tools, config, fits=fits)
 
     def reservation(self, messages: Sequence[dict[str, Any] | ChatMessage], tools: Sequence[Any] | None,
-                    config: GenerationConfig, shares: bool = True) -> Reservation:
+                    config: GenerationConfig, shares: bool = True, fits: bool = False) -> Reservation:
         """What a turn over ``messages`` may hold: its prompt (images count as their placeholder text) and the
         reply's ``max_tokens``, less a long prefix of it a cache of the pool holds where the turn's cache
-        ``shares`` (text-only prompts: token ids alone do not say which image a cache saw)."""
+        ``shares`` (text-only prompts: token ids alone do not say which image a cache saw). With ``fits``, a
+        prompt the context cannot hold is a :class:`~mlxchat.errors.ContextLengthError` (a 400, not a wait for
+        memory that would never do)."""
         model = self.model
         kwargs = dict(config.chat_template_kwargs)
         if config.enable_thinking is not None:
@@ -247,6 +249,8 @@ class KvBudget:
             ids = model.render_prompt([m.template_dict() for m in coerced], tools=tools, **kwargs)[1]
         except Exception:  # noqa: BLE001 - the session refuses this prompt itself, with its own message
             return Reservation(0)
+        if fits:
+            model.fit(len(ids), config)
         held = self._held_prefix(ids) if shares and not any(carries_image(m.content) for m in coerced) else 0
         prompt = min(len(ids), model.context_length)
         tokens = min(len(ids) + config.max_tokens + config.draft_tokens, model.context_length)  # (drafts are
@@ -479,3 +483,16 @@ def on_loop(loop: asyncio.AbstractEventLoop, work: Coroutine[Any, Any, T]) -> co
     except RuntimeError:  # the loop is closed
         work.close()
         return None
+
+
+def text_length(messages: Sequence[dict[str, Any]]) -> int:
+    """Characters of the text in ``messages`` (string contents and text parts)."""
+    total = 0
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, str):
+            total += len(content)
+        elif isinstance(content, list):
+            total += sum(len(part["text"]) for part in content
+                         if isinstance(part, dict) and isinstance(part.get("text"), str))
+    return total

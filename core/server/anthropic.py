@@ -213,7 +213,8 @@ class MessagesRequest(BaseModel):
                 continue
             misplaced = {"user": ("tool_use", "thinking"), "assistant": ("tool_result", "image")}[message.role]
             if any(block.type in misplaced for block in message.content):
-                raise ApiError(400, f"messages.{index}: a {message.role} message cannot hold "
+                article = "an" if message.role == "assistant" else "a"
+                raise ApiError(400, f"messages.{index}: {article} {message.role} message cannot hold "
                                     f"{' or '.join(misplaced)} blocks", param=f"messages.{index}")
             text = "".join(b.text for b in message.content if isinstance(b, TextBlock))
             if message.role == "assistant":

@@ -10,7 +10,7 @@ from typing import Any
 
 from ..model import GenerativeModel
 from . import anthropic, chat_completions, conversations, responses
-from .errors import ApiError, RateLimitedFilter, log
+from .errors import ApiError, RateLimitedFilter
 from .guard import Guard, ServerSettings, access_log, guarded_protocol, is_loopback
 from .lifecycle import turn_route
 from .openapi import openapi_document
@@ -26,7 +26,7 @@ def create_app(model: GenerativeModel, settings: ServerSettings | None = None, *
     from starlette.exceptions import HTTPException
     from starlette.middleware import Middleware
     from starlette.middleware.cors import CORSMiddleware
-    from starlette.requests import Request
+    from starlette.requests import ClientDisconnect, Request
     from starlette.responses import JSONResponse, Response
     from starlette.routing import Route
 
@@ -77,8 +77,11 @@ def create_app(model: GenerativeModel, settings: ServerSettings | None = None, *
         return json_error(request, ApiError(exc.status_code, str(exc.detail), kind))
 
     async def server_error(request: Request, exc: Exception) -> Response:
-        log.error("unexpected error", exc_info=exc)
+        # (Starlette raises the exception again after this answer, and the server logs it with its traceback)
         return json_error(request, ApiError(500, "internal server error; see the server log", "server_error"))
+
+    async def client_left(request: Request, exc: Exception) -> Response:
+        return json_error(request, ApiError(499, "the client left before its request was read"))
 
     app = Starlette(
         routes=[Route("/health", health, methods=["GET"]),
@@ -97,7 +100,8 @@ def create_app(model: GenerativeModel, settings: ServerSettings | None = None, *
                                   allow_methods=["GET", "POST", "DELETE", "OPTIONS"])]
                       if settings.cors_origins else []),
                     Middleware(Guard, settings=settings, refusals=state.refusals, metrics=state.metrics)],
-        exception_handlers={ApiError: api_error, HTTPException: http_error, Exception: server_error},
+        exception_handlers={ApiError: api_error, HTTPException: http_error, ClientDisconnect: client_left,
+                            Exception: server_error},
         lifespan=lifespan,
     )
     app.state.mlxchat = state

@@ -31,7 +31,7 @@ from ..messages import ChatMessage, ToolCall
 from ..reply import TextDelta, ThinkingDelta, ToolCallEvent
 from ..session import ChatResult, Done, StreamEvent
 from .errors import ApiError, invalid, validated
-from .guard import read_json
+from .guard import ascii_digits, read_json
 from .images import check_images
 from .lifecycle import Exchange
 from .turns import Messages, ToolChoice, Turn, check_model, seeded, tool_setup
@@ -115,7 +115,7 @@ class ChatCompletionRequest(BaseModel):
     @classmethod
     def _bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
         for key, bias in (value or {}).items():
-            if not key.isdigit() or len(key) > 12:
+            if not ascii_digits(key) or len(key) > 12:
                 raise ValueError(f"keys are token ids (non-negative integers), got {key[:20]!r}")
             if not -100 <= bias <= 100:
                 raise ValueError(f"biases are between -100 and 100, got {bias} for token {key}")

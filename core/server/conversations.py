@@ -268,7 +268,7 @@ class Conversations:
         stored = (await self.state.store.conversation(conversation_id)
                   if CONVERSATION_ID.fullmatch(conversation_id) else None)
         if stored is None:
-            raise ApiError(404, f"no conversation {conversation_id!r}", "not_found_error")
+            raise ApiError(404, f"no conversation {conversation_id[:128]!r}", "not_found_error")
         if conversation_id in self.live:  # opened by another request meanwhile
             return self.live[conversation_id]
         return self._open(conversation_id, stored)
@@ -319,13 +319,14 @@ def routes(state: ServerState, tools: Sequence[Any]) -> tuple[list[Any], Convers
 
     async def delete(request: Request) -> Response:
         if not await conversations.delete(request.path_params["id"]):
-            raise ApiError(404, f"no conversation {request.path_params['id']!r}", "not_found_error")
+            raise ApiError(404, f"no conversation {request.path_params['id'][:128]!r}", "not_found_error")
         return JSONResponse({"id": request.path_params["id"], "deleted": True})
 
     async def act(request: Request) -> Response:
         name = request.path_params["action"]
         if name != "send" and name not in ACTIONS:
-            raise ApiError(404, f"no action {name!r}; the actions are send, {', '.join(ACTIONS)}", "not_found_error")
+            raise ApiError(404, f"no action {name[:64]!r}; the actions are send, {', '.join(ACTIONS)}",
+                           "not_found_error")
         body = await read_json(request, state.settings)
         conversation = await conversations.get(request.path_params["id"])
         controller = conversation.controller

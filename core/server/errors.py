@@ -103,7 +103,7 @@ class RateLimitedFilter(logging.Filter):
         self._last: dict[str, float] = {}
 
     def filter(self, record: logging.LogRecord) -> bool:
-        key = f"{record.name}:{record.msg}"
+        key = f"{record.name}:{record.msg}{_raised_at(record)}"
         now = time.monotonic()
         if now - self._last.get(key, -self.window) < self.window:
             return False
@@ -111,3 +111,15 @@ class RateLimitedFilter(logging.Filter):
         if len(self._last) > 1024:
             self._last.clear()
         return True
+
+
+def _raised_at(record: logging.LogRecord) -> str:
+    """Where a record's exception was raised (its type, file and line): each failure has its own allowance, so a
+    flood of one does not hide another's traceback."""
+    exc = record.exc_info[1] if record.exc_info else None
+    if exc is None:
+        return ""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return f":{type(exc).__name__}" + (f"@{tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}" if tb is not None else "")

@@ -11,6 +11,7 @@ to first token).
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import ipaddress
 import json
@@ -75,6 +76,9 @@ class ServerSettings(BaseModel):
     """Most requests in flight on all routes at once (503 beyond)."""
     header_timeout: float = Field(10.0, gt=0)
     """Seconds a connection may take to send a request's headers (idle connections are closed)."""
+    body_timeout: float = Field(30.0, gt=0)
+    """Seconds a request may take to send its body (408 beyond): a client that stops mid-body does not keep its
+    place among ``max_connections``."""
     input_timeout: float = Field(600.0, gt=0)
     """Seconds a chat page tool's question waits for the user's answer; past it the tool sees an error and the
     turn goes on (a turn holds its reserved memory while its tool waits)."""
@@ -141,7 +145,7 @@ class Guard:
             return
         started = time.monotonic()
         client = scope.get("client")
-        record: dict[str, Any] = {"method": scope["method"], "path": scope["path"],
+        record: dict[str, Any] = {"method": scope["method"], "path": scope["path"][:512],  # (a line stays short)
                                   "client": f"{client[0]}:{client[1]}" if client else None}
         scope[ACCESS] = record
         sent: list[int] = []
@@ -187,7 +191,7 @@ class Guard:
                 raise ApiError(401, "missing or wrong API key: send it as 'Authorization: Bearer KEY' (or 'x-api-key: "
                                     "KEY')",
                                "authentication_error", code="invalid_api_key")
-        if self.in_flight >= self.settings.max_connections:
+        if self.in_flight >= self.settings.max_connections and scope["path"] != "/health":  # (health: always)
             raise ApiError(503, f"the server is handling {self.settings.max_connections} requests, its limit; "
                                 "retry later", "server_busy", code="too_many_connections")
         if scope["method"] in ("POST", "PUT", "PATCH"):
@@ -196,19 +200,35 @@ class Guard:
                 raise ApiError(415, "request bodies must be JSON (Content-Type: application/json)",
                                code="unsupported_media_type")
             length = headers.get("content-length")
-            if length is not None and (not length.isdigit() or int(length) > self.settings.max_body_bytes):
+            if length is not None and (not ascii_digits(length) or int(length) > self.settings.max_body_bytes):
                 raise ApiError(413, f"the request body is larger than {self.settings.max_body_mb:g} MB",
                                code="body_too_large")
 
 
+def ascii_digits(text: str) -> bool:
+    """Whether ``text`` is a non-negative integer in ASCII digits (``str.isdigit`` also takes ``"²"`` and ``"٣"``,
+    which ``int`` refuses or reads as another number)."""
+    return text.isascii() and text.isdigit()
+
+
 async def read_json(request: Any, settings: ServerSettings) -> dict[str, Any]:
-    """The request's JSON object, read within the size limit and checked (nesting, valid Unicode)."""
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > settings.max_body_bytes:
-            raise ApiError(413, f"the request body is larger than {settings.max_body_mb:g} MB", code="body_too_large")
-        chunks.append(chunk)
+    """The request's JSON object, read within the size and time limits and checked (nesting, valid Unicode)."""
+    chunks: list[bytes] = []
+
+    async def read() -> None:
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > settings.max_body_bytes:
+                raise ApiError(413, f"the request body is larger than {settings.max_body_mb:g} MB",
+                               code="body_too_large")
+            chunks.append(chunk)
+
+    try:
+        await asyncio.wait_for(read(), settings.body_timeout)
+    except TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {settings.body_timeout:g} s",
+                       code="body_timeout") from None
     try:
         body = json.loads(b"".join(chunks))
     except RecursionError:
@@ -216,6 +236,8 @@ async def read_json(request: Any, settings: ServerSettings) -> dict[str, Any]:
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ApiError(400, f"the request body is not valid JSON ({exc.msg if hasattr(exc, 'msg') else exc})") \
             from None
+    except ValueError:  # an integer of more digits than Python converts (4,300)
+        raise ApiError(400, "the request body holds a number too long to read") from None
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     try:

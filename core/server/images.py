@@ -30,6 +30,7 @@ from typing import Any
 from ..errors import ImageError
 from ..images import image_url_source
 from .errors import ApiError
+from .guard import ascii_digits
 
 FETCH_DEADLINE = 10.0
 """Seconds the remote images of one request may take in all (resolving, connecting, redirects, reading)."""
@@ -122,7 +123,7 @@ def _follow(url: str, max_bytes: int, until: float) -> bytes:
             if response.status != 200:
                 raise _unfetched(url, f"HTTP {response.status}")
             length = response.getheader("Content-Length")
-            if length is not None and length.isdigit() and int(length) > max_bytes:
+            if length is not None and ascii_digits(length) and int(length) > max_bytes:
                 raise _too_large(url)
             data = bytearray()
             while chunk := response.read(min(64 * 1024, max_bytes + 1 - len(data))):

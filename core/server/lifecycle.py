@@ -67,8 +67,12 @@ Prepare = Callable[["ServerState", Any], Awaitable[Exchange]]
 def api_error(exc: BaseException) -> ApiError:
     """What the client is told of a failure: ours (``ApiError``), the model's (:func:`request_error`), a
     store that cannot be written (503), anything else 500 with the details in the server log."""
+    from starlette.requests import ClientDisconnect
+
     if isinstance(exc, ApiError):
         return exc
+    if isinstance(exc, ClientDisconnect):
+        return ApiError(499, "the client left before its request was read")
     if isinstance(exc, StoreUnavailableError):
         log.warning("%s", exc)
         return ApiError(503, str(exc), "server_busy", code="store_unavailable")

@@ -42,7 +42,7 @@ from ..reply import TextDelta, ThinkingDelta, ToolCallEvent
 from ..session import ChatResult, Done, StreamEvent
 from .chat_completions import FUNCTION_NAME, generation_config
 from .errors import ApiError, validated
-from .guard import read_json
+from .guard import ascii_digits, read_json
 from .images import check_images
 from .lifecycle import Exchange
 from .store import ChainError
@@ -121,6 +121,12 @@ class FunctionCallOutputItem(BaseModel):
     id: str | None = None
     call_id: str = Field(min_length=1, max_length=128)
     output: str | list[ContentPart]
+
+    @model_validator(mode="after")
+    def _text_only(self) -> FunctionCallOutputItem:
+        if not isinstance(self.output, str) and any(part.type == "input_image" for part in self.output):
+            raise ValueError("a function_call_output holds text only: send its images in a user message")
+        return self
 
     @property
     def text(self) -> str:
@@ -635,7 +641,7 @@ async def input_items(state: ServerState, request: Any) -> Any:
     response_id = request.path_params["response_id"]
     query = request.query_params
     limit_text, order, after = query.get("limit", "20"), query.get("order", "desc"), query.get("after")
-    if not limit_text.isdigit() or not 1 <= int(limit_text) <= 100:
+    if not ascii_digits(limit_text) or len(limit_text) > 3 or not 1 <= int(limit_text) <= 100:
         raise ApiError(400, "limit: an integer from 1 to 100", param="limit")
     if order not in ("asc", "desc"):
         raise ApiError(400, "order: 'asc' or 'desc'", param="order")

@@ -17,14 +17,14 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from ..errors import MlxchatError, TemplateError
+from ..errors import ContextLengthError, MlxchatError, TemplateError
 from ..generation import GenerationConfig, GenerationReport
 from ..messages import ChatMessage
 from ..model import GenerativeModel
 from ..prompt_cache import PromptCache
 from ..reply import TextDelta, ThinkingDelta, ToolCallEvent
 from ..session import ChatResult, ChatSession, ChatStream, ContextPolicy, Done, StreamEvent
-from .admission import Hold
+from .admission import Hold, text_length
 from .errors import ApiError
 
 if TYPE_CHECKING:
@@ -159,8 +159,11 @@ class Turn:
         """Take the turn's cache and start it (admitted first, and its cache's growth reserved: see
         :mod:`mlxchat.server.admission`); a request the session refuses is a 400."""
         self.admit()
+        strict = self.context_policy == "error"
+        if strict:
+            self._check_length()
         kv = self.state.kv
-        self._hold = await kv.reserve(await kv.estimate(self.messages, self.tools, self.config))
+        self._hold = await kv.reserve(await kv.estimate(self.messages, self.tools, self.config, fits=strict))
         self.cache = await self.state.pool.take(self.messages)
         self.cache.growth = self._hold  # its generations wait while the memory to grow is held by others
         try:
@@ -172,6 +175,15 @@ class Turn:
             self.state.turns.add(self)
         except (MlxchatError, ValueError) as exc:
             raise ApiError(400, str(exc)) from None
+
+    def _check_length(self) -> None:
+        """Refuse a prompt of more characters than the context could hold as tokens before any is tokenized (a
+        token covers at most the longest one's characters; twice that for a normalizer that joins characters)."""
+        model = self.state.model
+        most = model.context_length * model.tokenizer.longest_token * 2
+        if text_length(self.messages) > most:
+            raise ContextLengthError(f"the prompt has more than {most} characters, more than this model's context "
+                                     f"of {model.context_length} tokens can hold; shorten the conversation")
 
     def again(self, config: GenerationConfig) -> None:
         """Reply to the same conversation once more (the next choice of ``n``): only its last prompt token is
