@@ -176,8 +176,10 @@ def failing_path(schema: Any, path: str = "$", defs: dict[str, Any] | None = Non
         if isinstance(schema.get(key), list):
             parts += [(f"{path}.{key}[{i}]", sub) for i, sub in enumerate(schema[key])]
     parts += [(f"{path}.{key}", schema[key]) for key in _SINGLE if isinstance(schema.get(key), dict)]
-    for where, sub in parts:  # (a part may be a boolean schema: `false` fails alone, `true` never)
-        if grammar_problem(f"start: {json_rule({**defs, **sub} if isinstance(sub, dict) else sub)}\n"):
+    for where, sub in parts:
+        if not isinstance(sub, dict):  # a boolean schema: where it makes its parent fail, the parent is the place
+            continue
+        if grammar_problem(f"start: {json_rule({**defs, **sub})}\n"):
             return failing_path(sub, where, defs)
     return path
 
@@ -350,6 +352,8 @@ class RowMatcher:
             if self.matcher.is_error():
                 raise GrammarError(f"the constrained reply left its grammar: {matcher_error(self.matcher)}")
             llnp.fill_next_token_bitmask(self.matcher, self._bits)
+            if self.matcher.is_error():
+                raise GrammarError(f"the constrained reply left its grammar: {matcher_error(self.matcher)}")
             words = self._bits[0]
         mask = np.unpackbits(words.view(np.uint8), bitorder="little")[: self.table.vocab_size].view(bool)
         # The end of turn: any of the model's stop tokens where the grammar may end, none elsewhere (a lazy

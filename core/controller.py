@@ -211,7 +211,8 @@ class ChatController:
             return False
         prompt = QueuedPrompt(id=self._new_id(), text=text, images=[as_data_url(image) for image in images])
         with self._lock:
-            if len(self._queue) >= MAX_QUEUED:
+            queues = self._turn_running or self._status == "awaiting_approval" or self._owed is not None
+            if queues and len(self._queue) >= MAX_QUEUED:
                 raise SessionStateError(f"{MAX_QUEUED} prompts already wait in this conversation's queue; send "
                                         "this one when they have gone")
             self._paused = False

@@ -10,7 +10,7 @@ fused pass over float32, float16 or 4/8-bit quantized keys and values (``attenti
 normalization each in one vectorized pass, rotate-half RoPE, and ``exp`` and ``silu`` alone (Qwen3.5's
 DeltaNet), as MLX primitives; and, a decode step's graph being mostly small nodes (each a few microseconds to
 dispatch), attention's heads from the q/k/v product (norms, RoPE, layout), a decode row's cache write and
-attention, and a Gated DeltaNet layer's whole decode step, one node each.
+attention, a Gated DeltaNet layer's whole decode step and a short convolution's (LFM2), one node each.
 
 They are used when the extension was built for the running MLX, the default device is the CPU and the
 arrays are float32; otherwise (a GPU, other dtypes) MLX's own operations run. Gradients, ``vmap`` and

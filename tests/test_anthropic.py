@@ -25,6 +25,9 @@ TOOLS = [{"name": t.name, "description": t.description, "input_schema": t.schema
 GREEDY: dict[str, Any] = {"model": DEMO, "max_tokens": 200, "extra_body": {"temperature": 0}}
 """Greedy through the client (whose create() no longer takes temperature: it goes in the body)."""
 RAW: dict[str, Any] = {"model": DEMO, "max_tokens": 200, "temperature": 0}
+ASKED = [{"role": "user", "content": "Weather in Rome?"}, {"role": "assistant", "content": [
+    {"type": "tool_use", "id": "t1", "name": "get_weather", "input": {"city": "Rome"}}]}]
+"""A conversation whose last reply called a tool."""
 EVENT = TypeAdapter(RawMessageStreamEvent)
 
 
@@ -144,6 +147,13 @@ def test_a_stop_sequence_is_named(served) -> None:
     ({**RAW, "messages": [{"role": "assistant", "content": [{"type": "tool_result", "tool_use_id": "x"}]}]}, 400,
      "invalid_request_error"),
     ({**RAW, "model": "claude-opus-4", "messages": [{"role": "user", "content": "hi"}]}, 404, "not_found_error"),
+    # each tool_use answered by a tool_result in the next message, and by no other (as Anthropic's API requires)
+    ({**RAW, "messages": [*ASKED, {"role": "user", "content": "never mind"}]}, 400, "invalid_request_error"),
+    ({**RAW, "messages": [*ASKED, {"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "t2", "content": "x"}]}]}, 400, "invalid_request_error"),
+    ({**RAW, "messages": [*ASKED, {"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "t1", "content": "sunny"}]}, *ASKED[1:], {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "t1", "content": "sunny"}]}]}, 400, "invalid_request_error"),
 ])
 def test_errors_come_in_anthropics_shape(served, body, status, kind) -> None:
     response = httpx.post(f"{served.url}/v1/messages", json=body, timeout=60)

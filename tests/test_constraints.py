@@ -149,9 +149,11 @@ def test_a_row_whose_constraint_fails_fails_alone_and_the_step_goes_on(qwen3_rea
 def test_a_grammar_that_compiles_but_cannot_be_followed_is_refused_before_any_work(qwen3_real) -> None:
     """A schema that refers to itself without end compiles, then fails at its first mask: the request is refused
     there (never in a step shared with others), and the engine's internal state stays out of the message."""
-    with pytest.raises(GrammarError) as caught:
-        qwen3_real.generate("Hi", {"response_format": schema_format({"$ref": "#"})})
+    with pytest.raises(GrammarError, match="cannot be followed") as caught:
+        RowMatcher(qwen3_real.token_table, Constraint(format_grammar(schema_format({"$ref": "#"}))))
     assert "<state>" not in str(caught.value) and len(str(caught.value)) < 400
+    with pytest.raises(GrammarError, match="cannot be followed"):
+        qwen3_real.generate("Hi", {"response_format": schema_format({"$ref": "#"})})
 
 
 def test_masks_computed_together_equal_each_rows_own(qwen3_real) -> None:
@@ -168,6 +170,13 @@ def test_masks_computed_together_equal_each_rows_own(qwen3_real) -> None:
             token = int(mask.nonzero()[0][step % int(mask.sum())])
             shared.advance(token)
             own.advance(token)
+
+
+def test_a_false_subschema_does_not_hide_where_a_schema_fails() -> None:
+    from mlxchat.constraints import failing_path
+
+    schema = {"type": "object", "properties": {"b": False, "a": {"type": "string", "pattern": "("}}}
+    assert failing_path(schema) == "$.properties.a"
 
 
 def test_an_invalid_schema_names_where_it_fails(qwen3_real) -> None:

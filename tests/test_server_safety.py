@@ -126,6 +126,9 @@ CASES: list[tuple[str, str, str, Any, dict[str, str], int]] = [
     ("response_format requiring a property that is false", "POST", "/v1/chat/completions", body(response_format={
         "type": "json_schema", "json_schema": {"name": "x", "schema": {
             "type": "object", "properties": {"b": False}, "required": ["b"]}}}), {}, 400),
+    ("response_format with a false property beside one that cannot compile", "POST", "/v1/chat/completions",
+     body(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
+         "type": "object", "properties": {"b": False, "a": {"type": "string", "pattern": "("}}}}}), {}, 400),
     ("response_format referring to itself without end", "POST", "/v1/chat/completions", body(response_format={
         "type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#"}}}), {}, 400),
     ("logit_bias a list", "POST", "/v1/chat/completions", body(logit_bias=[1]), {}, 400),
@@ -193,6 +196,17 @@ CASES: list[tuple[str, str, str, Any, dict[str, str], int]] = [
     ("responses: delete an unknown response", "DELETE", "/v1/responses/resp_x", None, {}, 404),
     ("responses: input items of an unknown response", "GET", "/v1/responses/resp_x/input_items", None, {}, 404),
     ("responses: input items limit 0", "GET", "/v1/responses/resp_x/input_items?limit=0", None, {}, 400),
+    ("a tool result answering no call", "POST", "/v1/chat/completions", body(messages=[
+        *USER, {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": {
+            "name": "get_weather", "arguments": "{}"}}]}, {"role": "tool", "tool_call_id": "c2", "content": "x"}]),
+     {}, 400),
+    ("a tool result given twice", "POST", "/v1/chat/completions", body(messages=[
+        *USER, {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": {
+            "name": "get_weather", "arguments": "{}"}}]}, {"role": "tool", "tool_call_id": "c1", "content": "x"},
+        {"role": "tool", "tool_call_id": "c1", "content": "y"}]), {}, 400),
+    ("responses: a function_call_output answering no call", "POST", "/v1/responses", {"input": [
+        {"role": "user", "content": "hi"}, {"type": "function_call_output", "call_id": "c9", "output": "x"}]}, {},
+     400),
     ("responses: an image in a function_call_output", "POST", "/v1/responses", {"input": [
         {"role": "user", "content": "hi"}, {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
         {"type": "function_call_output", "call_id": "c1", "output": [
@@ -444,8 +458,7 @@ def test_a_body_that_stalls_gets_408_and_gives_its_place_back(caplog) -> None:
 
 def test_a_prompt_longer_than_any_context_is_refused_before_it_is_tokenized(server) -> None:
     """More characters than the context's tokens could ever cover: 400 at once, without tokenizing them."""
-    model = server.state.model
-    most = model.context_length * model.tokenizer.longest_token * 2
+    most = server.state.model.context_length * server.state.longest_token * 2
     error = assert_openai_error(send(server, "POST", "/v1/chat/completions", body(messages=[
         {"role": "user", "content": "x" * (most + 1)}])), 400)
     assert error["code"] == "context_length_exceeded" and "characters" in error["message"]

@@ -207,7 +207,11 @@ class MessagesRequest(BaseModel):
             "\n".join(block.text for block in self.system)
         messages: Messages = [{"role": "system", "content": system}] if system else []
         names: dict[str, str] = {}
+        asked: list[str] = []  # the tool_use ids of the reply before, which this user message must answer
         for index, message in enumerate(self.messages):
+            if message.role == "user":
+                self._answers(index, message, asked)
+                asked = []
             if isinstance(message.content, str):
                 messages.append({"role": message.role, "content": message.content})
                 continue
@@ -223,7 +227,12 @@ class MessagesRequest(BaseModel):
                 if thinking:
                     reply["reasoning_content"] = "\n".join(thinking)
                 calls = [b for b in message.content if isinstance(b, ToolUseBlock)]
+                reused = [call.id for call in calls if call.id in names or [c.id for c in calls].count(call.id) > 1]
+                if reused:
+                    raise ApiError(400, f"messages.{index}: tool_use id {reused[0][:64]!r} is used twice",
+                                   param=f"messages.{index}")
                 names.update({call.id: call.name for call in calls})
+                asked = [call.id for call in calls]
                 if calls:
                     reply["tool_calls"] = [{"id": c.id, "type": "function", "function": {
                         "name": c.name, "arguments": json.dumps(c.input, ensure_ascii=False)}} for c in calls]
@@ -240,6 +249,22 @@ class MessagesRequest(BaseModel):
             elif text:
                 messages.append({"role": "user", "content": text})
         return messages
+
+
+    @staticmethod
+    def _answers(index: int, message: Any, asked: list[str]) -> None:
+        """A user message answers each tool_use of the reply before it with a tool_result, and no other (as
+        Anthropic's API requires)."""
+        given = [] if isinstance(message.content, str) else \
+            [b.tool_use_id for b in message.content if isinstance(b, ToolResultBlock)]
+        stray = [call_id for call_id in given if call_id not in asked]
+        if stray:
+            raise ApiError(400, f"messages.{index}: tool_result {stray[0][:64]!r} answers no tool_use of the message "
+                                "before it", param=f"messages.{index}")
+        missing = [call_id for call_id in asked if call_id not in given]
+        if missing:
+            raise ApiError(400, f"messages.{index}: the tool_use {missing[0][:64]!r} of the message before has no "
+                                "tool_result here", param=f"messages.{index}")
 
 
 def stop_of(result: ChatResult, tokenizer: Any, stops: list[str]) -> tuple[str, str | None]:

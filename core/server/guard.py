@@ -206,9 +206,9 @@ class Guard:
 
 
 def ascii_digits(text: str) -> bool:
-    """Whether ``text`` is a non-negative integer in ASCII digits (``str.isdigit`` also takes ``"²"`` and ``"٣"``,
-    which ``int`` refuses or reads as another number)."""
-    return text.isascii() and text.isdigit()
+    """Whether ``text`` is a non-negative integer of at most 18 ASCII digits (``str.isdigit`` also takes ``"²"`` and
+    ``"٣"``, which ``int`` refuses or reads as another number; ``int`` refuses more than 4,300 digits)."""
+    return len(text) <= 18 and text.isascii() and text.isdigit()
 
 
 async def read_json(request: Any, settings: ServerSettings) -> dict[str, Any]:
