@@ -153,21 +153,24 @@ class Rotation(NamedTuple):
 
 def heads(q: mx.array, k: mx.array | None, v: mx.array | None, heads: int, kv_heads: int,
           norms: tuple[mx.array, mx.array, float] | None,
-          rotation: Rotation | None) -> tuple[mx.array, mx.array, mx.array] | None:
+          rotation: Rotation | None, span: int = 1) -> tuple[mx.array, mx.array, mx.array] | None:
     """Attention's heads ``[B, heads, L, D]`` from its projections' outputs ``[B, L, heads * D]``, or (``k`` and
     ``v`` ``None``) from the one product ``q`` they are parts of: q and k normalized per head by ``norms`` (the q
     and k RMS norms' weights and their eps) when given, then turned by ``rotation``; v only laid out. One node
     in place of a layer's twelve (the split, reshapes, norms, transposes and rotations), the same arithmetic as
-    :func:`rms_norm` then :func:`rope`. ``None`` where the kernel does not apply (the caller's own ops run)."""
+    :func:`rms_norm` then :func:`rope`. ``span`` 2: each query head's features are followed in ``q`` by as many
+    others (Qwen3.5's output gate), which it skips. ``None`` where the kernel does not apply (the caller's own ops
+    run)."""
     weights = list(norms[:2]) if norms is not None else []
     given = [a for a in (q, k, v) if a is not None]
     module = _applies(*given, *weights, *(() if rotation is None else (rotation.inv_freq,)))
     if module is None or not hasattr(module, "heads") or q.ndim != 3 or (k is None) != (v is None):
         return None
-    if k is None and q.shape[-1] % (heads + 2 * kv_heads):
+    if k is None and q.shape[-1] % (span * heads + 2 * kv_heads):
         return None
     turn = () if rotation is None else (rotation.inv_freq, rotation.dims, rotation.scale, rotation.offsets)
-    return tuple(module.heads(q, k, v, heads, kv_heads, weights, norms[2] if norms else 0.0, *turn))  # type: ignore[return-value]
+    return tuple(module.heads(q, k, v, heads, kv_heads, weights, norms[2] if norms else 0.0, *turn,  # type: ignore[return-value]
+                              span=span))
 
 
 # -- Gated DeltaNet ------------------------------------------------------------------------------------------

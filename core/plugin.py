@@ -49,6 +49,7 @@ from .layers import (
     balanced,
     depthwise_weight,
     fetch_attended,
+    fused_heads,
     gate_function,
     gated_delta_chunked,
     gated_delta_step,
@@ -148,5 +149,6 @@ __all__ = [
     "slice_inputs",
     "slice_outputs",
     "fetch_attended",
+    "fused_heads",
     "window_mask",
 ]

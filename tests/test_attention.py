@@ -545,7 +545,7 @@ def _with(monkeypatch: pytest.MonkeyPatch, module: object, name: str, run):  # n
         return run()
 
 
-@pytest.mark.parametrize("fixture", ["qwen3", "qwen3_rope_yarn", "qwen3_rope_dynamic", "lfm2"])
+@pytest.mark.parametrize("fixture", ["qwen3", "qwen3_rope_yarn", "qwen3_rope_dynamic", "lfm2", "qwen3_5"])
 def test_heads_and_a_lone_decode_row_in_one_node_give_the_logits_of_the_ops_one_at_a_time(
         monkeypatch: pytest.MonkeyPatch, fixture: str) -> None:
     """Core's Attention makes a chunk's heads in one node (kernels.heads: norms, RoPE at the cache's offset, yarn's

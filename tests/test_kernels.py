@@ -3,6 +3,8 @@ and gradients; and MLX's operations run where a kernel does not apply (attention
 
 from __future__ import annotations
 
+from typing import Any
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -166,6 +168,44 @@ def test_heads_equal_the_ops_they_fuse_values_and_gradients(length: int, offsets
         grads = mx.grad(lambda *a, how=how: loss(how, *a), argnums=(0, 1, 2))(joined, wq, wk)
         for a, b in zip(grads, expected, strict=True):
             close(a, b, 1e-5)
+
+
+def test_heads_beside_their_gates_skip_the_gates_values_and_gradients() -> None:
+    """span 2 (Qwen3.5's gated attention: each query head followed by its output gate in the product): the heads the
+    ops give from the query halves, bit for bit, from the parts or the whole product; gradients equal theirs."""
+    batch, length, heads, kv_heads, d, dims = 2, 3, 4, 2, 32, 16
+    joined = mx.random.normal((batch, length, (2 * heads + 2 * kv_heads) * d))
+    inv_freq = mx.array([1e4 ** (-2 * j / dims) for j in range(dims // 2)], dtype=mx.float32)
+    norms = (mx.random.normal((d,)), mx.random.normal((d,)), 1e-6)
+    turn = kernels.Rotation(inv_freq, dims, 1.0, [5, 11])
+
+    def parts(x: mx.array) -> list[mx.array]:
+        return mx.split(x, [2 * heads * d, (2 * heads + kv_heads) * d], axis=-1)  # type: ignore[return-value]
+
+    def queries(x: mx.array) -> mx.array:  # each head's first half, as the ops take them
+        return x.reshape(batch, length, heads, 2 * d)[..., :d].reshape(batch, length, heads * d)
+
+    def ops(x: mx.array, wq: mx.array, wk: mx.array) -> list[mx.array]:
+        q, k, v = parts(x)
+        return unfused_heads(queries(q), k, v, heads, kv_heads, (wq, wk, 1e-6), turn)
+
+    whole = kernels.heads(joined, None, None, heads, kv_heads, norms, turn, span=2)
+    split = kernels.heads(*parts(joined), heads, kv_heads, norms, turn, span=2)
+    assert whole is not None and split is not None
+    for a, b, c in zip(whole, split, ops(joined, norms[0], norms[1]), strict=True):
+        assert a.shape == c.shape and mx.array_equal(a, c) and mx.array_equal(b, c)
+    weights = [mx.random.normal(x.shape) for x in whole]
+
+    def loss(made: Any) -> mx.array:
+        return sum(((h * w).sum() for h, w in zip(made, weights, strict=True)), mx.array(0.0))
+
+    expected = mx.grad(lambda *a: loss(ops(*a)), argnums=(0, 1, 2))(joined, norms[0], norms[1])
+    ours = mx.grad(lambda x, wq, wk: loss(kernels.heads(x, None, None, heads, kv_heads, (wq, wk, 1e-6), turn, span=2)),
+                   argnums=(0, 1, 2))(joined, norms[0], norms[1])
+    for a, b in zip(ours, expected, strict=True):
+        close(a, b, 1e-5)
+    with pytest.raises(ValueError, match="span"):
+        kernels._native()[0].heads(joined, None, None, heads, kv_heads, span=3)
 
 
 def test_heads_refuse_what_does_not_fit() -> None:

@@ -1,6 +1,6 @@
 """Named layers plugins build their blocks from."""
 
-from .attention import Attended, Attention, attend, attend_over, fetch_attended, window_mask
+from .attention import Attended, Attention, attend, attend_over, fetch_attended, fused_heads, window_mask
 from .decoder import CausalLM, Decoder
 from .fused import Projections, fuse_projections
 from .gated_delta import GatedDeltaNet, RMSNormGated, gated_delta_chunked, gated_delta_step
@@ -68,5 +68,6 @@ __all__ = [
     "softmax_top_k",
     "stack_experts",
     "fetch_attended",
+    "fused_heads",
     "window_mask",
 ]

@@ -325,20 +325,10 @@ class Attention(nn.Module):
 
     def _heads(self, parts: list[mx.array],
                cache: KeysValues | RowCaches | None) -> tuple[mx.array, mx.array, mx.array] | None:
-        """The heads, normalized and turned, in one node (:func:`mlxchat.kernels.heads`) where it applies."""
-        q, k, v = (parts[0], None, None) if len(parts) == 1 else parts
-        if type(self.rope) not in (RoPE, MRoPE):  # another rotation (a plugin's own): its ops run
-            return None
-        turn = self.rope.rotation(cache.offset if cache is not None else 0, q.shape[1])
-        if turn is None:
-            return None
-        norms = None
-        if self.qk_norm:
-            q_norm, k_norm = self.q_norm, self.k_norm
-            if type(q_norm) is not RMSNorm or type(k_norm) is not RMSNorm or q_norm.eps != k_norm.eps:
-                return None
-            norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
-        return kernels.heads(q, k, v, self.num_heads, self.num_kv_heads, norms, turn)
+        """The heads, normalized and turned, in one node where it applies (:func:`fused_heads`)."""
+        at = cache.offset if cache is not None else 0
+        return fused_heads(parts, self.num_heads, self.num_kv_heads, self.rope, at,
+                           (self.q_norm, self.k_norm) if self.qk_norm else None)
 
     def shard(self, group: mx.distributed.Group) -> None:
         """Tensor parallel: each rank keeps some query heads and the KV heads they read (see
@@ -351,6 +341,28 @@ class Attention(nn.Module):
         slice_outputs(self.v_proj, [(k0 * d, k1 * d)])
         self.o_proj = RowParallelLinear(self.o_proj, [(a * d, b * d) for (a, b), _ in split], group)
         self.num_heads, self.num_kv_heads = q1 - q0, k1 - k0
+
+
+def fused_heads(parts: list[mx.array], heads: int, kv_heads: int, rope: nn.Module, at: int | mx.array,
+                norms: tuple[nn.Module, nn.Module] | None, span: int = 1) -> tuple[mx.array, mx.array, mx.array] | None:
+    """Attention's heads ``[B, heads, L, D]`` from a q/k/v product's parts (:meth:`Projections.parts
+    <mlxchat.layers.fused.Projections.parts>`) in one node (:func:`mlxchat.kernels.heads`): the q and k ``norms``
+    (RMS norms of one eps), then ``rope`` at ``at`` (the first position, or each row's). ``None`` where it does not
+    apply: another rotation (a plugin's own), positions the kernel does not take, other norms (their ops run).
+    ``span`` 2: each query head is followed in the product by a gate (Qwen3.5's)."""
+    if type(rope) not in (RoPE, MRoPE):
+        return None
+    q, k, v = (parts[0], None, None) if len(parts) == 1 else parts
+    turn = rope.rotation(at, q.shape[1])  # type: ignore[attr-defined]
+    if turn is None:
+        return None
+    weights = None
+    if norms is not None:
+        q_norm, k_norm = norms
+        if type(q_norm) is not RMSNorm or type(k_norm) is not RMSNorm or q_norm.eps != k_norm.eps:
+            return None
+        weights = (q_norm.weight, k_norm.weight, q_norm.eps)
+    return kernels.heads(q, k, v, heads, kv_heads, weights, turn, span)
 
 
 def window_mask(length: int, key_length: int, window: int, blocks: mx.array | None = None) -> mx.array | None:

@@ -558,13 +558,13 @@ class MultiKernel : public mx::Primitive {
 class Heads : public Referenced<MultiKernel> {
  public:
   Heads(mx::Stream stream, int heads, int kv_heads, bool joined, bool norm, float eps, int dims, float scale,
-        std::vector<int> offsets)
+        std::vector<int> offsets, int span = 1)
       : Referenced(stream), heads_(heads), kv_heads_(kv_heads), joined_(joined), norm_(norm), eps_(eps), dims_(dims),
-        scale_(scale), offsets_(std::move(offsets)) {}
+        scale_(scale), offsets_(std::move(offsets)), span_(span) {}
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
     const int batch = in[0].shape(0), length = in[0].shape(1);
-    const int d = joined_ ? in[0].shape(2) / (heads_ + 2 * kv_heads_) : in[0].shape(2) / heads_;
+    const int d = joined_ ? in[0].shape(2) / (span_ * heads_ + 2 * kv_heads_) : in[0].shape(2) / (span_ * heads_);
     return {{batch, heads_, length, d}, {batch, kv_heads_, length, d},
             {batch, kv_heads_, length, joined_ ? d : in[2].shape(2) / kv_heads_}};
   }
@@ -572,14 +572,15 @@ class Heads : public Referenced<MultiKernel> {
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     for (auto& out : outputs) out.set_data(mx::allocator::malloc(out.nbytes()));
     dispatch_all(inputs, outputs, [joined = joined_, norm = norm_, eps = eps_, dims = dims_, scale = scale_,
-                                   offsets = offsets_](std::vector<mx::array>& held, std::vector<mx::array>& made) {
+                                   offsets = offsets_, span = span_](std::vector<mx::array>& held,
+                                                                     std::vector<mx::array>& made) {
       const int batch = held[0].shape(0), length = held[0].shape(1), half = dims / 2, first = joined ? 1 : 3;
       std::vector<float> copies[6];  // q, k, v; the norms' weights and the inverse frequencies (where laid out otherwise)
       const float* rows[3];
       int64_t strides[3][2];
       for (int i = 0; i < first; ++i) rows[i] = rows_of(held[i], copies[i], strides[i]);
       for (int i = 1; joined && i < 3; ++i) {  // k and v: the product's columns after q's, after k's
-        rows[i] = rows[i - 1] + int64_t(made[i - 1].shape(1)) * made[i - 1].shape(3);
+        rows[i] = rows[i - 1] + int64_t(made[i - 1].shape(1)) * made[i - 1].shape(3) * (i == 1 ? span : 1);
         strides[i][0] = strides[0][0], strides[i][1] = strides[0][1];
       }
       const float* weights[2] = {norm ? row_major(held[first], copies[3]) : nullptr,
@@ -607,7 +608,7 @@ class Heads : public Referenced<MultiKernel> {
             const float* row = rows[i] + b * strides[i][0] + l * strides[i][1];
             const size_t at = (offsets.size() == 1 ? 0 : size_t(b)) * table + size_t(l) * half;
             for (int h = 0; h < count; ++h) {
-              const float* x = row + int64_t(h) * d;
+              const float* x = row + int64_t(h) * d * (i == 0 ? span : 1);
               float* y = out + ((int64_t(b) * count + h) * length + l) * d;
               if (!weight && !turn) {
                 std::memcpy(y, x, size_t(d) * sizeof(float));
@@ -640,7 +641,7 @@ class Heads : public Referenced<MultiKernel> {
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const Heads&>(other);
     return heads_ == o.heads_ && kv_heads_ == o.kv_heads_ && joined_ == o.joined_ && norm_ == o.norm_ &&
-           eps_ == o.eps_ && dims_ == o.dims_ && scale_ == o.scale_ && offsets_ == o.offsets_;
+           eps_ == o.eps_ && dims_ == o.dims_ && scale_ == o.scale_ && offsets_ == o.offsets_ && span_ == o.span_;
   }
 
  protected:
@@ -652,12 +653,17 @@ class Heads : public Referenced<MultiKernel> {
     const auto s = stream();
     std::vector<mx::array> in = given;
     if (joined_) {  // q, k, v: the product's parts
-      const int d = given[0].shape(2) / (heads_ + 2 * kv_heads_);
-      const auto parts = mx::split(given[0], mx::Shape{heads_ * d, (heads_ + kv_heads_) * d}, 2, s);
+      const int d = given[0].shape(2) / (span_ * heads_ + 2 * kv_heads_);
+      const auto parts = mx::split(given[0], mx::Shape{span_ * heads_ * d, (span_ * heads_ + kv_heads_) * d}, 2, s);
       in.erase(in.begin());
       in.insert(in.begin(), parts.begin(), parts.end());
     }
     const int batch = in[0].shape(0), length = in[0].shape(1);
+    if (span_ > 1) {  // each query head's first of its `span` parts
+      const int d = in[0].shape(2) / (span_ * heads_);
+      const auto parted = mx::reshape(in[0], {batch, length, heads_, span_ * d}, s);
+      in[0] = mx::reshape(mx::slice(parted, {0, 0, 0, 0}, {batch, length, heads_, d}, s), {batch, length, heads_ * d}, s);
+    }
     auto heads_of = [&](const mx::array& x, int count, const mx::array* weight) {
       auto y = mx::reshape(x, {batch, length, count, x.shape(2) / count}, s);
       if (weight) y = mx::fast::rms_norm(y, *weight, eps_, s);
@@ -683,6 +689,7 @@ class Heads : public Referenced<MultiKernel> {
   int dims_;  // the rotated features (0: none)
   float scale_;
   std::vector<int> offsets_;  // the first position of every row (one), or of each row of the batch
+  int span_;  // a query head's features in q: its own, then (span 2: Qwen3.5's output gate) another head's worth
 };
 
 /* A 4-D array's place and strides, its features contiguous (copied into `copy` when they are not). */
@@ -1268,8 +1275,9 @@ mx::array rope(const mx::array& x, const mx::array& inv_freq, int dims, const st
 std::vector<mx::array> heads(const mx::array& q, const std::optional<mx::array>& k, const std::optional<mx::array>& v,
                              int heads, int kv_heads, const std::vector<mx::array>& norms, float eps,
                              const std::optional<mx::array>& inv_freq, int dims, float scale,
-                             const std::vector<int>& offsets) {
+                             const std::vector<int>& offsets, int span) {
   if (k.has_value() != v.has_value()) throw std::invalid_argument("give k and v, or neither (q the joined product)");
+  if (span != 1 && span != 2) throw std::invalid_argument("span must be 1, or 2 (each query head beside its gate)");
   std::vector<mx::array> inputs = {q};
   if (k) inputs.insert(inputs.end(), {*k, *v});
   for (const auto& a : inputs) {
@@ -1277,11 +1285,12 @@ std::vector<mx::array> heads(const mx::array& q, const std::optional<mx::array>&
     if (a.ndim() != 3 || a.shape(0) != q.shape(0) || a.shape(1) != q.shape(1))
       throw std::invalid_argument("q, k and v must be [batch, length, features] of one batch and length");
   }
-  if (heads < 1 || kv_heads < 1 || (k && (q.shape(2) % heads || k->shape(2) % kv_heads || v->shape(2) % kv_heads ||
-                                          q.shape(2) / heads != k->shape(2) / kv_heads)) ||
-      (!k && q.shape(2) % (heads + 2 * kv_heads)))
-    throw std::invalid_argument("q must hold heads, k and v kv_heads heads, q's and k's of one size");
-  const int d = k ? q.shape(2) / heads : q.shape(2) / (heads + 2 * kv_heads);
+  if (heads < 1 || kv_heads < 1 ||
+      (k && (q.shape(2) % (span * heads) || k->shape(2) % kv_heads || v->shape(2) % kv_heads ||
+             q.shape(2) / (span * heads) != k->shape(2) / kv_heads)) ||
+      (!k && q.shape(2) % (span * heads + 2 * kv_heads)))
+    throw std::invalid_argument("q must hold heads (span parts each), k and v kv_heads heads, q's and k's of one size");
+  const int d = k ? q.shape(2) / (span * heads) : q.shape(2) / (span * heads + 2 * kv_heads);
   const int value_dims = k ? v->shape(2) / kv_heads : d;
   if (!norms.empty()) {
     if (norms.size() != 2) throw std::invalid_argument("norms must be none or the q and k norms' weights");
@@ -1309,7 +1318,7 @@ std::vector<mx::array> heads(const mx::array& q, const std::optional<mx::array>&
                                  {batch, kv_heads, length, value_dims}},
                                 {mx::float32, mx::float32, mx::float32},
                                 std::make_shared<Heads>(cpu_stream(), heads, kv_heads, !k, !norms.empty(), eps, dims,
-                                                        scale, at),
+                                                        scale, at, span),
                                 inputs);
 }
 
@@ -1513,11 +1522,12 @@ NB_MODULE(_kernels, m) {
         "rope with each index of x's first axis at its own offset (offsets[i]; one offset: all of them).");
   m.def("heads", &heads, nb::arg("q"), nb::arg("k").none(), nb::arg("v").none(), nb::arg("heads"), nb::arg("kv_heads"),
         nb::arg("norms") = std::vector<mx::array>{}, nb::arg("eps") = 0.0f, nb::arg("inv_freq") = nb::none(),
-        nb::arg("dims") = 0, nb::arg("scale") = 1.0f, nb::arg("offsets") = std::vector<int>{0},
+        nb::arg("dims") = 0, nb::arg("scale") = 1.0f, nb::arg("offsets") = std::vector<int>{0}, nb::arg("span") = 1,
         "Attention's heads [B, heads, L, D] from q, k, v [B, L, heads * D] (k and v None: q the product they are "
         "parts of): q and k RMS-normalized per head by norms "
         "(their weights), their first dims features scaled and rotated (RoPE at offsets: one, or one per row) when "
-        "inv_freq is given. Returns [q, k, v].");
+        "inv_freq is given; span 2: each query head's D features are followed in q by D others (a gate), skipped. "
+        "Returns [q, k, v].");
   m.def("attention", &attention, nb::arg("queries"), nb::arg("keys"), nb::arg("values"), nb::arg("scale"),
         nb::arg("window") = 0, nb::arg("lse") = false, nb::arg("prefix_keys") = nb::none(),
         nb::arg("prefix_values") = nb::none(),

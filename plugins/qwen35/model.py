@@ -52,6 +52,7 @@ from mlxchat.plugin import (
     attend,
     each_sequence,
     embed_with_images,
+    fused_heads,
     head_split,
     slice_outputs,
     stack_experts,
@@ -153,19 +154,31 @@ class GatedAttention(nn.Module):
         """``positions``: every token's 3-D position ``[3, L]`` (an image chunk) or the first token's rotary
         position; ``None``: the cache's position (each sequence's own over ragged rows; 0 without a cache)."""
         batch, length, _ = x.shape
-        queries, k, v = self._qkv(self, x)
-        q, gate = mx.split(queries.reshape(batch, length, self.num_heads, 2 * self.head_dim), 2, axis=-1)
-        k = k.reshape(batch, length, self.num_kv_heads, self.head_dim)
-        v = v.reshape(batch, length, self.num_kv_heads, self.head_dim)
-        q, k, v = self.q_norm(q).swapaxes(1, 2), self.k_norm(k).swapaxes(1, 2), v.swapaxes(1, 2)
-        out = each_sequence(partial(self._attend, positions=positions), cache, q, k, v, axis=2)
-        return self.o_proj((out.swapaxes(1, 2) * mx.sigmoid(gate)).reshape(batch, length, -1))
+        parts = self._qkv.parts(self, x)
+        d = self.head_dim
+        gate = parts[0][..., : 2 * self.num_heads * d].reshape(batch, length, self.num_heads, 2 * d)[..., d:]
+        out = each_sequence(partial(self._attend, positions=positions), cache, *parts, axis=1)
+        return self.o_proj((out * mx.sigmoid(gate)).reshape(batch, length, -1))
 
-    def _attend(self, q: mx.array, k: mx.array, v: mx.array, cache: KVCache | RowCaches | None,
-                positions: int | mx.array | None) -> mx.array:
+    def _attend(self, *arrays: Any, positions: int | mx.array | None) -> mx.array:
+        """One sequence's (or a batch of decode rows') attention ``[B, L, heads, D]`` from the q/k/v product's parts
+        and its cache (last): the heads in one node where it applies (:func:`mlxchat.kernels.heads`, each query
+        head beside its gate), else the ops."""
+        *parts, cache = arrays
+        batch, length, _ = parts[0].shape
         at = positions if positions is not None else (cache.position if cache is not None else 0)
-        q, k = self.rope(q, at), self.rope(k, at)
-        return attend(q, k, v, cache, self.head_dim**-0.5)
+        made = fused_heads(parts, self.num_heads, self.num_kv_heads, self.rope, at, (self.q_norm, self.k_norm),
+                           span=2) if positions is None else None
+        if made is None:
+            queries, k, v = self._qkv.split(parts)
+            q = queries.reshape(batch, length, self.num_heads, 2 * self.head_dim)[..., : self.head_dim]
+            k = k.reshape(batch, length, self.num_kv_heads, self.head_dim)
+            v = v.reshape(batch, length, self.num_kv_heads, self.head_dim)
+            q, k, v = self.q_norm(q).swapaxes(1, 2), self.k_norm(k).swapaxes(1, 2), v.swapaxes(1, 2)
+            made = self.rope(q, at), self.rope(k, at), v
+        return attend(*made, cache, self.head_dim**-0.5).swapaxes(1, 2)
+
+
 
     def shard(self, group: mx.distributed.Group) -> None:
         """Tensor parallel by heads (``q_proj``'s rows hold each head's query and gate side by side)."""
