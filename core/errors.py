@@ -58,6 +58,10 @@ class SessionClosedError(MlxchatError):
     """A closed session was used."""
 
 
+class ModelClosedError(GenerationError, RuntimeError):
+    """A closed model was used, or closed while a reply streamed from it (its worker has stopped)."""
+
+
 class SessionStateError(MlxchatError):
     """A session call that does not fit the conversation as it stands (e.g. unanswered tool calls)."""
 

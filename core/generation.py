@@ -58,7 +58,8 @@ class GenerationConfig(BaseModel):
 
     max_tokens: int = Field(512, ge=1)
     """Most tokens to generate; lowered to what the model's context leaves after the prompt."""
-    temperature: float = Field(1.0, ge=0.0)
+    temperature: float = Field(1.0, ge=0.0, le=100.0)
+    """0 (or below 1e-6, which float32 logits cannot divide by): greedy."""
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
@@ -119,6 +120,16 @@ class GenerationConfig(BaseModel):
     @classmethod
     def _stop_text(cls, value: list[str]) -> list[str]:
         return [check_text(s, "a stop string") for s in value]
+
+    @field_validator("reply_prefix")
+    @classmethod
+    def _prefix_text(cls, value: str) -> str:
+        return check_text(value, "reply_prefix")
+
+    @field_validator("temperature")
+    @classmethod
+    def _greedy_below(cls, value: float) -> float:
+        return 0.0 if value < 1e-6 else value
 
     @field_validator("chat_template_kwargs")
     @classmethod

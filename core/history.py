@@ -14,9 +14,9 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .errors import SessionStateError
+from .errors import InvalidInputError, SessionStateError
 from .messages import ChatMessage, FunctionCall, ReplyVersion, ToolCall
-from .session_state import Decision, SessionState, after_system, check_ids
+from .session_state import Decision, SessionState, after_system, check_ids, check_tool_answers
 
 
 class History:
@@ -61,6 +61,7 @@ class History:
             primed.insert(0, self.messages[0] if self.messages else self.stamped(
                 ChatMessage(role="system", content=system)))
         check_ids(primed)
+        check_tool_answers(primed)
         self.state.messages = primed
         self.state.hidden = 0
         self.state.calls_made = _numbered_calls(primed)
@@ -156,6 +157,9 @@ class History:
         message = self.messages[position]
         if message.role != "assistant" or not message.versions:
             raise SessionStateError(f"message {message_id!r} has no reply versions")
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(message.versions):
+            raise InvalidInputError(f"no reply version {index!r} (message {message_id!r} has "
+                                    f"{len(message.versions)})")
         message.select(index)
         self._cut(position + 1)
 
@@ -163,8 +167,8 @@ class History:
         self._cut(self._position(message_id) + 1)
 
     def rewind(self, keep: int) -> None:
-        if not 0 <= keep <= len(self.messages):
-            raise ValueError(f"keep must be between 0 and {len(self.messages)}, got {keep}")
+        if isinstance(keep, bool) or not isinstance(keep, int) or not 0 <= keep <= len(self.messages):
+            raise InvalidInputError(f"keep must be an integer from 0 to {len(self.messages)}, got {keep!r}")
         self._cut(keep)
 
     def set_system(self, system: str | None) -> None:

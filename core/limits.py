@@ -23,6 +23,8 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 
 def check_token_ids(ids: Iterable[Any], vocab_size: int, what: str = "token id") -> list[int]:
     """``ids`` as plain ints, each in ``[0, vocab_size)``; otherwise :class:`InvalidInputError`."""
+    if isinstance(ids, str | bytes) or not isinstance(ids, Iterable):
+        raise InvalidInputError(f"{what}s must be a sequence of integers, got {type(ids).__name__}")
     out = []
     for value in ids:
         if isinstance(value, bool) or not isinstance(value, Integral):

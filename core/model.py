@@ -458,6 +458,7 @@ class GenerativeModel:
             # Arrays are built on the worker: MLX ops belong to the stream of the thread that creates them.
             return self.worker.run(lambda: _evaluated(self.module(mx.array(ids))[0].astype(mx.float32)))
         if isinstance(token_ids, MultimodalPrompt):
+            check_token_ids(token_ids.ids, self.config.vocab_size, "token id")
             prompt = self._checked(token_ids)
         else:
             prompt = self.image_prompt(token_ids, images or [])
@@ -614,7 +615,11 @@ class GenerativeModel:
         turn takes before its last prompt token) and runs the reply again (and the stop token it held),
         taking its snapshots again where it had them and at the end, so the next turn reuses it as before.
         """
-        reply = list(tokens)
+        reply = check_token_ids(tokens, self.config.vocab_size, "reply token id")
+        if isinstance(start, bool) or not isinstance(start, int) or not 1 <= start <= len(cache):
+            raise InvalidInputError(f"start must be a position in the cache (1 to {len(cache)}), got {start!r}")
+        if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= self.config.vocab_size:
+            raise InvalidInputError(f"top must be an integer from 0 to the vocabulary's size, got {top!r}")
 
         def run() -> list[tuple[float, list[tuple[int, float]]]]:
             held = list(cache.tokens)

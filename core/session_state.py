@@ -9,6 +9,7 @@ fields and layout saved files had before this model existed, so those files load
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from pydantic import BaseModel, Field, field_serializer, model_validator
@@ -81,6 +82,23 @@ def check_ids(messages: list[ChatMessage]) -> None:
     ids = [m.id for m in messages if m.id is not None]
     if len(set(ids)) != len(ids):
         raise InvalidInputError("the transcript repeats a message id")
+
+
+def check_tool_answers(messages: Sequence[ChatMessage | dict[str, Any]]) -> None:
+    """Refuse a conversation in which a tool result answers no call of the reply before it, or one twice (the model
+    would read the result of a call it never made; OpenAI's and Anthropic's APIs refuse it too)."""
+    asked: set[str] = set()
+    for message in messages:
+        fields = message if isinstance(message, dict) else message.model_dump(include={"role", "tool_call_id",
+                                                                                         "tool_calls"})
+        if fields.get("role") == "assistant":
+            asked = {str(call.get("id")) for call in fields.get("tool_calls") or [] if isinstance(call, dict)}
+        elif fields.get("role") == "tool":
+            call_id = str(fields.get("tool_call_id"))
+            if call_id not in asked:
+                raise InvalidInputError(f"the tool result {call_id[:64]!r} answers no tool call of the reply before "
+                                        "it (or answers one twice)")
+            asked.discard(call_id)
 
 
 def after_system(messages: list[ChatMessage]) -> list[ChatMessage]:

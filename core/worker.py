@@ -31,6 +31,7 @@ from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from . import profiling
+from .errors import ModelClosedError
 
 T = TypeVar("T")
 log = logging.getLogger("mlxchat")
@@ -199,7 +200,7 @@ class Worker:
                     if job is None:
                         closing = True
                         for task in self._tasks:
-                            task.handoff.abandon()
+                            _closed_under(task.cancel, task.handoff)
                     else:
                         self._later.append(job)
                 # A profiled reply is timed on this thread as a whole: replies then run one at a time.
@@ -219,14 +220,14 @@ class Worker:
                 _give_up(future, args[2] if fn is _StreamTask else None, self._failure)
                 return
             if fn is _StreamTask:
-                task = _Task(future, args[2])
+                task = _Task(future, args[2], args[1])
                 self._tasks.append(task)
             else:
                 self._running = future
         if fn is _StreamTask:
             produce, cancel, handoff = args
             if self._closed:
-                handoff.abandon()
+                _closed_under(cancel, handoff)
             try:
                 task.iterator = produce(cancel)
             except BaseException as exc:  # delivered to the reader, never lost on the worker
@@ -324,7 +325,7 @@ class Worker:
         if self._failure is not None:
             raise copy.copy(self._failure)
         if self._closed:
-            raise RuntimeError("the model's worker is closed")
+            raise ModelClosedError("the model is closed: load it again to use it")
         future: Future[T] = Future()
         self._jobs.put((future, fn, args))
         self._wake.set()
@@ -443,10 +444,18 @@ def _give_up(future: Future[Any], handoff: _Handoff | None, error: BaseException
         future.set_exception(error)
 
 
+def _closed_under(cancel: Cancelled, handoff: _Handoff) -> None:
+    """A stream job the worker's closing catches: it stops at its next check, and its reader gets an error
+    rather than waiting for items that will not come."""
+    cancel.set()
+    handoff.fail(ModelClosedError("the model was closed while this reply streamed"))
+
+
 class _Task:
-    def __init__(self, future: Future[Any], handoff: _Handoff):
+    def __init__(self, future: Future[Any], handoff: _Handoff, cancel: Cancelled):
         self.future = future
         self.handoff = handoff
+        self.cancel = cancel
         self.iterator: Iterator[Any] = iter(())
         self.waiting: list[Together] | None = None
 

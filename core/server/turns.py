@@ -24,6 +24,7 @@ from ..model import GenerativeModel
 from ..prompt_cache import PromptCache
 from ..reply import TextDelta, ThinkingDelta, ToolCallEvent
 from ..session import ChatResult, ChatSession, ChatStream, ContextPolicy, Done, StreamEvent
+from ..session_state import check_tool_answers
 from .admission import Hold, text_length
 from .errors import ApiError
 
@@ -116,22 +117,6 @@ async def _watch_disconnect(request: Any, on_gone: Callable[[], None]) -> None:
     on_gone()
 
 
-def check_tool_results(messages: list[dict[str, Any]]) -> None:
-    """Each tool result answers a call of the reply before it, once (an unknown or repeated call id is a 400, as in
-    OpenAI's and Anthropic's APIs: the model would read a result of a call it never made)."""
-    asked: set[str] = set()
-    for message in messages:
-        role = message.get("role")
-        if role == "assistant":
-            asked = {str(call.get("id")) for call in message.get("tool_calls") or [] if isinstance(call, dict)}
-        elif role == "tool":
-            call_id = str(message.get("tool_call_id"))
-            if call_id not in asked:
-                raise ApiError(400, f"the tool result {call_id[:64]!r} answers no tool call of the reply before it "
-                                    "(or answers one twice)")
-            asked.discard(call_id)
-
-
 class Turn:
     """One request's turn: admitted to the model's queue (429 when full), served with the pooled cache whose
     conversation shares the most with ``messages``, run by a session primed with them, and stopped at the
@@ -174,7 +159,7 @@ class Turn:
     async def start(self) -> None:
         """Take the turn's cache and start it (admitted first, and its cache's growth reserved: see
         :mod:`mlxchat.server.admission`); a request the session refuses is a 400."""
-        check_tool_results(self.messages)
+        check_tool_answers(self.messages)
         self.admit()
         strict = self.context_policy == "error"
         if strict:

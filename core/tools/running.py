@@ -14,6 +14,7 @@ import inspect
 import json
 from typing import Any
 
+from ..limits import check_text
 from ..messages import ToolCall
 from .context import Ask, ToolContext
 from .schema import Tool
@@ -25,11 +26,14 @@ def _arguments(tool: Tool, call: ToolCall, arguments: dict[str, Any], ask: Ask |
 
 
 def _as_text(value: Any) -> str:
-    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, default=str)
+    """The result as the text the model reads (checked: a lone surrogate is no text a tokenizer encodes, and would
+    fail the turn where the result is recorded)."""
+    return check_text(value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, default=str),
+                      "the tool's result")
 
 
 def _failure(exc: BaseException) -> str:
-    return f"Error: {type(exc).__name__}: {exc}"
+    return f"Error: {type(exc).__name__}: {exc}".encode("utf-8", "replace").decode()
 
 
 def run_tool(tool: Tool, call: ToolCall, arguments: dict[str, Any], ask: Ask | None = None) -> str:

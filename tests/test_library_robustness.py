@@ -1,0 +1,118 @@
+"""What a library user passes in cannot crash the process or wedge a session (found by a fuzzing pass over the
+public API): token ids are checked before any MLX gather (reply log-probabilities, a multimodal prompt's logits),
+a model closed while a reply streams ends the stream with an error instead of leaving its reader waiting, a tool's
+result that is no valid text becomes an error result, a transcript whose tool results answer no call is refused,
+and generation settings that float32 cannot carry are refused or mean what they say."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+import mlxchat
+from mlxchat import GenerationConfig, InvalidInputError, ModelClosedError, MultimodalPrompt, tool
+
+
+@pytest.fixture(scope="module")
+def model():
+    model = mlxchat.load_model()
+    yield model
+    model.close()
+
+
+def test_reply_log_probabilities_check_their_tokens_and_positions(model) -> None:
+    session = model.chat_session()
+    session.send("hello there", config={"max_tokens": 4, "temperature": 0})
+    cache = session.cache
+    vocab = model.config.vocab_size
+    for tokens in ([vocab + 7], [-2], [1.5]):
+        with pytest.raises(InvalidInputError):
+            model.reply_logprobs(cache, 3, tokens)
+    for start in (0, -1, len(cache) + 1, 2.5, True):
+        with pytest.raises(InvalidInputError, match="start"):
+            model.reply_logprobs(cache, start, [1])
+    with pytest.raises(InvalidInputError, match="top"):
+        model.reply_logprobs(cache, 3, [1], top=-1)
+    assert session.send("and again", config={"max_tokens": 4}).finish_reason  # the session goes on
+
+
+def test_a_multimodal_prompts_ids_are_checked_before_its_logits(model) -> None:
+    with pytest.raises(InvalidInputError, match="outside the vocabulary"):
+        model.logits(MultimodalPrompt((1, 10**9)))
+    with pytest.raises(InvalidInputError, match="sequence of integers"):
+        model.generate(None)  # type: ignore[arg-type]
+
+
+def test_closing_the_model_ends_the_streams_open_on_it() -> None:
+    """The readers of replies streaming when the model is closed get ModelClosedError (they waited for ever);
+    the model, closed, refuses new work with it."""
+    model = mlxchat.load_model()
+    session = model.chat_session()
+    events = iter(session.send_stream("hello there", config={"max_tokens": 200}))
+    next(events)
+    tokens = model.stream([1, 2, 3], {"max_tokens": 200})
+    next(tokens)
+    closing = threading.Thread(target=model.close)
+    closing.start()
+    with pytest.raises(ModelClosedError):
+        list(events)
+    with pytest.raises(ModelClosedError):
+        list(tokens)
+    closing.join(30)
+    assert not closing.is_alive()
+    with pytest.raises(ModelClosedError):
+        model.generate([1, 2, 3], {"max_tokens": 2})
+
+
+def test_a_tool_result_that_is_no_valid_text_is_an_error_the_model_reads(model) -> None:
+    @tool
+    def get_weather(city: str) -> str:
+        """Get the current weather in a city.
+
+        Args:
+            city: Name of the city.
+        """
+        return "sunny \ud800"
+
+    session = model.chat_session(tools=[get_weather], auto_tools=True)
+    session.send("What is the weather in Paris?", config={"max_tokens": 60, "temperature": 0})
+    results = [m.content for m in session.messages if m.role == "tool"]
+    assert results and all(r.startswith("Error: InvalidInputError") and "\ud800" not in r for r in results)
+    assert not session.pending_tool_calls
+    assert session.send("thanks", config={"max_tokens": 4}).finish_reason
+
+
+def test_a_transcript_whose_tool_results_answer_no_call_is_refused(model) -> None:
+    calls = [{"id": "c1", "function": {"name": "get_weather", "arguments": "{}"}}]
+    for tail in ([{"role": "tool", "tool_call_id": "zz", "content": "x"}],
+                 [{"role": "tool", "tool_call_id": "c1", "content": "x"}, {"role": "tool", "tool_call_id": "c1",
+                                                                            "content": "y"}]):
+        session = model.chat_session()
+        with pytest.raises(InvalidInputError, match="answers no tool call"):
+            session.prime_history([{"role": "user", "content": "weather?"},
+                                   {"role": "assistant", "tool_calls": calls}, *tail])
+    with pytest.raises(InvalidInputError, match="answers no tool call"):
+        model.chat_session().prime_history([{"role": "user", "content": "hi"},
+                                            {"role": "tool", "tool_call_id": "c9", "content": "x"}])
+
+
+def test_settings_float32_cannot_carry_are_refused_or_greedy() -> None:
+    assert GenerationConfig(temperature=1e-308).temperature == 0.0  # divides no logits: greedy
+    with pytest.raises(ValueError, match="temperature"):
+        GenerationConfig(temperature=1e308)
+    with pytest.raises(ValueError, match="reply_prefix"):
+        GenerationConfig(reply_prefix="\ud800")
+
+
+def test_positions_and_versions_out_of_range_are_invalid_input(model) -> None:
+    session = model.chat_session()
+    session.send("hello there", config={"max_tokens": 4})
+    reply = session.messages[-1]
+    for keep in (-1, 99, 1.5, "1"):
+        with pytest.raises(InvalidInputError, match="keep"):
+            session.rewind(keep)  # type: ignore[arg-type]
+    for index in (5, -1, "0"):
+        with pytest.raises(InvalidInputError, match="no reply version"):
+            session.select_version(reply.id, index)  # type: ignore[arg-type]
+    assert session.send("again", config={"max_tokens": 4}).finish_reason
