@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
 
 import mlx.core as mx
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from . import profiling
 from .architecture import ModelModule
@@ -32,6 +32,7 @@ from .batching import (
 )
 from .constraints import DEFAULT_REASONING_BUDGET, RowMatcher, check_response_format
 from .detokenizer import StreamingDetokenizer
+from .errors import InvalidInputError
 from .layers.parallel import from_rank_zero
 from .limits import check_depth, check_strings, check_text
 from .multimodal import MultimodalPrompt
@@ -144,11 +145,24 @@ class GenerationConfig(BaseModel):
 
     def merged(self, override: GenerationConfig | dict[str, Any] | None) -> GenerationConfig:
         """This config with the fields ``override`` sets explicitly replaced."""
+        override = GenerationConfig.coerce(override)
         if override is None:
             return self
-        if isinstance(override, dict):
-            override = GenerationConfig.model_validate(override)
         return self.model_copy(update=override.model_dump(exclude_unset=True))
+
+    @classmethod
+    def coerce(cls, value: GenerationConfig | dict[str, Any] | None) -> GenerationConfig | None:
+        """Settings as a caller gives them (a config, a dict of its fields, or none), checked: anything else, or a
+        field out of range, is an :class:`~mlxchat.errors.InvalidInputError` naming each field."""
+        if value is None or isinstance(value, GenerationConfig):
+            return value
+        if not isinstance(value, dict):
+            raise InvalidInputError(f"generation settings are a GenerationConfig or a dict, got {type(value).__name__}")
+        try:
+            return cls.model_validate(value)
+        except ValidationError as exc:
+            problems = [f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}" for e in exc.errors()]
+            raise InvalidInputError("generation settings: " + "; ".join(problems)) from None
 
 
 class GenerationReport(BaseModel):

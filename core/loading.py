@@ -141,7 +141,7 @@ def load_model(
         return weights, _target_dtype(dtype, _stored_dtype(weights))
 
     def build(evaluating: Callable[[], None]) -> tuple[ModelModule, mx.Dtype]:
-        module = arch.model_class(config)
+        module = _module(arch, config, f"{folder}/config.json")
         weights, target = prepare(module, read_weights(folder))
         _materialize(module, weights, target, stored=None, evaluating=evaluating)
         return module, target
@@ -149,7 +149,7 @@ def load_model(
     def build_part(evaluating: Callable[[], None]) -> tuple[ModelModule, mx.Dtype]:
         assert group is not None and distributed is not None
         evaluating()
-        module = arch.model_class(config)
+        module = _module(arch, config, f"{folder}/config.json")
         files = read_weights(folder)
         weights, target = prepare(module, dict(files))
         _split(module, arch, group, distributed)
@@ -212,15 +212,26 @@ def checkpoint_context(path_or_repo: str | os.PathLike[str], revision: str | Non
     return context_limit(registry().architecture_for_config(raw).config_class.from_hf(raw))
 
 
+def _module(arch: Architecture, config: ModelConfig, where: str) -> Any:
+    """The architecture's module for ``config``: one whose sizes build no model (zero heads, a negative scaling
+    factor: a division by zero or an impossible shape) is a :class:`CheckpointError` naming ``where``."""
+    try:
+        return arch.model_class(config)
+    except (ZeroDivisionError, ValueError, TypeError, IndexError) as exc:
+        raise CheckpointError(f"{where} describes a model that cannot be built ({type(exc).__name__}: {exc})") from exc
+
+
 def _with_draft(model: GenerativeModel, draft: str | os.PathLike[str] | GenerativeModel,
                 draft_tokens: int) -> GenerativeModel:
-    if isinstance(draft, GenerativeModel) or draft == "mtp":
-        return model.with_draft(draft, draft_tokens)  # type: ignore[arg-type]
-    loaded = load_model(draft, dtype=model.dtype)
+    loaded: GenerativeModel | None = None
     try:
+        if isinstance(draft, GenerativeModel) or draft == "mtp":
+            return model.with_draft(draft, draft_tokens)  # type: ignore[arg-type]
+        loaded = load_model(draft, dtype=model.dtype)
         speculative = model.with_draft(loaded, draft_tokens)
-    except BaseException:
-        loaded.close()
+    except BaseException:  # (what was loaded for it is closed: its worker threads would outlive the error)
+        if loaded is not None:
+            loaded.close()
         model.close()
         raise
     speculative._owns_draft = True
@@ -268,7 +279,7 @@ def build_model(
 
     def build(evaluating: Callable[[], None]) -> tuple[ModelModule, mx.Dtype]:
         mx.random.seed(seed)
-        module = arch.model_class(model_config)
+        module = _module(arch, model_config, "the config")
         if weights == "random":
             tensors = dict(tree_flatten(module.parameters()))
         else:

@@ -382,6 +382,7 @@ class GenerativeModel:
         The draft runs on this model's worker; its own worker stays idle (close it with this model's by
         loading it through :func:`mlxchat.load_model`'s ``draft=``).
         """
+        defaults = self.defaults.merged({"draft_tokens": draft_tokens})  # (checked first: 0 to 16)
         if draft == "mtp":
             if not self.has_mtp:
                 raise CheckpointError(f"{self.path or 'this model'} has no multi-token-prediction head (mtp.* "
@@ -394,7 +395,7 @@ class GenerativeModel:
             raise InvalidInputError(f'draft must be a GenerativeModel or "mtp", got {draft!r}')
         model = copy.copy(self)
         model.draft, model._drafter = draft, drafter
-        model.defaults = self.defaults.model_copy(update={"draft_tokens": draft_tokens})
+        model.defaults = defaults
         return model
 
     def _check_draft(self, draft: GenerativeModel) -> None:

@@ -438,7 +438,7 @@ class ChatSession:
         rounds = state.max_tool_rounds if max_tool_rounds is None else max_tool_rounds
         if rounds < 0:
             raise ValueError(f"max_tool_rounds must be at least 0, got {rounds}")
-        override = GenerationConfig.model_validate(config) if isinstance(config, dict) else config
+        override = GenerationConfig.coerce(config)
         offered = self._offered(tools)
         fmt = response_format if response_format is not None else state.default_config.merged(override).response_format
         shape = reply_shape(self._model.tool_parser, offered, self._model.call_markup, fmt, tool_choice)

@@ -116,3 +116,30 @@ def test_positions_and_versions_out_of_range_are_invalid_input(model) -> None:
         with pytest.raises(InvalidInputError, match="no reply version"):
             session.select_version(reply.id, index)  # type: ignore[arg-type]
     assert session.send("again", config={"max_tokens": 4}).finish_reason
+
+
+def test_bad_generation_settings_are_the_librarys_errors(model) -> None:
+    session = model.chat_session()
+    for config in ({"temperature": -1}, {"max_tokens": 0}, {"temperature": float("nan")}, {"no_such": 1}, [], "x"):
+        with pytest.raises(InvalidInputError, match="generation settings"):
+            session.send("hi", config=config)  # type: ignore[arg-type]
+    assert session.messages == [] and session.send("hi", config={"max_tokens": 2}).finish_reason
+
+
+def test_a_draft_length_out_of_range_is_refused_at_load() -> None:
+    with pytest.raises(InvalidInputError, match="draft_tokens"):
+        mlxchat.load_model(draft="mtp", draft_tokens=-1)
+
+
+def test_a_config_that_builds_no_model_is_a_checkpoint_error(tmp_path) -> None:
+    import json
+    import shutil
+
+    from mlxchat.demo import default_model_path
+
+    folder = tmp_path / "model"
+    shutil.copytree(default_model_path(), folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "num_attention_heads": 0}))
+    with pytest.raises(mlxchat.CheckpointError, match="cannot be built"):
+        mlxchat.load_model(folder)
