@@ -448,7 +448,10 @@ def _closed_under(cancel: Cancelled, handoff: _Handoff) -> None:
     """A stream job the worker's closing catches: it stops at its next check, and its reader gets an error
     rather than waiting for items that will not come."""
     cancel.set()
-    handoff.fail(ModelClosedError("the model was closed while this reply streamed"))
+    try:
+        handoff.fail(ModelClosedError("the model was closed while this reply streamed"))
+    except RuntimeError:  # an asyncio reader whose event loop has closed: nobody is left to tell
+        pass
 
 
 class _Task:
