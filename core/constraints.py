@@ -349,8 +349,6 @@ class RowMatcher:
     def _grammar_mask(self) -> np.ndarray:
         words, self._filled = self._filled, None
         if words is None:
-            if self.matcher.is_error():
-                raise GrammarError(f"the constrained reply left its grammar: {matcher_error(self.matcher)}")
             llnp.fill_next_token_bitmask(self.matcher, self._bits)
             if self.matcher.is_error():
                 raise GrammarError(f"the constrained reply left its grammar: {matcher_error(self.matcher)}")

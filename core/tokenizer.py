@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 from typing import Any
 
@@ -71,10 +70,9 @@ class Tokenizer:
     def token_id(self, text: str) -> int | None:
         return self.backend.token_to_id(text)
 
-    @functools.cached_property
     def longest_token(self) -> int:
         """Characters of the longest token (byte-level vocabularies: bytes), a bound on how much text one token
-        covers."""
+        covers (it walks the vocabulary: keep what it gives)."""
         return max((len(token) for token in self.backend.get_vocab()), default=1)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:

@@ -484,15 +484,3 @@ def on_loop(loop: asyncio.AbstractEventLoop, work: Coroutine[Any, Any, T]) -> co
         work.close()
         return None
 
-
-def text_length(messages: Sequence[dict[str, Any]]) -> int:
-    """Characters of the text in ``messages`` (string contents and text parts)."""
-    total = 0
-    for message in messages:
-        content = message.get("content") if isinstance(message, dict) else None
-        if isinstance(content, str):
-            total += len(content)
-        elif isinstance(content, list):
-            total += sum(len(part["text"]) for part in content
-                         if isinstance(part, dict) and isinstance(part.get("text"), str))
-    return total

@@ -641,7 +641,7 @@ async def input_items(state: ServerState, request: Any) -> Any:
     response_id = request.path_params["response_id"]
     query = request.query_params
     limit_text, order, after = query.get("limit", "20"), query.get("order", "desc"), query.get("after")
-    if not ascii_digits(limit_text) or len(limit_text) > 3 or not 1 <= int(limit_text) <= 100:
+    if not ascii_digits(limit_text) or not 1 <= int(limit_text) <= 100:
         raise ApiError(400, "limit: an integer from 1 to 100", param="limit")
     if order not in ("asc", "desc"):
         raise ApiError(400, "order: 'asc' or 'desc'", param="order")

@@ -47,8 +47,8 @@ class ServerState:
         self.model = model
         self.settings = settings
         self.name = settings.model_name or served_name(model)
-        self.longest_token = model.tokenizer.longest_token
-        """Characters one token covers at most (read once here: it walks the vocabulary)."""
+        self.longest_token = model.tokenizer.longest_token()
+        """Characters one token covers at most."""
         store = settings.store if settings.store == ":memory:" else Path(settings.store).expanduser()
         self.store = ResponseStore(store, max_age=settings.store_max_age_days * 86400 or None,
                                    max_rows=settings.store_max_rows or None)

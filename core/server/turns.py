@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -25,7 +25,7 @@ from ..prompt_cache import PromptCache
 from ..reply import TextDelta, ThinkingDelta, ToolCallEvent
 from ..session import ChatResult, ChatSession, ChatStream, ContextPolicy, Done, StreamEvent
 from ..session_state import check_tool_answers
-from .admission import Hold, text_length
+from .admission import Hold
 from .errors import ApiError
 
 if TYPE_CHECKING:
@@ -115,6 +115,19 @@ async def _watch_disconnect(request: Any, on_gone: Callable[[], None]) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
     on_gone()
+
+
+def text_length(messages: Sequence[dict[str, Any]]) -> int:
+    """Characters of the text in ``messages`` (string contents and text parts)."""
+    total = 0
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, str):
+            total += len(content)
+        elif isinstance(content, list):
+            total += sum(len(part["text"]) for part in content
+                         if isinstance(part, dict) and isinstance(part.get("text"), str))
+    return total
 
 
 class Turn:
