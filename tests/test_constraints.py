@@ -130,17 +130,24 @@ def test_a_row_whose_constraint_fails_fails_alone_and_the_step_goes_on(qwen3_rea
     together = DecodeRow.run_together.__func__  # type: ignore[attr-defined]
     monkeypatch.setattr(DecodeRow, "run_together", classmethod(lambda cls, rows: sizes.append(len(rows))
                                                                 or together(cls, rows)))
-    started = threading.Barrier(len(configs))
 
     def run(index: int) -> Any:
-        started.wait()
         try:
             return qwen3_real.generate(f"prompt {index}", configs[index])
         except GrammarError as exc:
             return exc
 
+    # The worker is held until the three generations wait in its queue, so that it starts them together and their
+    # rows share steps whatever the machine's load (no race for a batch to form).
+    release = threading.Event()
+    held = qwen3_real.worker.submit(release.wait)
     with ThreadPoolExecutor(len(configs)) as pool:
-        results = list(pool.map(run, range(len(configs))))
+        futures = [pool.submit(run, i) for i in range(len(configs))]
+        while qwen3_real.worker._jobs.qsize() < len(configs) and not any(f.done() for f in futures):
+            threading.Event().wait(0.01)
+        release.set()
+        results = [future.result() for future in futures]
+    held.result()
     assert max(sizes) == len(configs)  # (the rows did share steps)
     assert isinstance(results[1], GrammarError) and "the engine broke" in str(results[1])
     assert [results[0].tokens, results[2].tokens] == [alone[0].tokens, alone[2].tokens]
