@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -19,7 +18,7 @@ from mlxchat.batching import DecodeRow
 from mlxchat.constraints import Constraint, GrammarError, RowMatcher, fill_masks, format_grammar
 from mlxchat.errors import InvalidInputError
 
-from conftest import fixture_path
+from conftest import fixture_path, hold_worker_until_queued
 from constraint_schemas import SCHEMAS
 from real_vocab import real_vocab_model
 
@@ -101,6 +100,7 @@ def test_batched_constrained_and_free_rows_equal_each_alone(qwen3_real, monkeypa
         return real(cls, rows)
 
     monkeypatch.setattr(DecodeRow, "run_together", classmethod(spy))
+    hold_worker_until_queued(qwen3_real, len(configs), monkeypatch)
     with ThreadPoolExecutor(len(configs)) as pool:
         together = list(pool.map(lambda ic: qwen3_real.generate(f"prompt {ic[0]}", ic[1]), enumerate(configs)))
     assert [r.tokens for r in together] == [r.tokens for r in alone]
@@ -137,17 +137,9 @@ def test_a_row_whose_constraint_fails_fails_alone_and_the_step_goes_on(qwen3_rea
         except GrammarError as exc:
             return exc
 
-    # The worker is held until the three generations wait in its queue, so that it starts them together and their
-    # rows share steps whatever the machine's load (no race for a batch to form).
-    release = threading.Event()
-    held = qwen3_real.worker.submit(release.wait)
+    hold_worker_until_queued(qwen3_real, len(configs), monkeypatch)  # they start together: their rows share steps
     with ThreadPoolExecutor(len(configs)) as pool:
-        futures = [pool.submit(run, i) for i in range(len(configs))]
-        while qwen3_real.worker._jobs.qsize() < len(configs) and not any(f.done() for f in futures):
-            threading.Event().wait(0.01)
-        release.set()
-        results = [future.result() for future in futures]
-    held.result()
+        results = list(pool.map(run, range(len(configs))))
     assert max(sizes) == len(configs)  # (the rows did share steps)
     assert isinstance(results[1], GrammarError) and "the engine broke" in str(results[1])
     assert [results[0].tokens, results[2].tokens] == [alone[0].tokens, alone[2].tokens]
