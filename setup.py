@@ -87,10 +87,10 @@ if sys.platform.startswith("linux"):
     for extension in (
         mlx_extension("mlxchat._quantized", ["core/native/quantized.cpp"],
                       ["core/native/qmatmul_kernels.h", "core/native/qmatmul_amx.h", "core/native/qmatmul_int8.h",
-                       "core/native/pool.h", "core/native/simd.h"]),
+                       "core/native/pool.h", "core/native/simd.h", "core/native/dispatch.h"]),
         mlx_extension("mlxchat._kernels", ["core/native/kernels.cpp", "core/native/attention.cpp"],
                       [f"core/native/{h}" for h in ("attention.h", "attention_ops.h", "attention_packed.h",
-                                                     "attention_dot.h", "pool.h", "simd.h")]),
+                                                     "attention_dot.h", "dispatch.h", "pool.h", "simd.h")]),
     ):
         if extension is not None:
             ext_modules.append(extension)

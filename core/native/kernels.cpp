@@ -37,6 +37,7 @@
 #include "mlx/version.h"
 
 #include "attention.h"
+#include "dispatch.h"
 #include "simd.h"
 
 namespace nb = nanobind;
@@ -330,18 +331,9 @@ class Kernel : public Referenced<mx::UnaryPrimitive> {
     return {reference(inputs)};
   }
 
-  /* Runs `run(held, out)` on the stream's CPU encoder: `out` allocated, `held` the inputs as they are. */
   template <typename Run>
   void dispatch_held(const std::vector<mx::array>& inputs, mx::array& out, Run run) {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (const auto& a : inputs) encoder.set_input_array(a);
-    encoder.set_output_array(out);
-    std::vector<mx::array> held;
-    for (const auto& a : inputs) held.push_back(mx::array::unsafe_weak_copy(a));
-    encoder.dispatch([held = std::move(held), out = mx::array::unsafe_weak_copy(out), run]() mutable {
-      run(held, out);
-    });
+    mlxchat_dispatch::dispatch_held(stream(), inputs, out, run);
   }
 
   /* As dispatch_held, with the inputs' float32 data contiguous (copied where they are not). */
@@ -535,13 +527,7 @@ class MultiKernel : public mx::Primitive {
 
   template <typename Run>
   void dispatch_all(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs, Run run) {
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (const auto& a : inputs) encoder.set_input_array(a);
-    for (auto& a : outputs) encoder.set_output_array(a);
-    std::vector<mx::array> held, made;
-    for (const auto& a : inputs) held.push_back(mx::array::unsafe_weak_copy(a));
-    for (const auto& a : outputs) made.push_back(mx::array::unsafe_weak_copy(a));
-    encoder.dispatch([held = std::move(held), made = std::move(made), run]() mutable { run(held, made); });
+    mlxchat_dispatch::dispatch_all(stream(), inputs, outputs, run);
   }
 };
 
@@ -1161,10 +1147,7 @@ class FlushDenormals : public mx::UnaryPrimitive {
   using mx::UnaryPrimitive::UnaryPrimitive;
 
   void eval_cpu(const std::vector<mx::array>&, mx::array& out) override {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    encoder.set_output_array(out);
-    encoder.dispatch([out = mx::array::unsafe_weak_copy(out)]() mutable {
+    mlxchat_dispatch::dispatch_held(stream(), {}, out, [](const std::vector<mx::array>&, mx::array& out) {
 #if defined(__x86_64__)
       _mm_setcsr(_mm_getcsr() | 0x8040);
       out.data<bool>()[0] = true;

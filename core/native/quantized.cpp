@@ -34,6 +34,7 @@
 #include "mlx/mlx.h"
 #include "mlx/primitives.h"
 #include "mlx/version.h"
+#include "dispatch.h"
 #include "pool.h"
 #include "qmatmul_amx.h"
 #include "qmatmul_int8.h"
@@ -41,6 +42,7 @@
 
 namespace nb = nanobind;
 namespace mx = mlx::core;
+using mlxchat_dispatch::dispatch_held;
 using mlxchat_q::Isa;
 using mlxchat_q::Panel;
 
@@ -424,13 +426,9 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
       : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits), int8_(int8) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (const auto& a : inputs) encoder.set_input_array(a);
-    encoder.set_output_array(out);
-    encoder.dispatch([x = mx::array::unsafe_weak_copy(inputs[0]), w = mx::array::unsafe_weak_copy(inputs[1]),
-                      scales = mx::array::unsafe_weak_copy(inputs[2]), biases = mx::array::unsafe_weak_copy(inputs[3]),
-                      out = mx::array::unsafe_weak_copy(out), gs = group_size_, bits = bits_, int8 = int8_]() mutable {
+    dispatch_held(stream(), inputs, out, [gs = group_size_, bits = bits_, int8 = int8_](
+                                             const std::vector<mx::array>& in, mx::array& out) {
+      const mx::array &x = in[0], &w = in[1], &scales = in[2], &biases = in[3];
       Product p = product_for(x, w.shape(0), gs, bits, int8, out);
       const int rows = int(x.size() / p.K);
       std::vector<int> order(rows);
@@ -521,13 +519,9 @@ class DequantizeRows : public mx::UnaryPrimitive {
       : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (const auto& a : inputs) encoder.set_input_array(a);
-    encoder.set_output_array(out);
-    encoder.dispatch([w = mx::array::unsafe_weak_copy(inputs[0]), scales = mx::array::unsafe_weak_copy(inputs[1]),
-                      biases = mx::array::unsafe_weak_copy(inputs[2]), indices = mx::array::unsafe_weak_copy(inputs[3]),
-                      out = mx::array::unsafe_weak_copy(out), gs = group_size_, bits = bits_]() mutable {
+    dispatch_held(stream(), inputs, out, [gs = group_size_, bits = bits_](const std::vector<mx::array>& in,
+                                                                           mx::array& out) {
+      const mx::array &w = in[0], &scales = in[1], &biases = in[2], &indices = in[3];
       const int64_t rows = w.shape(0), G = scales.shape(1), K = G * gs, row_bytes = K * bits / 8;
       const unsigned mask = (1u << bits) - 1;
       const uint8_t* packed = w.data<uint8_t>();
@@ -652,12 +646,8 @@ class GatherMatmul : public mx::UnaryPrimitive {
   explicit GatherMatmul(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (const auto& a : inputs) encoder.set_input_array(a);
-    encoder.set_output_array(out);
-    encoder.dispatch([x = mx::array::unsafe_weak_copy(inputs[0]), w = mx::array::unsafe_weak_copy(inputs[1]),
-                      indices = mx::array::unsafe_weak_copy(inputs[2]), out = mx::array::unsafe_weak_copy(out)]() mutable {
+    dispatch_held(stream(), inputs, out, [](const std::vector<mx::array>& in, mx::array& out) {
+      const mx::array &x = in[0], &w = in[1], &indices = in[2];
       const int K = x.shape(-1), N = w.shape(1), experts = w.shape(0);
       const ExpertOrder order = order_by_expert(x, indices, out, experts);
       std::vector<float> copy;
@@ -732,14 +722,9 @@ class GatherQuantizedMatmul : public mx::UnaryPrimitive {
       : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits), int8_(int8) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (const auto& a : inputs) encoder.set_input_array(a);
-    encoder.set_output_array(out);
-    encoder.dispatch([x = mx::array::unsafe_weak_copy(inputs[0]), w = mx::array::unsafe_weak_copy(inputs[1]),
-                      scales = mx::array::unsafe_weak_copy(inputs[2]), biases = mx::array::unsafe_weak_copy(inputs[3]),
-                      indices = mx::array::unsafe_weak_copy(inputs[4]), out = mx::array::unsafe_weak_copy(out),
-                      gs = group_size_, bits = bits_, int8 = int8_]() mutable {
+    dispatch_held(stream(), inputs, out, [gs = group_size_, bits = bits_, int8 = int8_](
+                                             const std::vector<mx::array>& in, mx::array& out) {
+      const mx::array &x = in[0], &w = in[1], &scales = in[2], &biases = in[3], &indices = in[4];
       Product p = product_for(x, w.shape(1), gs, bits, int8, out);
       const int experts = w.shape(0);
       const ExpertOrder order = order_by_expert(x, indices, out, experts);
