@@ -226,6 +226,25 @@ def carries_image(content: Any) -> bool:
                                              for p in content)
 
 
+def image_kept(part: Any) -> bool:
+    """Whether a content part needs nothing outside it: not an image, or one kept as a ``data:`` URL (as a
+    session's history holds its images)."""
+    if not isinstance(part, dict) or part.get("type") not in IMAGE_PART_TYPES:
+        return True
+    image = part.get("image")
+    return part.get("type") == "image" and isinstance(image, str) and image.startswith("data:")
+
+
+def images_kept(messages: Sequence[Any]) -> bool:
+    """Whether every image of ``messages`` is kept in them: a saved or stored transcript must not name a file or
+    a URL for us to read (:meth:`~mlxchat.session.ChatSession.prime_history` reads those for a caller's own)."""
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else getattr(message, "content", None)
+        if isinstance(content, list) and not all(image_kept(part) for part in content):
+            return False
+    return True
+
+
 def split_image_parts(messages: Sequence[Any], images: Sequence[Any] = ()) -> tuple[list[dict[str, Any]], list[Any]]:
     """Chat messages with each image content part reduced to ``{"type": "image"}`` (all a chat template
     needs to write its marker), and the images in order.

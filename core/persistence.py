@@ -16,8 +16,9 @@ prefills its conversation again instead of reusing another model's keys and valu
 
 Files are written to a temporary name and moved into place, so a crash or a full disk leaves the old file
 or the new one, never half of one (a write that fails is a :class:`SavedStateError`).
-The document holds a checksum of the cache (its layout and its arrays' bytes): a file damaged on disk
-since (truncated, a bit flipped) is refused, never loaded as a wrong cache.
+The document holds a checksum of itself and of the arrays' bytes: a file damaged on disk since (truncated, a
+bit flipped in the cache, the transcript or the header) is refused, never loaded as a wrong cache or session.
+Files of format version 1 (their checksum covering the cache alone, or absent in the oldest) are still read.
 
 A session is saved as the JSON of its :class:`~mlxchat.session_state.SessionState` (what
 ``ChatSession.export_state()`` gives, read back through ``import_state()``): ``messages``, ``system``,
@@ -46,13 +47,16 @@ from .config import ModelConfig
 from .errors import InvalidInputError, SavedStateError
 from .files import durable_replace
 from .limits import check_token_ids
+from .multimodal import images_kept
 from .prompt_cache import PromptCache
 from .session_state import SETTINGS, SessionState
 from .tokenizer import Tokenizer
 from .worker import Worker
 
 FORMAT = "mlxchat.saved"
-VERSION = 1
+VERSION = 2
+"""The version written; 2's checksum covers the whole document (1's the cache's layout and arrays only)."""
+READABLE = (1, 2)
 _KEY = "mlxchat"
 
 
@@ -105,8 +109,8 @@ def save_prompt_cache(model: SavingModel, cache: PromptCache, path: str | os.Pat
         arrays, fields = cache.state_dict()
         unique, aliases = _deduplicated(arrays)
         mx.eval(list(unique.values()))
-        document = json.dumps({**header, "cache": fields, "aliases": aliases, "digest": _checksum(unique, fields)},
-                              ensure_ascii=False)
+        signed = {**header, "cache": fields, "aliases": aliases}
+        document = json.dumps({**signed, "digest": _checksum(unique, signed)}, ensure_ascii=False)
         temporary = target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}.safetensors")
         try:
             mx.save_safetensors(str(temporary), unique, metadata={_KEY: document})
@@ -136,12 +140,10 @@ def load_prompt_cache(model: SavingModel, path: str | os.PathLike[str]) -> tuple
             header = json.loads(loaded[1][_KEY])
         except (KeyError, ValueError, RuntimeError) as exc:
             raise SavedStateError(f"{source}: not a file mlxchat saved ({type(exc).__name__}: {exc})") from None
-        same_adapter = _check_header(header, model, source)
-        if "digest" in header and header["digest"] != _checksum(arrays, header["cache"]):  # older files: none
-            raise SavedStateError(f"{source}: damaged (its cache does not match the checksum written with it)")
+        same_adapter = _check_header(header, arrays, model, source)
         for alias, name in header["aliases"].items():
-            if name not in arrays:
-                raise SavedStateError(f"{source}: damaged (the array {name!r} is missing)")
+            if not isinstance(name, str) or name not in arrays or alias in arrays:
+                raise SavedStateError(f"{source}: damaged (the array {alias!r} names {name!r})")
             arrays[alias] = arrays[name]
         try:
             check_token_ids(header["cache"]["tokens"], model.config.vocab_size, "saved token id")
@@ -183,9 +185,13 @@ def load_session_state(model: SavingModel, path: str | os.PathLike[str]) -> tupl
     if not isinstance(saved, dict):
         raise SavedStateError(f"{path}: holds a prompt cache, not a session")
     try:
-        return cache, SessionState.model_validate(saved)
+        state = SessionState.model_validate(saved)
     except ValidationError as exc:
         raise SavedStateError(f"{path}: the saved session is malformed ({exc})") from None
+    if not images_kept(state.messages):
+        raise SavedStateError(f"{path}: an image of the saved conversation is not kept in it (a session saves its "
+                              "images as data: URLs; a file or URL named in a saved one is not read)")
+    return cache, state
 
 
 def restore_session(session_class: Any, model: Any, path: str | os.PathLike[str], **options: Any) -> Any:
@@ -211,16 +217,24 @@ def _layer_arrays(model: SavingModel, kv_format: dict[str, Any]) -> list[dict[st
     return [layer.state_dict()[0] for layer in probe.layers]
 
 
-def _check_header(header: Any, model: SavingModel, source: Path) -> bool:
-    """Refuse a file that is not one of ours or was saved for another model; whether it was saved under the
-    adapter the model has now (files from before adapters were recorded: under none)."""
+def _check_header(header: Any, arrays: dict[str, mx.array], model: SavingModel, source: Path) -> bool:
+    """Refuse a file that is not one of ours, is damaged or was saved for another model; whether it was saved
+    under the adapter the model has now (files from before adapters were recorded: under none)."""
     if not isinstance(header, dict) or header.get("format") != FORMAT:
         raise SavedStateError(f"{source}: not a session or prompt cache mlxchat saved")
-    if header.get("version") != VERSION:
+    if type(header.get("version")) is not int or header["version"] not in READABLE:
         raise SavedStateError(f"{source}: saved in format version {header.get('version')!r}; this mlxchat reads "
-                              f"version {VERSION}")
-    if not all(isinstance(header.get(k), dict) for k in ("model", "cache", "aliases", "extras")):
+                              f"versions {', '.join(map(str, READABLE))}")
+    if not all(isinstance(header.get(k), dict) for k in ("model", "cache", "aliases", "extras")) or \
+            not isinstance(header["model"].get("fingerprint") or {}, dict):
         raise SavedStateError(f"{source}: damaged (its header lacks a part)")
+    digest = header.get("digest")
+    if header["version"] == 1:  # its checksum covered the cache alone (the oldest files had none)
+        intact = digest is None or digest == _checksum(arrays, header["cache"])
+    else:
+        intact = digest == _checksum(arrays, {key: value for key, value in header.items() if key != "digest"})
+    if not intact:
+        raise SavedStateError(f"{source}: damaged (it does not match the checksum written with it)")
     saved = {"adapter": "none", **(header["model"].get("fingerprint") or {})}
     mine = fingerprint(model)
     differ = [part for part in mine if part != "adapter" and saved.get(part) != mine[part]]

@@ -356,7 +356,7 @@ class PromptCache:
         self.clear()
         try:
             self._load(arrays, fields, like or [{} for _ in self.layers])
-        except (SavedStateError, KeyError, TypeError, ValueError, AttributeError) as exc:
+        except (SavedStateError, KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
             self.clear()
             if isinstance(exc, SavedStateError):
                 raise

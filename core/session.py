@@ -41,7 +41,7 @@ from .history import History
 from .images import ImageSource, as_data_url
 from .limits import check_depth, check_strings, check_text
 from .messages import ChatMessage, ToolCall
-from .multimodal import IMAGE_PART_TYPES, carries_image, part_image
+from .multimodal import carries_image, image_kept, part_image
 from .persistence import restore_session, save_session
 from .prefix_cache import PromptCachePool
 from .prompt_cache import PromptCache
@@ -465,10 +465,10 @@ class ChatSession:
         """A transcript's message with its image parts as the history keeps them, whatever form they came in
         (a path, a ``PIL.Image``, bytes, an OpenAI ``image_url``); read when a turn renders them."""
         content = message.content if isinstance(message, ChatMessage) else message.get("content")
-        if not isinstance(content, list) or all(_stored_or_text(p) for p in content):
+        if not isinstance(content, list) or all(image_kept(p) for p in content):
             return message
         data = message.model_dump() if isinstance(message, ChatMessage) else dict(message)
-        data["content"] = [p if _stored_or_text(p) else self._image_part(part_image(p, [])) for p in content]
+        data["content"] = [p if image_kept(p) else self._image_part(part_image(p, [])) for p in content]
         return data
 
     def _offer(self, tools: Sequence[Any] | None) -> list[ToolSpec] | None:
@@ -487,11 +487,3 @@ class ChatSession:
         """Refuse a change to a closed session, or to one in a turn."""
         self._turns.check_open()
         self._turns.check_idle()
-
-
-def _stored_or_text(part: Any) -> bool:
-    """Whether a content part needs nothing to be kept: not an image, or one already as a ``data:`` URL."""
-    if not isinstance(part, dict) or part.get("type") not in IMAGE_PART_TYPES:
-        return True
-    image = part.get("image")
-    return part.get("type") == "image" and isinstance(image, str) and image.startswith("data:")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import json
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import pytest
@@ -58,6 +59,63 @@ def test_damaged_or_foreign_files_are_refused(saved, tmp_path) -> None:
                           (tmp_path / "missing", "no such file")):
         with pytest.raises(SavedStateError, match=message):
             mlxchat.ChatSession.load(model, path)
+
+
+def rewritten(path: Path, change: Any, version: int = persistence.VERSION, signed: bool = True) -> Path:
+    """The saved file at ``path`` with ``change(header)`` made to its document, signed again as ``version`` signs
+    (a file written so, not damage; the oldest files were not ``signed``)."""
+    arrays, metadata = mx.load(str(path), format="safetensors", return_metadata=True)
+    header = json.loads(metadata["mlxchat"])
+    change(header)
+    header.pop("digest")
+    header["version"] = version
+    if signed:
+        header["digest"] = persistence._checksum(arrays, header["cache"] if version == 1 else header)
+    out = path.with_name(f"rewritten-{path.stem}.safetensors")
+    mx.save_safetensors(str(out), arrays, metadata={"mlxchat": json.dumps(header)})
+    return out
+
+
+def test_a_bit_flipped_anywhere_in_the_document_is_refused(saved, tmp_path) -> None:
+    """The checksum covers the transcript and the header too, not only the cache (a flipped bit in an alias
+    made a snapshot another layer's state; one in a message changed what the session remembered)."""
+    model = loaded("qwen3")
+    data = saved.read_bytes()
+    for text, at in ((b"Hello there", 8), (b"architecture", 2)):
+        damaged = bytearray(data)
+        damaged[data.index(text) + at] ^= 0x02
+        (tmp_path / "flipped.session").write_bytes(bytes(damaged))
+        with pytest.raises(SavedStateError, match="damaged"):
+            mlxchat.ChatSession.load(model, tmp_path / "flipped.session")
+
+
+def test_a_file_of_format_version_1_still_loads(saved) -> None:
+    model = loaded("qwen3")
+    old = rewritten(saved, lambda header: None, version=1)
+    assert mlxchat.ChatSession.load(model, old).messages == mlxchat.ChatSession.load(model, saved).messages
+    unsigned = rewritten(saved, lambda header: None, version=1, signed=False)
+    assert len(mlxchat.ChatSession.load(model, unsigned).cache) == len(mlxchat.ChatSession.load(model, saved).cache)
+
+
+def test_a_saved_transcript_naming_an_image_file_is_refused(saved) -> None:
+    """A session keeps its images as data: URLs; a file naming a path (or URL) there must not make us read it."""
+    def name_a_file(header: dict[str, Any]) -> None:
+        header["extras"]["session"]["messages"][-2]["content"] = [{"type": "image", "image": "/etc/hostname"},
+                                                                   {"type": "text", "text": "Hello there"}]
+
+    with pytest.raises(SavedStateError, match="an image of the saved conversation is not kept in it"):
+        mlxchat.ChatSession.load(loaded("qwen3"), rewritten(saved, name_a_file))
+
+
+def test_aliases_that_name_no_array_or_hide_one_are_refused(saved) -> None:
+    model = loaded("qwen3")
+    arrays = mx.load(str(saved), format="safetensors")
+    real = sorted(arrays)
+    for aliases in ({"x": [1]}, {"x": "nothing"}, {real[0]: real[1]}):
+        with pytest.raises(SavedStateError, match="damaged"):
+            mlxchat.ChatSession.load(model, rewritten(saved, lambda header, a=aliases: header.update(aliases=a)))
+    with pytest.raises(SavedStateError, match="damaged"):
+        mlxchat.ChatSession.load(model, rewritten(saved, lambda header: header["model"].update(fingerprint=[1])))
 
 
 def test_a_file_whose_tokens_leave_the_vocabulary_is_refused(tmp_path) -> None:
@@ -182,14 +240,13 @@ def test_a_prompt_cache_with_images_comes_back_exactly(name, tmp_path) -> None:
     assert first.report.cached_prompt_tokens == second.report.cached_prompt_tokens > 0
 
 
-def test_a_session_file_without_the_later_tool_settings_loads_with_their_defaults(saved, tmp_path) -> None:
+def test_a_session_file_without_the_later_tool_settings_loads_with_their_defaults(saved) -> None:
     """Files written before ``auto_tools``, ``max_tool_rounds`` and ``decisions`` were saved still load."""
-    arrays, metadata = mx.load(str(saved), format="safetensors", return_metadata=True)
-    header = json.loads(metadata["mlxchat"])
-    for name in ("auto_tools", "max_tool_rounds", "decisions"):
-        del header["extras"]["session"][name]
-    mx.save_safetensors(str(tmp_path / "older.safetensors"), arrays, metadata={"mlxchat": json.dumps(header)})
-    state = mlxchat.ChatSession.load(loaded("qwen3"), tmp_path / "older.safetensors").export_state()
+    def without(header: dict[str, Any]) -> None:
+        for name in ("auto_tools", "max_tool_rounds", "decisions"):
+            del header["extras"]["session"][name]
+
+    state = mlxchat.ChatSession.load(loaded("qwen3"), rewritten(saved, without, version=1)).export_state()
     assert (state.auto_tools, state.max_tool_rounds, state.decisions) == (False, 8, {})
     assert [m.role for m in state.messages] == ["system", "user", "assistant"]
 

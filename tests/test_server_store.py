@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sqlite3
 import time
 from pathlib import Path
 from typing import Any
@@ -66,6 +67,55 @@ def test_responses_past_the_age_or_count_are_gone_with_the_chains_that_continue_
             store.close()
 
     asyncio.run(run())
+
+
+def test_rows_damaged_in_the_store_are_store_errors_naming_them(tmp_path: Path) -> None:
+    """A store edited by hand (or by another program): a chain that loops back, a body or an item that is no JSON
+    object, a conversation that is no list of messages. Each is a StoreError naming the row (a loop hung the
+    store's one thread, and every request after it, for good); an interrupted response whose body is damaged is
+    still marked failed when the store opens."""
+    path = tmp_path / "store.sqlite3"
+
+    async def damage() -> None:
+        now = time.time()
+        store = ResponseStore(path)
+        try:
+            await store.create(body("a", now, previous="b"), [])
+            await store.create(body("b", now, previous="a"), [])
+            await store.create(body("list", now), [{"type": "message"}])
+            await store.create({**body("running", now), "status": "in_progress"}, [])
+            await store.save_conversation("c1", "t", [], now)
+            await store.save_conversation("c2", "t", [], now)
+        finally:
+            store.close()
+
+    asyncio.run(damage())
+    with sqlite3.connect(path) as db:
+        db.execute("UPDATE responses SET body = '[1, 2]' WHERE id = 'list'")
+        db.execute("UPDATE items SET item = 'not json' WHERE response_id = 'list'")
+        db.execute("UPDATE responses SET body = '{' WHERE id = 'running'")
+        db.execute("UPDATE conversations SET messages = '{\"role\": \"user\"}' WHERE id = 'c1'")
+        db.execute("UPDATE conversations SET messages = '[1, 2]' WHERE id = 'c2'")
+
+    async def read() -> None:
+        store = ResponseStore(path)  # the damaged in_progress body does not stop it opening
+        try:
+            with pytest.raises(StoreError, match="'a' loops back to 'a'"):
+                await store.history("a")
+            assert (await store.get("b"))["id"] == "b"  # the store goes on
+            with pytest.raises(StoreError, match="response 'list' in the store is damaged"):
+                await store.get("list")
+            with pytest.raises(StoreError, match="an input item of response 'list' in the store is damaged"):
+                await store.input_items("list")
+            assert (await store.get("running"))["status"] == "failed"
+            with pytest.raises(StoreError, match="conversation 'c1' in the store is damaged"):
+                await store.conversation("c1")
+            with pytest.raises(StoreError, match="a message is no object"):
+                await store.conversation("c2")
+        finally:
+            store.close()
+
+    asyncio.run(read())
 
 
 def test_the_server_answers_an_expired_previous_response_as_missing(tmp_path: Path) -> None:

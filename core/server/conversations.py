@@ -46,6 +46,7 @@ from ..controller import ChatController, ChatState
 from ..errors import ImageError, MlxchatError
 from ..images import image_url_source
 from ..messages import ChatMessage
+from ..multimodal import images_kept
 from .admission import ThreadHold, on_loop
 from .errors import ApiError, log, validated
 from .guard import read_json
@@ -235,6 +236,8 @@ class Conversations:
                                     gate=lambda: ThreadHold(kv, loop, model.defaults, self.state.turns),
                                     input_timeout=self.state.settings.input_timeout)
         try:
+            if not images_kept(messages):  # stored as data: URLs: a row naming a file must not make us read it
+                raise ImageError("an image of it is not kept in the store (not a data: URL)")
             if messages:
                 controller.load(messages)
         except (MlxchatError, ValueError) as exc:

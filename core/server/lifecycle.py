@@ -19,7 +19,7 @@ from ..session import StreamEvent
 from .errors import ApiError, log, request_error
 from .guard import ACCESS
 from .images import fetch_images
-from .store import StoreUnavailableError
+from .store import StoreError, StoreUnavailableError
 from .turns import Messages, Turn, watching
 
 if TYPE_CHECKING:
@@ -76,6 +76,9 @@ def api_error(exc: BaseException) -> ApiError:
     if isinstance(exc, StoreUnavailableError):
         log.warning("%s", exc)
         return ApiError(503, str(exc), "server_busy", code="store_unavailable")
+    if isinstance(exc, StoreError):  # a row damaged in the store
+        log.error("%s", exc)
+        return ApiError(500, str(exc), "server_error")
     if isinstance(exc, sqlite3.Error):
         log.error("the response store failed", exc_info=exc)
         return ApiError(503, "the response store failed; see the server log", "server_busy",

@@ -98,6 +98,18 @@ class ChainError(StoreError):
         self.missing = missing
 
 
+def _read(text: str, what: str, kind: type = dict) -> Any:
+    """A JSON object (or ``kind``) read back from the store: one damaged there (edited by hand, another program's)
+    is a :class:`StoreError` naming it, not whatever parsing it would raise further on."""
+    try:
+        value = json.loads(text)
+    except (TypeError, ValueError):
+        value = None
+    if not isinstance(value, kind):
+        raise StoreError(f"{what} in the store is damaged (not a JSON {'object' if kind is dict else 'array'})")
+    return value
+
+
 @contextmanager
 def _transaction(db: sqlite3.Connection) -> Iterator[None]:
     """One write, whole or not at all (the connection autocommits each statement, and ``with db:`` does
@@ -143,7 +155,11 @@ class ResponseStore:
             db.executescript(_CONVERSATIONS)
             interrupted = db.execute("SELECT id, body FROM responses WHERE status = 'in_progress'").fetchall()
             for response_id, body in interrupted:
-                failed = {**json.loads(body), "status": "failed", "error": {
+                try:
+                    was = _read(body, f"response {response_id!r}")
+                except StoreError:  # damaged: it fails with what can still be said of it
+                    was = {"id": response_id, "object": "response"}
+                failed = {**was, "status": "failed", "error": {
                     "code": "server_error", "message": "the server stopped before this response was finished"}}
                 db.execute("UPDATE responses SET status = 'failed', body = ? WHERE id = ?",
                            (json.dumps(failed), response_id))
@@ -239,7 +255,8 @@ class ResponseStore:
                 return None
             output = db.execute("SELECT item FROM items WHERE response_id = ? AND kind = 'output' ORDER BY position",
                                 (response_id,)).fetchall()
-            return {**json.loads(row[0]), "output": [json.loads(item) for (item,) in output]}
+            what = f"response {response_id!r}"
+            return {**_read(row[0], what), "output": [_read(item, f"an output item of {what}") for (item,) in output]}
 
         return await self._run(read)
 
@@ -250,7 +267,7 @@ class ResponseStore:
                 return None
             rows = db.execute("SELECT item FROM items WHERE response_id = ? AND kind = 'input' ORDER BY position",
                               (response_id,)).fetchall()
-            return [json.loads(item) for (item,) in rows]
+            return [_read(item, f"an input item of response {response_id!r}") for (item,) in rows]
 
         return await self._run(read)
 
@@ -261,8 +278,12 @@ class ResponseStore:
 
         def read(db: sqlite3.Connection) -> list[dict[str, Any]]:
             chain: list[str] = []
+            seen: set[str] = set()
             current: str | None = response_id
             while current is not None:
+                if current in seen:  # a row edited by hand: the chain would never end
+                    raise StoreError(f"the chain of response {response_id!r} loops back to {current!r} (the store is "
+                                     "damaged)")
                 row = db.execute("SELECT previous_id, status FROM responses WHERE id = ? AND created_at >= ?",
                                  (current, self._cutoff())).fetchone()
                 if row is None:
@@ -273,12 +294,13 @@ class ResponseStore:
                     raise ChainError(f"previous response {current!r} is {row[1]}; only a completed or incomplete "
                                      "response can be continued", missing=False)
                 chain.append(current)
+                seen.add(current)
                 current = row[0]
             items: list[dict[str, Any]] = []
             for rid in reversed(chain):
                 rows = db.execute("SELECT item FROM items WHERE response_id = ? ORDER BY kind = 'output', position",
                                   (rid,)).fetchall()
-                items += [json.loads(item) for (item,) in rows]
+                items += [_read(item, f"an item of response {rid!r}") for (item,) in rows]
             return items
 
         return await self._run(read)
@@ -303,7 +325,12 @@ class ResponseStore:
 
         def read(db: sqlite3.Connection) -> list[dict[str, Any]] | None:
             row = db.execute("SELECT messages FROM conversations WHERE id = ?", (conversation_id,)).fetchone()
-            return None if row is None else list(json.loads(row[0]))
+            if row is None:
+                return None
+            messages = _read(row[0], f"conversation {conversation_id!r}", list)
+            if not all(isinstance(message, dict) for message in messages):
+                raise StoreError(f"conversation {conversation_id!r} in the store is damaged (a message is no object)")
+            return messages
 
         return await self._run(read)
 
