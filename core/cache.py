@@ -95,8 +95,8 @@ def _shifts(fields: dict[str, Any], offset: int) -> list[tuple[int, int]]:
     shifts = fields.get("shifts")
     if not isinstance(shifts, list) or not all(
             isinstance(s, list) and len(s) == 2 and all(isinstance(v, int) and not isinstance(v, bool) for v in s)
-            and 0 <= s[0] <= offset for s in shifts):
-        raise SavedStateError("a KV cache's shifts must be [index, shift] pairs within its tokens")
+            and 0 <= s[0] <= offset and abs(s[1]) < 2**31 for s in shifts):
+        raise SavedStateError("a KV cache's shifts must be [index, shift] pairs within its tokens (shifts of 32 bits)")
     return [(index, shift) for index, shift in shifts]
 
 
@@ -577,9 +577,16 @@ class QuantizedKVCache(KVCache):
                      or any(p.shape[3] * 32 != s.shape[3] * self.group_size * self.bits  # type: ignore[union-attr]
                             for p, s in ((parts[0], parts[1]), (parts[3], parts[4])))):
             raise SavedStateError("a quantized KV cache's saved arrays do not fit each other or its format")
-        mine = (like or {}).get("keys")  # this model's float keys: the packed ones have as many heads
-        if held and mine is not None and parts[0].shape[1] != mine.shape[1]:  # type: ignore[union-attr]
+        mine = (like or {}).get("keys")  # this model's float keys: the packed ones have as many rows and heads
+        if held and mine is not None and parts[0].shape[:2] != mine.shape[:2]:  # type: ignore[union-attr]
             _misfit("a quantized KV cache", "packed keys", parts[0], mine)  # type: ignore[arg-type]
+        floats = [a for a in (parts[1], parts[2], parts[4], parts[5]) if a is not None]  # scales and biases
+        dtype = mine.dtype if mine is not None else tail[0].dtype if tail[0] is not None else floats[0].dtype \
+            if floats else None
+        if held and (parts[1].shape != parts[2].shape or parts[4].shape != parts[5].shape  # type: ignore[union-attr]
+                     or any(a.dtype != dtype or not mx.issubdtype(a.dtype, mx.floating) for a in floats)):
+            raise SavedStateError("a quantized KV cache's saved scales and biases are not of one shape and of the "
+                                  "keys' float type")
         self.offset, self.shifts = offset, _shifts(fields, offset)
         self.tail = None if tail[0] is None else tail  # type: ignore[assignment]
         self.held_quantized = held
@@ -702,6 +709,9 @@ class StateCache(LayerCache):
             if mine is not None and (saved.shape != mine.shape or saved.dtype != mine.dtype):
                 _misfit("a state cache", f"state {name}", saved, mine)
         self.offset = _count(fields, "offset")
+        if self.offset and set(like or {}) - set(arrays):  # read as zeros, it would answer wrongly, not fail
+            raise SavedStateError(f"a state cache at position {self.offset} was saved without its state "
+                                  f"{sorted(set(like or {}) - set(arrays))}")
         self.arrays = [arrays.get(str(i)) for i in range(len(self.arrays))]
 
 

@@ -201,7 +201,13 @@ def restore_session(session_class: Any, model: Any, path: str | os.PathLike[str]
     cache, state = load_session_state(model, path)
     session = session_class(model, cache=cache, **options)
     given = session.export_state()
-    session.import_state(state.model_copy(update={name: getattr(given, name) for name in SETTINGS if name in options}))
+    try:
+        session.import_state(state.model_copy(update={name: getattr(given, name) for name in SETTINGS
+                                                      if name in options}))
+    except InvalidInputError as exc:  # a saved setting this model cannot take (tools, for one without a format)
+        session.close()
+        raise SavedStateError(f"{path}: cannot be resumed over this model ({exc}); give the setting again (for "
+                              "tools: tools=[] drops them)") from None
     return session
 
 

@@ -137,9 +137,9 @@ class ChatSession:
         copies that prefix instead of prefilling it (:mod:`mlxchat.prefix_cache`).
         """
         if context_policy not in ("error", "truncate_oldest"):
-            raise ValueError(f"context_policy must be 'error' or 'truncate_oldest', got {context_policy!r}")
+            raise InvalidInputError(f"context_policy must be 'error' or 'truncate_oldest', got {context_policy!r}")
         if max_tool_rounds < 0:
-            raise ValueError(f"max_tool_rounds must be at least 0, got {max_tool_rounds}")
+            raise InvalidInputError(f"max_tool_rounds must be at least 0, got {max_tool_rounds}")
         self._model = model
         self._functions = tool_functions(tools or [])
         state = SessionState(default_config=model.defaults.merged(default_config), system=system,
@@ -300,7 +300,7 @@ class ChatSession:
             raise SessionStateError(f"no call {call_id!r} waits for approval (waiting: {', '.join(waiting) or 'none'})")
         if arguments is not None:
             if not approved:
-                raise ValueError("arguments edit an approved call; a denied call takes a reason")
+                raise InvalidInputError("arguments edit an approved call; a denied call takes a reason")
             if not isinstance(arguments, dict):
                 raise InvalidInputError(f"arguments must be a dict, got {type(arguments).__name__}")
             check_strings(check_depth(arguments, what="the arguments"), "the arguments")
@@ -386,6 +386,8 @@ class ChatSession:
         when the transcript ends with a user turn or tool result.
         """
         self._check_ready()
+        if isinstance(messages, str | bytes) or not all(isinstance(m, ChatMessage | dict) for m in messages):
+            raise InvalidInputError("a transcript is a list of messages (dicts or ChatMessages)")
         self._history.prime([self._images_stored(m) for m in messages])
 
     def start_from_history(self, *, config: ConfigArg = None, tools: Sequence[Any] | None = None,
@@ -437,7 +439,7 @@ class ChatSession:
         state = self._history.state
         rounds = state.max_tool_rounds if max_tool_rounds is None else max_tool_rounds
         if rounds < 0:
-            raise ValueError(f"max_tool_rounds must be at least 0, got {rounds}")
+            raise InvalidInputError(f"max_tool_rounds must be at least 0, got {rounds}")
         override = GenerationConfig.coerce(config)
         offered = self._offered(tools)
         fmt = response_format if response_format is not None else state.default_config.merged(override).response_format
@@ -476,7 +478,7 @@ class ChatSession:
             return None
         schemas = tool_schemas(tools)
         if schemas and not self._model.supports_tools:
-            raise ValueError(f"{self._model!r} takes no tools (its chat template or plugin has no tool format)")
+            raise InvalidInputError(f"{self._model!r} takes no tools (its chat template or plugin has no tool format)")
         return schemas
 
     def _offered(self, tools: Sequence[Any] | None) -> list[ToolSpec]:

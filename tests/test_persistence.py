@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ import pytest
 
 import mlxchat
 from mlxchat import persistence
-from mlxchat.errors import SavedStateError, SessionStateError
+from mlxchat.errors import InvalidInputError, SavedStateError, SessionStateError
 from mlxchat.persistence import load_prompt_cache, load_session_state, save_prompt_cache
 from mlxchat.testing import GREEDY
 
@@ -169,6 +170,68 @@ def test_a_cache_file_of_another_shape_is_refused_at_load(name, kv_bits, tmp_pat
     model.generate([1, 2, 3], {"max_tokens": 2}, cache=whole)
     save_prompt_cache(model, whole, tmp_path / "whole.cache")
     assert load_prompt_cache(model, tmp_path / "whole.cache")[0].tokens == whole.tokens
+
+
+@pytest.mark.parametrize("damage", ["state left out", "scales as bytes", "biases wider", "a huge shift"])
+def test_a_cache_file_whose_layer_fields_do_not_fit_is_refused_at_load(damage, tmp_path) -> None:
+    """Arrays and fields a file could carry that fit the layout but not the layer: a hybrid's state left out (it
+    read as zeros and answered wrongly), quantized keys' scales that are no floats or biases of another shape,
+    a rotary shift past 32 bits (each loaded, then failed every turn or answered garbage)."""
+    model = loaded("lfm2" if damage == "state left out" else "qwen3")
+    cache = model.make_prompt_cache(kv_bits=None if damage == "state left out" else 8)
+    model.generate(list(range(1, 80)), {"max_tokens": 2}, cache=cache)
+
+    def spoil() -> None:  # on the worker, whose arrays these are
+        layer = cache.layers[0]
+        if damage == "state left out":
+            layer.arrays[0] = None
+        elif damage == "a huge shift":
+            layer.shifts = [(0, 2**40)]
+        else:
+            (packed, scales, biases), values = layer.quantized
+            if damage == "scales as bytes":
+                scales = scales.astype(mx.uint8)
+            else:
+                biases = mx.concatenate([biases, biases], axis=-1)
+            layer.quantized = ((packed, scales, biases), values)
+
+    model.worker.run(spoil)
+    save_prompt_cache(model, cache, tmp_path / "spoilt.cache")
+    with pytest.raises(SavedStateError, match="without its state|scales and biases|shifts"):
+        load_prompt_cache(model, tmp_path / "spoilt.cache")
+
+
+def test_a_session_saved_with_tools_resumed_where_the_template_takes_none_says_what_to_do(tmp_path) -> None:
+    folder = tmp_path / "no-tools"
+    shutil.copytree(fixture_path("qwen3"), folder)
+    (folder / "chat_template.jinja").write_text(
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+    def get_weather(city: str) -> str:
+        """Get the weather.
+
+        Args:
+            city: The city.
+        """
+        return "sunny"
+
+    session = loaded("qwen3").chat_session(tools=[get_weather])
+    session.send("Hello there", config=GREEDY)
+    session.save(tmp_path / "tools.session")
+    with mlxchat.load_model(folder) as model:
+        assert not model.supports_tools
+        with pytest.raises(SavedStateError, match="takes no tools .* tools=\\[\\] drops them"):
+            mlxchat.ChatSession.load(model, tmp_path / "tools.session")
+        resumed = mlxchat.ChatSession.load(model, tmp_path / "tools.session", tools=[])
+        assert [m.content for m in resumed.messages] == [m.content for m in session.messages]
+
+
+def test_a_transcript_that_is_no_list_of_messages_is_refused() -> None:
+    session = loaded("qwen3").chat_session()
+    for transcript in (["hi"], "hi", [1, 2]):
+        with pytest.raises(InvalidInputError, match="a transcript is a list of messages"):
+            session.prime_history(transcript)  # type: ignore[arg-type]
 
 
 def test_a_prompt_cache_file_is_not_a_session(tmp_path) -> None:
