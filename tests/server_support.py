@@ -55,7 +55,9 @@ def serving(fixture: str, model: Any = None, **settings: Any) -> Iterator[Served
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    while not server.started:
+    deadline = time.monotonic() + 60
+    while not server.started:  # (another process may take the port first: uvicorn's thread then ends)
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
         time.sleep(0.02)
     try:
         yield Served(app, port)

@@ -102,7 +102,7 @@ def test_stop_keeps_what_streamed_and_pauses_the_queue(long_model) -> None:
     assert controller.session.report.finish_reason == "cancelled"
     time.sleep(0.2)
     assert [p.text for p in controller.state.queue] == ["second"]
-    long_model.defaults = long_model.defaults.merged({"max_tokens": 20})
+    short_replies(controller.session, 20)  # (the session took the model's defaults when it was made)
     assert controller.send_queued_now(stopped.queue[0].id)
     done = wait_for(controller, lambda s: idle(s) and len(s.messages) == 4)
     assert [m.content for m in done.messages if m.role == "user"] == ["first", "second"]

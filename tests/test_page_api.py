@@ -260,6 +260,8 @@ def test_the_queue_while_a_reply_streams_and_stop_keeps_the_text(client, model) 
     kept = stopped["messages"][-1]
     assert kept["role"] == "assistant" and kept["content"] and report(kept)["finish_reason"] == "cancelled"
     act(client, conversation, "send_queued_now", id=stopped["queue"][0]["id"])
+    until(client, conversation, lambda s: len((s["streaming_message"] or {}).get("content") or "") > 5)
+    act(client, conversation, "stop")  # (the session keeps the long replies' defaults: thousands of tokens)
     done = until(client, conversation, lambda s: idle(s) and len(s["messages"]) == 4)
     assert done["messages"][2]["content"] == "third"
 
