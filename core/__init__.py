@@ -31,6 +31,7 @@ from .errors import (  # noqa: E402
     SessionStateError,
     StreamConsumedError,
     TemplateError,
+    TrainingDivergedError,
     UnknownModelTypeError,
     UnsupportedQuantizationError,
 )
@@ -93,6 +94,7 @@ __all__ = [
     "MultimodalPrompt",
     "PluginError",
     "RewardError",
+    "TrainingDivergedError",
     "ProcessedImage",
     "PromptCache",
     "PromptCachePool",

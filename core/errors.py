@@ -49,6 +49,11 @@ class GenerationError(MlxchatError):
     """A generation failed while running; the session that asked keeps its state."""
 
 
+class TrainingDivergedError(MlxchatError, FloatingPointError):
+    """A training step's loss or gradients are not finite: the step is not applied (the weights and the saved
+    checkpoints stay those of the step before); lower the learning rate."""
+
+
 class RewardError(MlxchatError):
     """A reward function raised, or returned something other than a finite number, while scoring a completion
     during GRPO (the message names the reward and the prompt; the original error is its cause)."""

@@ -226,6 +226,22 @@ def test_a_run_killed_midway_resumes_where_it_would_have_been(tmp_path: Path) ->
         np.testing.assert_allclose(resumed[name], value, atol=1e-5)
 
 
+def test_reference_weights_that_are_not_the_trainable_ones_are_refused(chat, tmp_path: Path) -> None:
+    """A run's reference weights are swapped into the model to score the reference policy: a file naming a base
+    weight (it stayed in the model: the embedding zeroed for good) or of another shape is a CheckpointError."""
+    lora(chat, rank=4)
+    mine = dict(tree_flatten(chat.module.trainable_parameters()))
+    folder = tmp_path / "step-0000001"
+    folder.mkdir()
+    first = sorted(mine)[0]
+    for saved in ({**mine, "model.embed_tokens.weight": mx.zeros((4, 4))}, {**mine, first: mine[first][:1]}):
+        mx.save_safetensors(str(folder / "reference.safetensors"), saved)
+        with pytest.raises(mlxchat.CheckpointError, match="not the trainable weights"):
+            grpo_module._load_reference(tmp_path, {"step": 1}, chat.module)
+    mx.save_safetensors(str(folder / "reference.safetensors"), mine)
+    assert set(dict(tree_flatten(grpo_module._load_reference(tmp_path, {"step": 1}, chat.module)))) == set(mine)
+
+
 def test_exact_match() -> None:
     reward = rewards.exact_match(pattern=r"(-?\d+)\.?$")
     prompt = {"messages": [], "answer": 68}

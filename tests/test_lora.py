@@ -14,9 +14,19 @@ import pytest
 from mlx.utils import tree_flatten
 
 import mlxchat
-from mlxchat import AdapterError
+from mlxchat import AdapterError, InvalidInputError, TrainingDivergedError
 from mlxchat.layers.moe import QuantizedSwitchLinear
-from mlxchat.train import Example, LoRALinear, TrainConfig, load_adapter, lora, save_adapter, save_checkpoint, train
+from mlxchat.train import (
+    Example,
+    LoRALinear,
+    TrainConfig,
+    evaluate,
+    load_adapter,
+    lora,
+    save_adapter,
+    save_checkpoint,
+    train,
+)
 from mlxchat.train.lora import DEFAULT_TARGETS, LoRASwitchLinear, adapters, base_weight
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -430,6 +440,72 @@ def test_a_run_killed_midway_resumes_where_it_would_have_been(tmp_path: Path) ->
     assert [r.loss for r in resumed_log] == pytest.approx([r.loss for r in whole_log], rel=1e-5)
     for name, value in whole.items():
         np.testing.assert_allclose(resumed[name], value, atol=1e-6)
+
+
+def test_a_diverging_step_is_never_applied_nor_saved(tmp_path: Path) -> None:
+    """A step whose loss or gradients are not finite raises TrainingDivergedError before the update: the adapter in
+    memory and the newest checkpoint are those of the last good step (NaN weights were saved as `latest`)."""
+    with mlxchat.load_model(FIXTURES / "qwen3") as model:
+        lora(model, rank=4, seed=0)
+        config = TrainConfig(steps=20, learning_rate=1e30, warmup_steps=0, save_every=1, batch_tokens=48)
+        with pytest.raises(TrainingDivergedError, match="the step was not applied"):
+            train(model, examples(), config, checkpoint_dir=tmp_path)
+        weights = [np.array(v) for _, v in tree_flatten(model.module.trainable_parameters())]
+        assert all(np.isfinite(w).all() for w in weights)
+        saved = mx.load(str(tmp_path / (tmp_path / "latest").read_text() / "state.safetensors"))
+        assert all(np.isfinite(np.array(v)).all() for k, v in saved.items() if k.startswith("params."))
+
+
+def test_examples_from_outside_are_checked_before_mlx_sees_them() -> None:
+    """Eval examples' ids too (one past the vocabulary crashed the process), ids that are no ints, examples too
+    short for a target or longer than the context, and masks that are no booleans."""
+    with mlxchat.load_model(FIXTURES / "qwen3") as model:
+        lora(model, rank=4, seed=0)
+        good = examples()
+        config = TrainConfig(steps=1, warmup_steps=0, batch_tokens=48)
+        vocab = model.config.vocab_size
+        for bad, message in ((Example([vocab] + good[0].ids[1:], good[0].mask), "outside the vocabulary"),
+                             (Example([1.7, 2.0, 3.0], [True] * 3), "must be an integer"),
+                             (Example([1], [True]), "two or more"),
+                             (Example([1] * (model.context_length + 1), [True] * (model.context_length + 1)),
+                              "context holds"),
+                             (Example([1, 2, 3], [True, float("nan"), True]), "loss mask")):
+            with pytest.raises(InvalidInputError, match=message):
+                train(model, good, config, eval_examples=[bad])
+            with pytest.raises(InvalidInputError, match=message):
+                train(model, [*good, bad], config)
+        with pytest.raises(InvalidInputError, match="outside the vocabulary"):
+            evaluate(model.module, [Example([vocab, 1, 2], [True] * 3)])
+
+
+def test_an_adapter_with_dropout_is_deterministic_at_inference(qwen3) -> None:
+    """peft adapters ship with lora_dropout 0.05-0.1: dropout runs in training only (made adapters were left in
+    training mode, so two calls to logits differed)."""
+    lora(qwen3, rank=4, dropout=0.5, seed=0)
+    randomize(qwen3)
+    np.testing.assert_array_equal(np.array(qwen3.logits(IDS)), np.array(qwen3.logits(IDS)))
+
+
+@pytest.mark.parametrize(("edit_config", "edit_tensors", "message"), [
+    (lambda c: c.update(use_rslora="false"), None, "true or false"),
+    (lambda c: c.update(lora_dropout=2.0), None, "lora_dropout"),
+    (lambda c: c.update(target_modules=5), None, "target_modules"),
+    (lambda c: c.update(rank_pattern={"(": 4}), None, "no pattern"),
+    (lambda c: c.update(alpha_pattern={"q_proj": float("inf")}), None, "positive numbers"),
+    (None, lambda t: t.update({k: mx.full(v.shape, float("nan")) for k, v in t.items() if "lora_B" in k}),
+     "NaN or infinite"),
+])
+def test_adapter_settings_and_weights_that_would_misbehave_are_refused(qwen3, tmp_path: Path, edit_config,
+                                                                      edit_tensors, message: str) -> None:
+    with pytest.raises(AdapterError, match=message):
+        load_adapter(qwen3, _copy(tmp_path, edit_config, edit_tensors))
+    assert not adapters(qwen3)
+
+
+def test_lora_refuses_settings_that_are_no_numbers_or_not_finite(qwen3) -> None:
+    for settings in ({"rank": 2.5}, {"alpha": float("nan")}, {"alpha": float("inf")}, {"rank": 10**12}):
+        with pytest.raises(InvalidInputError, match="lora needs"):
+            lora(qwen3, **settings)
 
 
 def test_the_server_serves_an_adapted_model() -> None:

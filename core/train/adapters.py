@@ -158,7 +158,7 @@ def load_adapter(model_or_module: Adaptable, path_or_repo: str | os.PathLike[str
                            "not read)")
     try:
         config = json.loads(config_path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:
         raise AdapterError(f"{config_path}: cannot read the adapter config: {exc}") from exc
     settings = settings_from(config, str(config_path))
     module = module_of(model_or_module)
@@ -333,18 +333,32 @@ def settings_from(config: Any, source: str) -> LoRASettings:
     targets = config.get("target_modules") or ()
     if isinstance(targets, str):
         targets = (targets,)  # a regex in peft; here only the names the weights list are adapted anyway
+    if not isinstance(targets, list | tuple) or not all(isinstance(t, str) for t in targets):
+        raise AdapterError(f"{source}: target_modules must be a name or a list of names")
     parameters = config.get("target_parameters") or []
     if not isinstance(parameters, list) or not all(isinstance(p, str) and p for p in parameters):
         raise AdapterError(f"{source}: target_parameters must be a list of tensor names")
     ranks, alphas = config.get("rank_pattern") or {}, config.get("alpha_pattern") or {}
     if not (isinstance(ranks, dict) and isinstance(alphas, dict)
-            and all(isinstance(v, int) and v >= 1 for v in ranks.values())
-            and all(isinstance(v, (int, float)) and v > 0 for v in alphas.values())):
+            and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in ranks.values())
+            and all(isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+                    for v in alphas.values())):
         raise AdapterError(f"{source}: rank_pattern and alpha_pattern must map names to positive numbers")
+    for pattern in (*ranks, *alphas):
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            raise AdapterError(f"{source}: {pattern!r} in rank_pattern or alpha_pattern is no pattern ({exc})") \
+                from None
     dropout = config.get("lora_dropout") or 0.0
+    if not isinstance(dropout, int | float) or isinstance(dropout, bool) or not 0 <= dropout < 1:
+        raise AdapterError(f"{source}: lora_dropout must be a number from 0 to below 1, got {dropout!r}")
+    flags = {key: config.get(key, False) for key in ("use_dora", "use_rslora")}
+    if not all(isinstance(value, bool) or value is None for value in flags.values()):
+        raise AdapterError(f"{source}: use_dora and use_rslora must be true or false, got {flags}")
     return LoRASettings(rank=rank, alpha=float(alpha), dropout=float(dropout), targets=tuple(targets),
-                        parameters=tuple(parameters), dora=bool(config.get("use_dora")),
-                        rslora=bool(config.get("use_rslora")), rank_pattern=dict(ranks), alpha_pattern=dict(alphas))
+                        parameters=tuple(parameters), dora=bool(flags["use_dora"]), rslora=bool(flags["use_rslora"]),
+                        rank_pattern=dict(ranks), alpha_pattern=dict(alphas))
 
 
 def _grouped(tensors: dict[str, mx.array], source: str) -> dict[str, dict[str, mx.array]]:
@@ -372,6 +386,8 @@ def _check_matrices(name: str, parts: dict[str, mx.array], source: str) -> None:
     if a.ndim != 2 or b.ndim != 2 or not mx.issubdtype(a.dtype, mx.floating) or not mx.issubdtype(b.dtype,
                                                                                                    mx.floating):
         raise AdapterError(f"{source}: {name}: lora_A and lora_B must be floating-point matrices")
+    if not all(mx.isfinite(part).all().item() for part in parts.values() if mx.issubdtype(part.dtype, mx.floating)):
+        raise AdapterError(f"{source}: {name}: its weights hold NaN or infinite values (every logit would be NaN)")
 
 
 def _magnitude(parts: dict[str, mx.array]) -> mx.array | None:

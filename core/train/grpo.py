@@ -33,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..errors import CheckpointError, InvalidInputError, RewardError
 from ..model import GenerativeModel
 from .checkpoints import load_state, save_state
-from .loop import TrainConfig, checkpoint_layers, make_optimizer
+from .loop import TrainConfig, check_finite, checkpoint_layers, make_optimizer
 from .rewards import Reward
 
 
@@ -152,7 +152,7 @@ def grpo(
             start -= log[-1].elapsed_s if log else 0.0
             sampled = log[-1].tokens if log else 0
             if reference is not None:
-                reference = model.worker.run(lambda: _load_reference(checkpoint_dir, state))
+                reference = model.worker.run(lambda: _load_reference(checkpoint_dir, state, module))
             for _ in range(done):  # the prompts already used, drawn again
                 _take(order, rng, len(prompts), config.prompts_per_step)
 
@@ -162,7 +162,7 @@ def grpo(
 
     grad_fn = nn.value_and_grad(module, loss_fn)
 
-    def update(rollout: _Rollout) -> tuple[float, float]:
+    def update(step: int, rollout: _Rollout) -> tuple[float, float]:
         restore = checkpoint_layers(module) if config.grad_checkpoint else None
         module.train()
         try:
@@ -171,12 +171,16 @@ def grpo(
             if reference is not None:
                 current = module.trainable_parameters()
                 module.update(reference)
-                ref = mx.stop_gradient(_token_logprobs(module, rollout.inputs, rollout.targets))
-                module.update(current)
+                try:
+                    ref = mx.stop_gradient(_token_logprobs(module, rollout.inputs, rollout.targets))
+                    mx.eval(ref)
+                finally:  # the policy's weights back, whatever happened with the reference's
+                    module.update(current)
             mx.eval(old, ref)
             loss = kl = mx.array(0.0)
             for _ in range(config.iterations):
                 (loss, kl), grads = grad_fn(module, rollout, old, ref)
+                check_finite(step, loss, grads)  # before the update: a diverged step is never applied
                 if config.grad_clip is not None:
                     grads, _ = optim.clip_grad_norm(grads, config.grad_clip)
                 optimizer.update(module, grads)
@@ -201,10 +205,8 @@ def grpo(
         totals = scores @ np.array(weights)
         advantages = _advantages(totals.reshape(len(chosen), config.group_size), config.scale_rewards).reshape(-1)
         rollout = model.worker.run(_batch, [encoded[i] for i, _ in rows], completions, advantages)
-        loss, kl = model.worker.run(update, rollout)
+        loss, kl = model.worker.run(update, step, rollout)
         sampled += sum(len(c) for c in completions)
-        if not math.isfinite(loss):
-            raise FloatingPointError(f"GRPO diverged at step {step} (loss {loss}); lower the learning rate")
         record = GRPORecord(
             step=step, reward=float(totals.mean()), reward_std=float(totals.std()),
             rewards={_name(fn, k): float(scores[:, k].mean()) for k, fn in enumerate(rewards)}, kl=kl,
@@ -324,9 +326,17 @@ def _save(folder: str | os.PathLike[str], module: nn.Module, optimizer: optim.Op
     save_state(folder, module, optimizer, step, extra, files)
 
 
-def _load_reference(folder: str | os.PathLike[str], state: dict[str, Any]) -> Any:
+def _load_reference(folder: str | os.PathLike[str], state: dict[str, Any], module: nn.Module) -> Any:
+    """The run's reference weights, each a trainable weight of ``module`` by name, shape and dtype (they are
+    swapped into it to score the reference policy: anything else would change the model itself)."""
     path = Path(folder) / f"step-{state['step']:07d}" / "reference.safetensors"
     try:
-        return tree_unflatten(list(cast(dict[str, mx.array], mx.load(str(path))).items()))
-    except (OSError, RuntimeError) as exc:
+        saved = cast(dict[str, mx.array], mx.load(str(path)))
+    except (OSError, RuntimeError, ValueError) as exc:
         raise CheckpointError(f"{path}: cannot read the run's reference weights: {exc}") from exc
+    mine = dict(tree_flatten(module.trainable_parameters()))
+    if set(saved) != set(mine) or any(saved[k].shape != mine[k].shape or saved[k].dtype != mine[k].dtype
+                                      for k in mine):
+        raise CheckpointError(f"{path}: the reference weights are not the trainable weights of this model and "
+                              "adapter (damaged, or from another run)")
+    return tree_unflatten(list(saved.items()))

@@ -16,16 +16,18 @@ import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from numbers import Integral
 from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
-from mlx.utils import tree_map
+from mlx.utils import tree_flatten, tree_map
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..errors import InvalidInputError
+from ..errors import ContextLengthError, InvalidInputError, TrainingDivergedError
+from ..limits import check_token_ids
 from ..model import GenerativeModel
 from .checkpoints import load_state, save_state
 from .data import Batch, Example, bucketed_batches, make_batch
@@ -90,6 +92,11 @@ def masked_loss(module: nn.Module, batch: Batch) -> mx.array:
 
 def evaluate(module: nn.Module, examples: Sequence[Example], batch_tokens: int = 4096) -> float:
     """Mean cross-entropy per target token over ``examples``."""
+    check_examples(module, examples, "eval example")
+    return _evaluate(module, examples, batch_tokens)
+
+
+def _evaluate(module: nn.Module, examples: Sequence[Example], batch_tokens: int) -> float:
     total, count = 0.0, 0
     rng = np.random.default_rng(0)
     for group in bucketed_batches(examples, batch_tokens, rng):
@@ -135,9 +142,11 @@ def train(
     again with the same arguments ends where the uninterrupted run would (the data order is replayed).
     """
     module = cast(nn.Module, model.module) if isinstance(model, GenerativeModel) else model
+    context = model.context_length if isinstance(model, GenerativeModel) else None
+    check_examples(module, examples, "example", context)
+    check_examples(module, eval_examples, "eval example", context)
     if not examples or not any(any(e.mask[1:]) for e in examples):
-        raise ValueError("no training targets: every example's loss mask is empty")
-    _check_ids(module, examples)
+        raise InvalidInputError("no training targets: every example's loss mask is empty")
     rng = np.random.default_rng(config.seed)
     optimizer = make_optimizer(config)
     grad_fn = nn.value_and_grad(module, masked_loss)
@@ -148,8 +157,6 @@ def train(
     def record(step: int, kind: str, loss: float) -> None:
         lr = optimizer.optimizers[0].learning_rate.item()
         entry = LogRecord(step, kind, loss, lr, trained, time.perf_counter() - start)
-        if not math.isfinite(loss):
-            raise FloatingPointError(f"training diverged at step {step} (loss {loss}); lower the lr")
         log.append(entry)
         if on_log is not None:
             on_log(entry)
@@ -188,6 +195,7 @@ def train(
                 grads = g if grads is None else tree_map(mx.add, grads, g)
                 loss_sum, count = loss_sum + loss, count + batch.tokens
             grads = tree_map(lambda g, n=count: g / n, grads)
+            check_finite(step, loss_sum, grads)  # before the update: a diverged step is never applied or saved
             if config.grad_clip is not None:
                 grads, _ = optim.clip_grad_norm(grads, config.grad_clip)
             optimizer.update(module, grads)
@@ -199,7 +207,7 @@ def train(
                 window_loss, window_tokens = 0.0, 0
             if eval_examples and (step == config.steps or (config.eval_every and step % config.eval_every == 0)):
                 module.eval()
-                record(step, "eval", evaluate(module, eval_examples, config.batch_tokens))
+                record(step, "eval", _evaluate(module, eval_examples, config.batch_tokens))
                 module.train()
             if checkpoint_dir is not None and (step == config.steps or (config.save_every and
                                                                         step % config.save_every == 0)):
@@ -214,17 +222,33 @@ def train(
     return log
 
 
-def _check_ids(module: nn.Module, examples: Sequence[Example]) -> None:
-    """Every token id inside the module's vocabulary (MLX reads an embedding row past the end unchecked)."""
+def check_examples(module: nn.Module, examples: Sequence[Example], what: str, context: int | None = None) -> None:
+    """Every example two token ids or more, each an int inside the module's vocabulary (MLX reads an embedding
+    row past the end unchecked), at most ``context`` of them, and a loss mask of booleans (0 and 1)."""
     vocab = getattr(getattr(module, "config", None), "vocab_size", None)
-    if not isinstance(vocab, int):
-        return
     for index, example in enumerate(examples):
-        ids = np.asarray(example.ids)
-        if ids.size and (ids.min() < 0 or ids.max() >= vocab):
-            bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
-            raise InvalidInputError(f"example {index}: token id {bad} is outside the model's vocabulary "
-                                    f"(0 to {vocab - 1})")
+        if not isinstance(example, Example):
+            raise InvalidInputError(f"{what} {index} is a {type(example).__name__}, not an Example")
+        check_token_ids(example.ids, vocab if isinstance(vocab, int) else 2**31, f"{what} {index}'s token id")
+        if len(example.ids) < 2:
+            raise InvalidInputError(f"{what} {index} has {len(example.ids)} token ids: it needs two or more (an "
+                                    "input and its target)")
+        if context is not None and len(example.ids) > context:
+            raise ContextLengthError(f"{what} {index} has {len(example.ids)} tokens, but the model's context holds "
+                                     f"{context}: shorten or split it")
+        if not all(isinstance(m, bool | Integral | np.bool_) and m in (0, 1) for m in example.mask):
+            raise InvalidInputError(f"{what} {index}'s loss mask holds something other than true and false")
+
+
+def check_finite(step: int, loss: mx.array, grads: Any) -> None:
+    """A :class:`TrainingDivergedError` when a step's loss or gradients are not finite (NaN or infinite)."""
+    leaves = cast(list[tuple[str, mx.array]], tree_flatten(grads))
+    squares = [mx.sum(mx.square(g.astype(mx.float32))) for _, g in leaves]
+    norm = mx.sqrt(sum(squares, mx.array(0.0)))
+    mx.eval(loss, norm)
+    if not (math.isfinite(cast(float, loss.item())) and math.isfinite(cast(float, norm.item()))):
+        raise TrainingDivergedError(f"training diverged at step {step} (loss {loss.item()}, gradient norm "
+                                    f"{norm.item()}); the step was not applied: lower the learning rate")
 
 
 def checkpoint_layers(module: nn.Module) -> Callable[[], None]:

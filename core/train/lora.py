@@ -21,7 +21,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
-from ..errors import AdapterError
+from ..errors import AdapterError, InvalidInputError
 from ..layers.moe import QuantizedSwitchLinear, SwitchLinear
 from .sites import Site, find_sites
 
@@ -233,8 +233,11 @@ def lora(
     A loaded model's adapters are made on its worker; call this before generating from it.
     """
     settings = LoRASettings(rank=rank, alpha=alpha, dropout=dropout, targets=tuple(targets), dora=dora)
-    if rank < 1 or alpha <= 0 or not 0 <= dropout < 1 or not targets:
-        raise ValueError("lora needs rank >= 1, alpha > 0, 0 <= dropout < 1 and at least one target")
+    numbers = all(isinstance(v, int | float) and not isinstance(v, bool) for v in (rank, alpha, dropout))
+    if not numbers or not isinstance(rank, int) or not 1 <= rank <= 2**16 or not math.isfinite(alpha) \
+            or alpha <= 0 or not 0 <= dropout < 1 or not targets:
+        raise InvalidInputError("lora needs an integer rank from 1 to 65536, a finite alpha > 0, 0 <= dropout < 1 "
+                                "and at least one target")
     chosen = [site for site in sites(model_or_module) if site.matches(targets)]
     if not chosen:
         raise AdapterError(f"no layer's checkpoint name ends with any of {', '.join(targets)}")
@@ -267,6 +270,8 @@ def attach(module: nn.Module, layers: Iterable[Site], settings: LoRASettings,
         made[site.path] = (LoRASwitchLinear(layer, site, settings, key) if site.stacked
                            else LoRALinear(layer, site.name, settings, key))
     module.update_modules(tree_unflatten(list(made.items())))
+    for adapter in made.values():  # built in training mode: their dropout would run at inference (train() sets it)
+        adapter.eval()
     mx.eval(module.trainable_parameters())
     return made
 
