@@ -508,6 +508,36 @@ def test_lora_refuses_settings_that_are_no_numbers_or_not_finite(qwen3) -> None:
             lora(qwen3, **settings)
 
 
+def _spoil_checkpoint(folder: Path, damage: str) -> None:
+    step = folder / (folder / "latest").read_text()
+    if damage == "pointer":
+        (folder / "latest").write_bytes(b"\xff\xfe")
+    elif damage in ("step", "log", "far step"):
+        info = json.loads((step / "state.json").read_text())
+        info.update({"step": -4} if damage == "step" else {"log": [{"nothing": 1}]} if damage == "log"
+                    else {"step": 10**12})
+        (step / "state.json").write_text(json.dumps(info))
+    else:
+        tensors = dict(mx.load(str(step / "state.safetensors")))
+        key = next(k for k in sorted(tensors) if k.startswith("params." if damage == "dtype" else "optimizer.")
+                   and tensors[k].ndim == 2)
+        tensors[key] = tensors[key].astype(mx.int32) if damage == "dtype" else tensors[key][:1]
+        mx.save_safetensors(str(step / "state.safetensors"), tensors)
+
+
+@pytest.mark.parametrize("damage", ["pointer", "step", "log", "far step", "dtype", "moment"])
+def test_a_damaged_training_checkpoint_is_refused_on_resume(tmp_path: Path, damage: str) -> None:
+    """Resuming reads the pointer, state.json and the tensors: damage is a CheckpointError, never a raw
+    exception, a replay of 10**12 batches, weights of another dtype or an optimizer moment broadcast silently."""
+    config = TrainConfig(steps=2, warmup_steps=0, batch_tokens=48)
+    with mlxchat.load_model(FIXTURES / "qwen3") as model:
+        lora(model, rank=4, seed=0)
+        train(model, examples(), config, checkpoint_dir=tmp_path)
+        _spoil_checkpoint(tmp_path, damage)
+        with pytest.raises(mlxchat.CheckpointError):
+            train(model, examples(), config.model_copy(update={"steps": 3}), checkpoint_dir=tmp_path)
+
+
 def test_the_server_serves_an_adapted_model() -> None:
     """A chat completion from a server over a model with an adapter is the model's own greedy reply."""
     import httpx

@@ -12,7 +12,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -67,23 +67,46 @@ def load_state(folder: str | os.PathLike[str], module: nn.Module, optimizer: opt
     pointer = root / "latest"
     if not pointer.exists():
         return None
-    out = root / pointer.read_text(encoding="utf-8").strip()
+    out = root
     try:
+        out = root / pointer.read_text(encoding="utf-8").strip()
         info = json.loads((out / "state.json").read_text(encoding="utf-8"))
         tensors = cast(dict[str, mx.array], mx.load(str(out / "state.safetensors")))
-    except (OSError, ValueError, RuntimeError) as exc:
+    except (OSError, ValueError, RuntimeError, RecursionError) as exc:
         raise CheckpointError(f"{out}: cannot read the training checkpoint: {exc}") from exc
+    step = info.get("step") if isinstance(info, dict) else None
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0 or not isinstance(info.get("log", []), list):
+        raise CheckpointError(f"{out}: state.json is damaged (no step count, or no log)")
     params = {k[len("params."):]: v for k, v in tensors.items() if k.startswith("params.")}
-    expected = dict(_flat(module.trainable_parameters()))
-    if set(params) != set(expected) or any(params[k].shape != expected[k].shape for k in expected):
+    if not _fits(params, dict(_flat(module.trainable_parameters()))):
         raise CheckpointError(f"{out}: the checkpoint's trainable weights do not fit this model (another model, or "
                               "other adapter settings): start in a new folder")
     module.update(tree_unflatten(list(params.items())))
     optimizer.init(module.trainable_parameters())
-    saved = tree_unflatten([(k[len("optimizer."):], v) for k, v in tensors.items() if k.startswith("optimizer.")])
-    optimizer.state = _merged(optimizer.state, saved)
+    moments = {k[len("optimizer."):]: v for k, v in tensors.items() if k.startswith("optimizer.")}
+    if not _fits(moments, dict(_flat(optimizer.state))):
+        raise CheckpointError(f"{out}: the checkpoint's optimizer state does not fit this run (damaged, or another "
+                              "optimizer): start in a new folder")
+    optimizer.state = _merged(optimizer.state, tree_unflatten(list(moments.items())))
     mx.eval(module.parameters(), optimizer.state)
-    return cast(dict[str, Any], info)
+    return info
+
+
+T = TypeVar("T")
+
+
+def records(info: dict[str, Any], kind: type[T], folder: Any) -> list[T]:
+    """A checkpoint's log as ``kind`` records (dataclasses), a damaged one a :class:`CheckpointError`."""
+    try:
+        return [kind(**entry) for entry in info.get("log", [])]
+    except TypeError as exc:
+        raise CheckpointError(f"{folder}: the checkpoint's log is damaged ({exc})") from None
+
+
+def _fits(saved: dict[str, mx.array], expected: dict[str, mx.array]) -> bool:
+    """Whether ``saved`` holds exactly the arrays ``expected`` names, each of its shape and dtype."""
+    return set(saved) == set(expected) and all(
+        saved[k].shape == expected[k].shape and saved[k].dtype == expected[k].dtype for k in expected)
 
 
 def _flat(tree: Any) -> list[tuple[str, mx.array]]:

@@ -32,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..errors import CheckpointError, InvalidInputError, RewardError
 from ..model import GenerativeModel
-from .checkpoints import load_state, save_state
+from .checkpoints import load_state, records, save_state
 from .loop import TrainConfig, check_finite, checkpoint_layers, make_optimizer
 from .rewards import Reward
 
@@ -148,7 +148,10 @@ def grpo(
         state = model.worker.run(lambda: load_state(checkpoint_dir, module, optimizer))
         if state is not None:
             done = state["step"]
-            log.extend(GRPORecord(**entry) for entry in state["log"])
+            log.extend(records(state, GRPORecord, checkpoint_dir))
+            if done > config.steps:
+                raise CheckpointError(f"{checkpoint_dir}: its checkpoint is at step {done} of a run of {config.steps}: "
+                                      "give the run's steps, or a new folder")
             start -= log[-1].elapsed_s if log else 0.0
             sampled = log[-1].tokens if log else 0
             if reference is not None:

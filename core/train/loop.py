@@ -26,10 +26,10 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..errors import ContextLengthError, InvalidInputError, TrainingDivergedError
+from ..errors import CheckpointError, ContextLengthError, InvalidInputError, TrainingDivergedError
 from ..limits import check_token_ids
 from ..model import GenerativeModel
-from .checkpoints import load_state, save_state
+from .checkpoints import load_state, records, save_state
 from .data import Batch, Example, bucketed_batches, make_batch
 
 
@@ -179,8 +179,12 @@ def train(
     if checkpoint_dir is not None:
         state = load_state(checkpoint_dir, module, optimizer)
         if state is not None:
-            done, trained = state["step"], state["trained"]
-            log.extend(LogRecord(**entry) for entry in state["log"])
+            done, saved_trained = state["step"], state.get("trained")
+            log.extend(records(state, LogRecord, checkpoint_dir))
+            if done > config.steps or isinstance(saved_trained, bool) or not isinstance(saved_trained, int):
+                raise CheckpointError(f"{checkpoint_dir}: its checkpoint is at step {done} of a run of "
+                                      f"{config.steps} (or is damaged): give the run's steps, or a new folder")
+            trained = saved_trained
             start -= log[-1].elapsed_s if log else 0.0
             for _ in range(done * config.accumulation):  # the batches already trained on, drawn again
                 next_batch()
