@@ -150,7 +150,11 @@ def normalize_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
         if not isinstance(message, dict):
             raise TemplateError(f"chat messages must be dicts, got {message!r}")
         message = {k: v for k, v in message.items() if v is not None}
-        for call in message.get("tool_calls") or []:
+        calls = message.get("tool_calls") or []
+        if not isinstance(calls, list) or not all(isinstance(c, dict) and isinstance(c.get("function", c), dict)
+                                                  for c in calls):
+            raise TemplateError(f"a message's tool_calls must be a list of calls (objects), got {calls!r:.200}")
+        for call in calls:
             _arguments_as_mapping(call.get("function", call))
         reasoning = next((message[k] for k in REASONING_FIELDS if message.get(k) is not None), None)
         if reasoning is not None:

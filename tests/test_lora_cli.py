@@ -90,14 +90,29 @@ def test_a_run_killed_midway_resumes(tmp_path: Path) -> None:
     ({"train": None}, "needs a 'train:' section"),
     ({"epochs": 3}, "epochs"),
     ({"data": "missing.jsonl"}, "cannot read the data"),
+    ({"data": "bad-utf8.jsonl"}, "cannot read the data"),
+    ({"data": "deep.jsonl"}, "nests deeper"),
+    ({"data": "surrogate.jsonl"}, "lone surrogate"),
+    ({"data": "calls.jsonl"}, "tool_calls must be a list of calls"),
+    ({"output": "a-file"}, "output: cannot make"),
+    ({"train": None, "grpo": {"steps": 1}, "rewards": [{"json_schema": {}}]}, "rewards: json_schema: KeyError"),
+    ({"train": None, "grpo": {"steps": 1}, "rewards": [{"exact_match": {"nothing": 1}}]}, "rewards: exact_match"),
+    ({"train": None, "grpo": {"steps": 1}, "rewards": [{"python": "nowhere:fn"}]}, "rewards: python"),
 ])
 def test_bad_run_configs_are_one_line_errors(tmp_path: Path, capsys, change: dict, message: str) -> None:
     path = write_run(tmp_path, steps=2)
+    (tmp_path / "bad-utf8.jsonl").write_bytes(b'{"messages": "\xff\xfe"}\n')
+    (tmp_path / "deep.jsonl").write_text("[" * 200 + "]" * 200 + "\n")
+    (tmp_path / "surrogate.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "\ud800"},
+                                                                       {"role": "assistant", "content": "x"}]}))
+    (tmp_path / "calls.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                                                    {"role": "assistant", "tool_calls": "oops"}]}))
+    (tmp_path / "a-file").write_text("")
     config = json.loads(path.read_text())
     config.update(change)
     config = {k: v for k, v in config.items() if v is not None}
     path.write_text(json.dumps(config))
-    assert main(["train", "sft", str(path), "--no-progress"]) == 1
+    assert main(["train", "grpo" if "grpo" in config else "sft", str(path), "--no-progress"]) == 1
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
 

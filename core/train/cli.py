@@ -25,7 +25,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ..errors import InvalidInputError
+from ..errors import InvalidInputError, MlxchatError
+from ..limits import check_depth
 from .grpo import GRPOConfig, GRPORecord
 from .loop import LogRecord, TrainConfig
 from .rewards import Reward
@@ -68,7 +69,7 @@ def read_config(path: str | Path, kind: str) -> tuple[RunConfig, Path]:
     file = Path(path)
     try:
         raw = yaml.safe_load(file.read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError) as exc:
+    except (OSError, ValueError, RecursionError, yaml.YAMLError) as exc:
         raise InvalidInputError(f"{file}: cannot read the run config: {exc}") from exc
     try:
         config = RunConfig.model_validate(raw)
@@ -92,6 +93,10 @@ def run(kind: str, path: str | Path, *, progress: bool = True) -> Path:
 
     config, base = read_config(path, kind)
     output = _resolved(base, config.output)
+    try:  # before the model loads and the steps run: an output that cannot be written lost the whole run
+        (output / "checkpoints").mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise InvalidInputError(f"output: cannot make {output / 'checkpoints'} ({exc})") from None
     records = _read_jsonl(_resolved(base, config.data))
     model = load_model(config.model, dtype=config.dtype)
     try:
@@ -166,12 +171,23 @@ def _grpo(model: Any, config: RunConfig, base: Path, records: list[Any], checkpo
 
 
 def _reward(model: Any, spec: dict[str, Any], base: Path) -> Reward:
-    from . import rewards
 
     if len(spec) != 1:
         raise InvalidInputError(f"rewards: each entry names one reward, got {sorted(spec)}")
     (name, options), = spec.items()
-    options = options or {}
+    try:
+        return _made_reward(model, name, options or {}, base)
+    except MlxchatError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a reward's options from the file: any failure is theirs
+        raise InvalidInputError(f"rewards: {name}: {type(exc).__name__}: {exc}") from None
+
+
+def _made_reward(model: Any, name: str, options: Any, base: Path) -> Reward:
+    from . import rewards
+
+    if name != "python" and not isinstance(options, dict):
+        raise InvalidInputError(f"rewards: {name}: its options are a mapping, got {options!r}")
     if name == "exact_match":
         return rewards.exact_match(**options)
     if name == "json_schema":
@@ -202,15 +218,17 @@ def _save_whole(model: Any, output: Path) -> None:
 def _read_jsonl(path: Path) -> list[Any]:
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
-    except OSError as exc:
+    except (OSError, ValueError) as exc:
         raise InvalidInputError(f"{path}: cannot read the data: {exc}") from exc
     items = []
     for n, line in enumerate(lines, 1):
         if line.strip():
             try:
-                items.append(json.loads(line))
-            except ValueError as exc:
-                raise InvalidInputError(f"{path}: line {n} is not JSON: {exc}") from None
+                item = json.loads(line)
+                check_depth(item)
+                items.append(item)
+            except (ValueError, RecursionError) as exc:
+                raise InvalidInputError(f"{path}: line {n} is not JSON we take: {exc}") from None
     if not items:
         raise InvalidInputError(f"{path}: no records")
     return items

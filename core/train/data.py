@@ -18,6 +18,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..chat_template import ChatTemplate
+from ..limits import check_depth, check_strings
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,9 @@ def encode_chat(
     ``stop_ids`` (e.g. the id of ``<|im_end|>``): a marked span ends with the last of these in it, so the
     text a template writes after the end-of-turn token (a newline) is not a target.
     """
+    check_depth(list(messages), what="a training message")
+    check_strings(list(messages), "a training message")  # a lone surrogate no tokenizer encodes
+
     def encode(upto: int, prompt: bool) -> list[int]:
         return template.encode(messages[:upto], tools=tools, add_generation_prompt=prompt, **template_kwargs)
 

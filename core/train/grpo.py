@@ -31,6 +31,7 @@ from mlx.utils import tree_flatten, tree_map, tree_unflatten
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..errors import CheckpointError, InvalidInputError, RewardError
+from ..limits import check_depth, check_strings
 from ..model import GenerativeModel
 from .checkpoints import load_state, records, save_state
 from .loop import TrainConfig, check_finite, checkpoint_layers, make_optimizer
@@ -251,6 +252,7 @@ def _prompt_ids(model: GenerativeModel, prompt: Any, config: GRPOConfig) -> list
     if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
         raise InvalidInputError("each GRPO prompt is a conversation (a list of messages) or a dict with "
                                 f"'messages', got {type(prompt).__name__}")
+    check_strings(check_depth(list(messages), what="a GRPO prompt"), "a GRPO prompt")
     kwargs: dict[str, Any] = {} if config.enable_thinking is None else {"enable_thinking": config.enable_thinking}
     return model.render_prompt(list(messages), **kwargs)[1]
 
