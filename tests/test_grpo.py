@@ -14,11 +14,12 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten, tree_unflatten
+from pydantic import ValidationError
 from test_lora_cli import killed_after_its_first_checkpoint
 
 import mlxchat
 from mlxchat import RewardError
-from mlxchat.train import GRPOConfig, grpo, lora, rewards
+from mlxchat.train import GRPOConfig, TrainConfig, grpo, lora, rewards
 from mlxchat.train.grpo import _advantages, clipped_objective
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -327,3 +328,16 @@ def test_a_cli_run_killed_midway_resumes(tmp_path: Path) -> None:
     assert resumed_log == whole_log
     for name, value in whole.items():
         np.testing.assert_allclose(resumed[name], value, atol=1e-5)
+
+
+@pytest.mark.parametrize("settings", [
+    {"learning_rate": float("inf")}, {"steps": 10**20}, {"prompts_per_step": 10**7}, {"temperature": 1000.0},
+    {"reward_weights": (float("nan"),)}, {"seed": -1},
+])
+def test_run_settings_out_of_range_are_refused_when_made(settings: dict) -> None:
+    """Each once failed late and raw (a std::bad_cast at the schedule, 2e7 rows built, NaN totals) or hung."""
+    with pytest.raises(ValidationError):
+        GRPOConfig(**{"steps": 1, **settings})
+    if set(settings) <= {"learning_rate", "steps", "seed"}:
+        with pytest.raises(ValidationError):
+            TrainConfig(**{"steps": 1, **settings})

@@ -34,22 +34,22 @@ from ..errors import CheckpointError, InvalidInputError, RewardError
 from ..limits import check_depth, check_strings
 from ..model import GenerativeModel
 from .checkpoints import load_state, records, save_state
-from .loop import TrainConfig, check_finite, checkpoint_layers, make_optimizer
+from .loop import MAX_STEPS, TrainConfig, check_finite, checkpoint_layers, make_optimizer
 from .rewards import Reward
 
 
 class GRPOConfig(BaseModel):
     """Hyperparameters of a GRPO run."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
-    steps: int = Field(ge=1)
-    group_size: int = Field(4, ge=2)
+    steps: int = Field(ge=1, le=MAX_STEPS)
+    group_size: int = Field(4, ge=2, le=1024)
     """Completions sampled per prompt (the group its advantages are normalised in)."""
-    prompts_per_step: int = Field(4, ge=1)
-    max_tokens: int = Field(256, ge=1)
+    prompts_per_step: int = Field(4, ge=1, le=1024)
+    max_tokens: int = Field(256, ge=1, le=2**20)
     learning_rate: float = Field(1e-5, gt=0)
-    temperature: float = Field(1.0, gt=0)
+    temperature: float = Field(1.0, gt=0, le=100)
     top_p: float = Field(1.0, gt=0, le=1)
     beta: float = Field(0.04, ge=0)
     """Weight of the KL penalty to the reference (0: no reference is kept or run)."""
@@ -60,12 +60,12 @@ class GRPOConfig(BaseModel):
     """Divide advantages by their group's standard deviation (False: Dr. GRPO's unscaled advantages)."""
     reward_weights: tuple[float, ...] | None = None
     """One weight per reward function (default: all 1)."""
-    warmup_steps: int = Field(0, ge=0)
+    warmup_steps: int = Field(0, ge=0, le=MAX_STEPS)
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float | None = Field(1.0, gt=0)
     save_every: int = Field(0, ge=0)
     """With a ``checkpoint_dir``: save the resumable state every this many steps (0: only at the end)."""
-    seed: int = 0
+    seed: int = Field(0, ge=0, lt=2**63)
     enable_thinking: bool | None = None
     grad_checkpoint: bool = False
     """Recompute each decoder layer's activations in the backward pass (as :class:`TrainConfig`'s): less memory

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from numbers import Integral
-from typing import Any, cast
+from typing import Annotated, Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -32,21 +32,24 @@ from ..model import GenerativeModel
 from .checkpoints import load_state, records, save_state
 from .data import Batch, Example, bucketed_batches, make_batch
 
+MAX_STEPS = 2**31 - 1
+"""The most steps (and warmup steps) a run takes (MLX's schedules count them in 32 bits)."""
+
 
 class TrainConfig(BaseModel):
     """Hyperparameters of a run."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
-    steps: int = Field(ge=1)
+    steps: int = Field(ge=1, le=MAX_STEPS)
     """Optimizer updates (each of ``accumulation`` batches)."""
     learning_rate: float = Field(1e-3, gt=0)
-    warmup_steps: int = Field(100, ge=0)
+    warmup_steps: int = Field(100, ge=0, le=MAX_STEPS)
     """Linear warmup from 0 to ``learning_rate``; then a cosine decay to ``min_lr_ratio * learning_rate``."""
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
     weight_decay: float = Field(0.1, ge=0)
     """Decoupled weight decay on matrices (2-D and larger); none on norm scales and biases."""
-    betas: tuple[float, float] = (0.9, 0.95)
+    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = (0.9, 0.95)
     grad_clip: float | None = Field(1.0, gt=0)
     """Global gradient-norm limit (``None``: no clipping)."""
     batch_tokens: int = Field(4096, ge=1)
@@ -56,7 +59,7 @@ class TrainConfig(BaseModel):
     eval_every: int = Field(0, ge=0)
     """Evaluate the held-out loss every this many steps (0: only at the end, when there is eval data)."""
     log_every: int = Field(10, ge=1)
-    seed: int = 0
+    seed: int = Field(0, ge=0, lt=2**63)
     save_every: int = Field(0, ge=0)
     """With a ``checkpoint_dir``: save the resumable state every this many steps (0: only at the end)."""
     grad_checkpoint: bool = False
