@@ -538,6 +538,21 @@ def test_a_damaged_training_checkpoint_is_refused_on_resume(tmp_path: Path, dama
             train(model, examples(), config.model_copy(update={"steps": 3}), checkpoint_dir=tmp_path)
 
 
+def test_writing_where_it_cannot_is_a_clear_error(qwen3, tmp_path: Path) -> None:
+    """An adapter, a checkpoint or a training state written over a file (or to an empty path, which meant the
+    current folder) is an error of ours naming the place, not a raw OSError after the steps."""
+    lora(qwen3, rank=4, seed=0)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    for path in (blocker, ""):
+        with pytest.raises(AdapterError):
+            save_adapter(qwen3, path)
+    with pytest.raises(mlxchat.CheckpointError, match="cannot write the training checkpoint"):
+        train(qwen3, examples(), TrainConfig(steps=1, warmup_steps=0, batch_tokens=48), checkpoint_dir=blocker)
+    with pytest.raises(mlxchat.CheckpointError, match="cannot write the checkpoint"):
+        save_checkpoint(blocker / "inside", qwen3.module, config={}, tokenizer=qwen3.tokenizer)
+
+
 def test_the_server_serves_an_adapted_model() -> None:
     """A chat completion from a server over a model with an adapter is the model's own greedy reply."""
     import httpx

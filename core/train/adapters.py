@@ -80,11 +80,11 @@ def save_adapter(model_or_module: Adaptable, path: str | os.PathLike[str]) -> Pa
         mx.eval(tensors)
         return tensors
 
+    if not os.fspath(path):
+        raise AdapterError("save_adapter needs a folder to write to (an empty path would be the current one)")
     worker = None if isinstance(model_or_module, nn.Module) else model_or_module.worker
     tensors = worker.run(collect) if worker is not None else collect()
     out = Path(path)
-    out.mkdir(parents=True, exist_ok=True)
-    mx.save_safetensors(str(out / WEIGHTS_FILE), tensors, metadata={"format": "pt"})
     ranks = {re.escape(n): r for n, (r, _) in units.items() if r != settings.rank}
     alphas = {re.escape(n): a for n, (r, s) in units.items()
               if not math.isclose(a := settings.alpha_for(s, r), settings.alpha, rel_tol=1e-9)}
@@ -100,7 +100,12 @@ def save_adapter(model_or_module: Adaptable, path: str | os.PathLike[str]) -> Pa
         "bias": "none", "fan_in_fan_out": False, "modules_to_save": None, "init_lora_weights": True,
         "inference_mode": True,
     }
-    (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        mx.save_safetensors(str(out / WEIGHTS_FILE), tensors, metadata={"format": "pt"})
+        (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    except (OSError, RuntimeError) as exc:
+        raise AdapterError(f"cannot write the adapter to {out} ({type(exc).__name__}: {exc})") from None
     return out
 
 

@@ -29,7 +29,15 @@ def save_state(folder: str | os.PathLike[str], module: nn.Module, optimizer: opt
                extra: dict[str, Any], files: dict[str, dict[str, mx.array]] | None = None) -> Path:
     """Write the state after ``step`` updates (``extra``: anything JSON the run needs to go on, e.g. its log;
     ``files``: more safetensors files for the folder, by name, complete before ``latest`` names it)."""
-    root = Path(folder)
+    try:
+        return _save_state(Path(folder), module, optimizer, step, extra, files)
+    except (OSError, RuntimeError) as exc:  # a full disk, a folder gone or not writable: the last checkpoint stays
+        raise CheckpointError(f"cannot write the training checkpoint of step {step} under {folder} "
+                              f"({type(exc).__name__}: {exc})") from None
+
+
+def _save_state(root: Path, module: nn.Module, optimizer: optim.Optimizer, step: int, extra: dict[str, Any],
+                files: dict[str, dict[str, mx.array]] | None) -> Path:
     out = root / f"step-{step:07d}"
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)

@@ -11,6 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from ..errors import CheckpointError
 from ..tokenizer import Tokenizer
 
 _DTYPE_NAMES = {mx.float32: "float32", mx.float16: "float16", mx.bfloat16: "bfloat16"}
@@ -38,27 +39,30 @@ def save_checkpoint(
     if dtype not in _DTYPE_NAMES:
         raise ValueError(f"dtype must be one of {', '.join(_DTYPE_NAMES.values())}, got {dtype}")
     out = Path(folder)
-    out.mkdir(parents=True, exist_ok=True)
-    weights = {name: value.astype(dtype) if mx.issubdtype(value.dtype, mx.floating) else value
-               for name, value in dict(tree_flatten(module.parameters())).items()}
-    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "pt"})
-    _write_json(out / "config.json", {**config, "dtype": _DTYPE_NAMES[dtype]})
+    try:  # a full disk, a folder not writable: a CheckpointError saying where
+        out.mkdir(parents=True, exist_ok=True)
+        weights = {name: value.astype(dtype) if mx.issubdtype(value.dtype, mx.floating) else value
+                   for name, value in dict(tree_flatten(module.parameters())).items()}
+        mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "pt"})
+        _write_json(out / "config.json", {**config, "dtype": _DTYPE_NAMES[dtype]})
 
-    tokenizer.backend.save(str(out / "tokenizer.json"))
-    added = {
-        str(index): {"content": tok.content, "special": tok.special, "lstrip": tok.lstrip,
-                     "rstrip": tok.rstrip, "normalized": tok.normalized, "single_word": tok.single_word}
-        for index, tok in sorted(tokenizer.backend.get_added_tokens_decoder().items())
-    }
-    settings = {k: v for k, v in tokenizer.config.items()
-                if k not in ("added_tokens_decoder", "chat_template", "tokenizer_class")}
-    tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", **settings,
-                        "added_tokens_decoder": added}
-    if chat_template is not None:
-        tokenizer_config["chat_template"] = chat_template
-    _write_json(out / "tokenizer_config.json", tokenizer_config)
-    if generation_config is not None:
-        _write_json(out / "generation_config.json", generation_config)
+        tokenizer.backend.save(str(out / "tokenizer.json"))
+        added = {
+            str(index): {"content": tok.content, "special": tok.special, "lstrip": tok.lstrip,
+                         "rstrip": tok.rstrip, "normalized": tok.normalized, "single_word": tok.single_word}
+            for index, tok in sorted(tokenizer.backend.get_added_tokens_decoder().items())
+        }
+        settings = {k: v for k, v in tokenizer.config.items()
+                    if k not in ("added_tokens_decoder", "chat_template", "tokenizer_class")}
+        tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", **settings,
+                            "added_tokens_decoder": added}
+        if chat_template is not None:
+            tokenizer_config["chat_template"] = chat_template
+        _write_json(out / "tokenizer_config.json", tokenizer_config)
+        if generation_config is not None:
+            _write_json(out / "generation_config.json", generation_config)
+    except (OSError, RuntimeError) as exc:
+        raise CheckpointError(f"cannot write the checkpoint to {out} ({type(exc).__name__}: {exc})") from None
     return out
 
 
