@@ -232,7 +232,7 @@ def image_kept(part: Any) -> bool:
     if not isinstance(part, dict) or part.get("type") not in IMAGE_PART_TYPES:
         return True
     image = part.get("image")
-    return part.get("type") == "image" and isinstance(image, str) and image.startswith("data:")
+    return part.get("type") == "image" and isinstance(image, str) and image[:5].lower() == "data:"
 
 
 def images_kept(messages: Sequence[Any]) -> bool:

@@ -109,7 +109,8 @@ def save_prompt_cache(model: SavingModel, cache: PromptCache, path: str | os.Pat
         arrays, fields = cache.state_dict()
         unique, aliases = _deduplicated(arrays)
         mx.eval(list(unique.values()))
-        signed = {**header, "cache": fields, "aliases": aliases}
+        # signed as it will be read back (JSON turns keys into strings: extras' {10: ...} sorted otherwise)
+        signed = json.loads(json.dumps({**header, "cache": fields, "aliases": aliases}))
         document = json.dumps({**signed, "digest": _checksum(unique, signed)}, ensure_ascii=False)
         temporary = target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}.safetensors")
         try:

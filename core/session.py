@@ -386,7 +386,10 @@ class ChatSession:
         when the transcript ends with a user turn or tool result.
         """
         self._check_ready()
-        if isinstance(messages, str | bytes) or not all(isinstance(m, ChatMessage | dict) for m in messages):
+        if isinstance(messages, str | bytes):
+            raise InvalidInputError("a transcript is a list of messages (dicts or ChatMessages)")
+        messages = list(messages)
+        if not all(isinstance(m, ChatMessage | dict) for m in messages):
             raise InvalidInputError("a transcript is a list of messages (dicts or ChatMessages)")
         self._history.prime([self._images_stored(m) for m in messages])
 

@@ -166,6 +166,18 @@ def test_several_iterations_per_batch_move_the_ratio(chat) -> None:
     assert all(math.isfinite(r.loss) for r in one)
 
 
+def test_a_diverging_batch_leaves_the_policy_as_before_it_whatever_its_iterations(chat) -> None:
+    """With several updates a batch, one that diverges undoes the batch's earlier ones too (they were left
+    applied, around 1e30, under an error saying the step was not applied)."""
+    lora(chat, rank=8)
+    before = trainable(chat)
+    with pytest.raises(mlxchat.TrainingDivergedError, match="not applied"):
+        grpo(chat, PROMPTS, [vowels], GRPOConfig(steps=2, group_size=4, prompts_per_step=2, max_tokens=8,
+                                                 learning_rate=1e30, beta=0.0, iterations=3, grad_clip=None))
+    after = trainable(chat)
+    assert all(np.array_equal(before[k], after[k]) for k in before)
+
+
 def test_samples_differ_within_a_group(chat) -> None:
     """Each row has its own seed: a group is G different draws, not one repeated."""
     seen: list[str] = []

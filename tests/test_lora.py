@@ -491,6 +491,7 @@ def test_an_adapter_with_dropout_is_deterministic_at_inference(qwen3) -> None:
     (lambda c: c.update(lora_dropout=2.0), None, "lora_dropout"),
     (lambda c: c.update(target_modules=5), None, "target_modules"),
     (lambda c: c.update(rank_pattern={"(": 4}), None, "no pattern"),
+    (lambda c: c.update(rank_pattern={"(?i)q_proj": 4}), None, "no pattern"),
     (lambda c: c.update(alpha_pattern={"q_proj": float("inf")}), None, "positive numbers"),
     (None, lambda t: t.update({k: mx.full(v.shape, float("nan")) for k, v in t.items() if "lora_B" in k}),
      "NaN or infinite"),
@@ -506,6 +507,27 @@ def test_lora_refuses_settings_that_are_no_numbers_or_not_finite(qwen3) -> None:
     for settings in ({"rank": 2.5}, {"alpha": float("nan")}, {"alpha": float("inf")}, {"rank": 10**12}):
         with pytest.raises(InvalidInputError, match="lora needs"):
             lora(qwen3, **settings)
+    lora(qwen3, rank=np.int64(4), alpha=np.float32(8.0))  # numpy's numbers are numbers
+    assert next(iter(adapters(qwen3).values())).lora_a.shape[0] == 4
+
+
+def test_a_refused_resume_leaves_the_weights_as_they_were(tmp_path: Path) -> None:
+    """Every check of a checkpoint runs before anything is restored: a run refused (fewer steps than the
+    checkpoint's, a damaged moment) keeps the adapter it had, so a retry elsewhere starts from it."""
+    config = TrainConfig(steps=2, warmup_steps=0, batch_tokens=48)
+    with mlxchat.load_model(FIXTURES / "qwen3") as model:
+        lora(model, rank=4, seed=0)
+        train(model, examples(), config, checkpoint_dir=tmp_path / "run")
+        for damage in ("moment", None):
+            lora(model, rank=4, seed=1)
+            before = {k: np.array(v) for k, v in tree_flatten(model.module.trainable_parameters())}
+            if damage:
+                _spoil_checkpoint(tmp_path / "run", damage)
+            with pytest.raises(mlxchat.CheckpointError):
+                train(model, examples(), config.model_copy(update={"steps": 1 if damage is None else 3}),
+                      checkpoint_dir=tmp_path / "run")
+            after = {k: np.array(v) for k, v in tree_flatten(model.module.trainable_parameters())}
+            assert all(np.array_equal(before[k], after[k]) for k in before)
 
 
 def _spoil_checkpoint(folder: Path, damage: str) -> None:

@@ -98,6 +98,14 @@ def test_a_file_of_format_version_1_still_loads(saved) -> None:
     assert len(mlxchat.ChatSession.load(model, unsigned).cache) == len(mlxchat.ChatSession.load(model, saved).cache)
 
 
+def test_images_kept_as_data_urls_whatever_the_schemes_case() -> None:
+    from mlxchat.multimodal import images_kept
+
+    kept = [{"role": "user", "content": [{"type": "image", "image": "DATA:image/png;base64,AAAA"}]}]
+    named = [{"role": "user", "content": [{"type": "image", "image": "/etc/hostname"}]}]
+    assert images_kept(kept) and not images_kept(named)
+
+
 def test_a_saved_transcript_naming_an_image_file_is_refused(saved) -> None:
     """A session keeps its images as data: URLs; a file naming a path (or URL) there must not make us read it."""
     def name_a_file(header: dict[str, Any]) -> None:
@@ -232,6 +240,15 @@ def test_a_transcript_that_is_no_list_of_messages_is_refused() -> None:
     for transcript in (["hi"], "hi", [1, 2]):
         with pytest.raises(InvalidInputError, match="a transcript is a list of messages"):
             session.prime_history(transcript)  # type: ignore[arg-type]
+    session.prime_history(m for m in [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}])
+    assert [m.content for m in session.messages] == ["hi", "yo"]  # (an iterator: taken once)
+
+
+def test_extras_with_keys_json_turns_into_strings_load_back(tmp_path) -> None:
+    """The checksum is of the document as it is read back: keys JSON writes as strings sort the same there."""
+    model = loaded("qwen3")
+    save_prompt_cache(model, model.make_prompt_cache(), tmp_path / "e.cache", {"map": {10: "a", 2: "b"}})
+    assert load_prompt_cache(model, tmp_path / "e.cache")[1] == {"map": {"10": "a", "2": "b"}}
 
 
 def test_a_prompt_cache_file_is_not_a_session(tmp_path) -> None:

@@ -12,9 +12,11 @@ from ..model import GenerativeModel
 from . import anthropic, chat_completions, conversations, responses
 from .errors import ApiError, RateLimitedFilter
 from .guard import Guard, ServerSettings, access_log, guarded_protocol, is_loopback
+from .lifecycle import api_error as lifecycle_error
 from .lifecycle import turn_route
 from .openapi import openapi_document
 from .state import ServerState
+from .store import StoreError
 
 
 def create_app(model: GenerativeModel, settings: ServerSettings | None = None, *, tools: Sequence[Any] = (),
@@ -80,6 +82,9 @@ def create_app(model: GenerativeModel, settings: ServerSettings | None = None, *
         # (Starlette raises the exception again after this answer, and the server logs it with its traceback)
         return json_error(request, ApiError(500, "internal server error; see the server log", "server_error"))
 
+    async def store_error(request: Request, exc: Exception) -> Response:  # a damaged row, a store held elsewhere
+        return json_error(request, lifecycle_error(exc))
+
     async def client_left(request: Request, exc: Exception) -> Response:
         return json_error(request, ApiError(499, "the client left before its request was read"))
 
@@ -101,7 +106,7 @@ def create_app(model: GenerativeModel, settings: ServerSettings | None = None, *
                       if settings.cors_origins else []),
                     Middleware(Guard, settings=settings, refusals=state.refusals, metrics=state.metrics)],
         exception_handlers={ApiError: api_error, HTTPException: http_error, ClientDisconnect: client_left,
-                            Exception: server_error},
+                            StoreError: store_error, Exception: server_error},
         lifespan=lifespan,
     )
     app.state.mlxchat = state

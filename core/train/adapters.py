@@ -351,7 +351,7 @@ def settings_from(config: Any, source: str) -> LoRASettings:
         raise AdapterError(f"{source}: rank_pattern and alpha_pattern must map names to positive numbers")
     for pattern in (*ranks, *alphas):
         try:
-            re.compile(pattern)
+            re.compile(rf"(.*\.)?({pattern})$")  # as it is used (a global flag inside is an error there)
         except re.error as exc:
             raise AdapterError(f"{source}: {pattern!r} in rank_pattern or alpha_pattern is no pattern ({exc})") \
                 from None

@@ -18,6 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 from mlx.utils import tree_flatten, tree_unflatten
+from pydantic import TypeAdapter, ValidationError
 
 from ..errors import CheckpointError
 from ..files import durable_replace
@@ -68,9 +69,14 @@ def _to_disk(*paths: Path) -> None:
             os.close(handle)
 
 
-def load_state(folder: str | os.PathLike[str], module: nn.Module, optimizer: optim.Optimizer) -> dict[str, Any] | None:
-    """Restore the newest checkpoint under ``folder`` into ``module`` and ``optimizer``; returns its JSON
-    (``step`` and the run's extras), or ``None`` when there is none yet."""
+T = TypeVar("T")
+
+
+def load_state(folder: str | os.PathLike[str], module: nn.Module, optimizer: optim.Optimizer, steps: int,
+               kind: type[T]) -> tuple[dict[str, Any], list[T]] | None:
+    """Restore the newest checkpoint under ``folder`` into ``module`` and ``optimizer`` (of a run of ``steps``);
+    returns its JSON (``step`` and the run's extras) and its log as ``kind`` records, or ``None`` when there is
+    none yet. Everything is checked before anything is restored: a refused checkpoint leaves both untouched."""
     root = Path(folder)
     pointer = root / "latest"
     if not pointer.exists():
@@ -82,33 +88,29 @@ def load_state(folder: str | os.PathLike[str], module: nn.Module, optimizer: opt
         tensors = cast(dict[str, mx.array], mx.load(str(out / "state.safetensors")))
     except (OSError, ValueError, RuntimeError, RecursionError) as exc:
         raise CheckpointError(f"{out}: cannot read the training checkpoint: {exc}") from exc
-    step = info.get("step") if isinstance(info, dict) else None
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0 or not isinstance(info.get("log", []), list):
-        raise CheckpointError(f"{out}: state.json is damaged (no step count, or no log)")
+    counts = [info.get(name, 0) for name in ("step", "trained")] if isinstance(info, dict) else [None]
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in counts) or "step" not in info:
+        raise CheckpointError(f"{out}: state.json is damaged (no step count)")
+    if info["step"] > steps:
+        raise CheckpointError(f"{out}: the checkpoint is at step {info['step']} of a run of {steps}: give the run's "
+                              "steps, or a new folder")
+    try:
+        log = TypeAdapter(list[kind]).validate_python(info.get("log", []))  # type: ignore[valid-type]
+    except ValidationError as exc:
+        raise CheckpointError(f"{out}: the checkpoint's log is damaged ({exc.error_count()} errors)") from None
     params = {k[len("params."):]: v for k, v in tensors.items() if k.startswith("params.")}
     if not _fits(params, dict(_flat(module.trainable_parameters()))):
         raise CheckpointError(f"{out}: the checkpoint's trainable weights do not fit this model (another model, or "
                               "other adapter settings): start in a new folder")
-    module.update(tree_unflatten(list(params.items())))
-    optimizer.init(module.trainable_parameters())
+    optimizer.init(module.trainable_parameters())  # the fresh state the saved one must match (shapes as params')
     moments = {k[len("optimizer."):]: v for k, v in tensors.items() if k.startswith("optimizer.")}
     if not _fits(moments, dict(_flat(optimizer.state))):
         raise CheckpointError(f"{out}: the checkpoint's optimizer state does not fit this run (damaged, or another "
                               "optimizer): start in a new folder")
+    module.update(tree_unflatten(list(params.items())))
     optimizer.state = _merged(optimizer.state, tree_unflatten(list(moments.items())))
     mx.eval(module.parameters(), optimizer.state)
-    return info
-
-
-T = TypeVar("T")
-
-
-def records(info: dict[str, Any], kind: type[T], folder: Any) -> list[T]:
-    """A checkpoint's log as ``kind`` records (dataclasses), a damaged one a :class:`CheckpointError`."""
-    try:
-        return [kind(**entry) for entry in info.get("log", [])]
-    except TypeError as exc:
-        raise CheckpointError(f"{folder}: the checkpoint's log is damaged ({exc})") from None
+    return info, log
 
 
 def _fits(saved: dict[str, mx.array], expected: dict[str, mx.array]) -> bool:

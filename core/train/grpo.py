@@ -30,10 +30,10 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..errors import CheckpointError, InvalidInputError, RewardError
+from ..errors import CheckpointError, InvalidInputError, RewardError, TrainingDivergedError
 from ..limits import check_depth, check_strings
 from ..model import GenerativeModel
-from .checkpoints import load_state, records, save_state
+from .checkpoints import load_state, save_state
 from .loop import MAX_STEPS, TrainConfig, check_finite, checkpoint_layers, make_optimizer
 from .rewards import Reward
 
@@ -146,17 +146,20 @@ def grpo(
     reference = None if config.beta == 0 else model.worker.run(lambda: tree_map(lambda a: a,
                                                                               module.trainable_parameters()))
     if checkpoint_dir is not None:
-        state = model.worker.run(lambda: load_state(checkpoint_dir, module, optimizer))
-        if state is not None:
+        before = module.trainable_parameters()
+        resumed = model.worker.run(lambda: load_state(checkpoint_dir, module, optimizer, config.steps, GRPORecord))
+        if resumed is not None:
+            state, saved_log = resumed
             done = state["step"]
-            log.extend(records(state, GRPORecord, checkpoint_dir))
-            if done > config.steps:
-                raise CheckpointError(f"{checkpoint_dir}: its checkpoint is at step {done} of a run of {config.steps}: "
-                                      "give the run's steps, or a new folder")
+            log.extend(saved_log)
             start -= log[-1].elapsed_s if log else 0.0
             sampled = log[-1].tokens if log else 0
             if reference is not None:
-                reference = model.worker.run(lambda: _load_reference(checkpoint_dir, state, module))
+                try:
+                    reference = model.worker.run(lambda: _load_reference(checkpoint_dir, state, module))
+                except CheckpointError:
+                    model.worker.run(module.update, before)  # a refused resume leaves the policy as it was
+                    raise
             for _ in range(done):  # the prompts already used, drawn again
                 _take(order, rng, len(prompts), config.prompts_per_step)
 
@@ -182,9 +185,15 @@ def grpo(
                     module.update(current)
             mx.eval(old, ref)
             loss = kl = mx.array(0.0)
+            kept = module.trainable_parameters(), tree_map(lambda a: a, optimizer.state)
             for _ in range(config.iterations):
                 (loss, kl), grads = grad_fn(module, rollout, old, ref)
-                check_finite(step, loss, grads)  # before the update: a diverged step is never applied
+                try:
+                    check_finite(step, loss, grads)  # before the update: a diverged step is never applied
+                except TrainingDivergedError:  # nor its earlier iterations'
+                    module.update(kept[0])
+                    optimizer.state = kept[1]
+                    raise
                 if config.grad_clip is not None:
                     grads, _ = optim.clip_grad_norm(grads, config.grad_clip)
                 optimizer.update(module, grads)

@@ -26,10 +26,10 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..errors import CheckpointError, ContextLengthError, InvalidInputError, TrainingDivergedError
+from ..errors import ContextLengthError, InvalidInputError, TrainingDivergedError
 from ..limits import check_token_ids
 from ..model import GenerativeModel
-from .checkpoints import load_state, records, save_state
+from .checkpoints import load_state, save_state
 from .data import Batch, Example, bucketed_batches, make_batch
 
 MAX_STEPS = 2**31 - 1
@@ -160,6 +160,8 @@ def train(
     def record(step: int, kind: str, loss: float) -> None:
         lr = optimizer.optimizers[0].learning_rate.item()
         entry = LogRecord(step, kind, loss, lr, trained, time.perf_counter() - start)
+        if not math.isfinite(loss):  # a held-out loss (the steps' own are checked before their updates)
+            raise TrainingDivergedError(f"the {kind} loss at step {step} is {loss}: lower the learning rate")
         log.append(entry)
         if on_log is not None:
             on_log(entry)
@@ -180,14 +182,11 @@ def train(
 
     done = 0
     if checkpoint_dir is not None:
-        state = load_state(checkpoint_dir, module, optimizer)
-        if state is not None:
-            done, saved_trained = state["step"], state.get("trained")
-            log.extend(records(state, LogRecord, checkpoint_dir))
-            if done > config.steps or isinstance(saved_trained, bool) or not isinstance(saved_trained, int):
-                raise CheckpointError(f"{checkpoint_dir}: its checkpoint is at step {done} of a run of "
-                                      f"{config.steps} (or is damaged): give the run's steps, or a new folder")
-            trained = saved_trained
+        resumed = load_state(checkpoint_dir, module, optimizer, config.steps, LogRecord)
+        if resumed is not None:
+            state, saved_log = resumed
+            done, trained = state["step"], state.get("trained", 0)
+            log.extend(saved_log)
             start -= log[-1].elapsed_s if log else 0.0
             for _ in range(done * config.accumulation):  # the batches already trained on, drawn again
                 next_batch()

@@ -14,6 +14,7 @@ import math
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from numbers import Integral, Real
 from pathlib import Path
 from typing import Any, Protocol, cast
 
@@ -232,12 +233,13 @@ def lora(
 
     A loaded model's adapters are made on its worker; call this before generating from it.
     """
-    settings = LoRASettings(rank=rank, alpha=alpha, dropout=dropout, targets=tuple(targets), dora=dora)
-    numbers = all(isinstance(v, int | float) and not isinstance(v, bool) for v in (rank, alpha, dropout))
-    if not numbers or not isinstance(rank, int) or not 1 <= rank <= 2**16 or not math.isfinite(alpha) \
+    numbers = all(isinstance(v, Real) and not isinstance(v, bool) for v in (rank, alpha, dropout))
+    if not numbers or not isinstance(rank, Integral) or not 1 <= rank <= 2**16 or not math.isfinite(alpha) \
             or alpha <= 0 or not 0 <= dropout < 1 or not targets:
         raise InvalidInputError("lora needs an integer rank from 1 to 65536, a finite alpha > 0, 0 <= dropout < 1 "
                                 "and at least one target")
+    settings = LoRASettings(rank=int(rank), alpha=float(alpha), dropout=float(dropout), targets=tuple(targets),
+                            dora=dora)
     chosen = [site for site in sites(model_or_module) if site.matches(targets)]
     if not chosen:
         raise AdapterError(f"no layer's checkpoint name ends with any of {', '.join(targets)}")
