@@ -29,8 +29,8 @@ import hashlib
 import io
 import math
 import os
+import re
 import urllib.parse
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -45,6 +45,13 @@ ImageSource = str | bytes | os.PathLike[str] | Image.Image
 """A path, encoded bytes, a ``PIL.Image`` or a ``data:`` URL."""
 
 MAX_ASPECT_RATIO = 200
+MAX_PIXELS = 50_000_000
+"""The most pixels an image may have (a 48-megapixel photo fits), checked from its header before it is decoded:
+a 43-byte GIF can declare a 9,400 x 9,400 screen that takes seconds and gigabytes to decode."""
+MAX_FILE_BYTES = 64 * 2**20
+"""The largest image file read from a path."""
+FORMATS = ("PNG", "JPEG", "GIF", "WEBP", "BMP", "TIFF")
+"""The formats read (Pillow's other decoders, DDS, PSD, EPS and the like, are not exposed to inputs)."""
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
@@ -75,18 +82,34 @@ def as_data_url(source: ImageSource) -> str:
         return source
     if isinstance(source, Image.Image):
         buffer = io.BytesIO()
-        source.save(buffer, format="PNG")
+        try:
+            _rgb(source).save(buffer, format="PNG")  # (CMYK, 16-bit or float modes have no PNG form of their own)
+        except ImageError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a closed or half-read image: any of Pillow's errors
+            raise ImageError(f"cannot write the image ({type(exc).__name__}: {exc})") from None
         data, kind = buffer.getvalue(), "png"
     else:
         if isinstance(source, bytes | bytearray):
             data = bytes(source)
+        elif isinstance(source, str | os.PathLike):
+            data = _file_bytes(Path(source))
         else:
-            try:
-                data = Path(source).read_bytes()
-            except OSError as exc:
-                raise ImageError(f"{source}: cannot read the image file ({exc})") from exc
+            raise ImageError(f"an image is a path, bytes, a PIL.Image or a data: URL, got {type(source).__name__}")
         kind = (_open(io.BytesIO(data), "the image").format or "png").lower()
     return f"data:image/{kind};base64,{base64.b64encode(data).decode('ascii')}"
+
+
+def _file_bytes(path: Path) -> bytes:
+    """An image file's bytes: a regular file (not a FIFO or a device) of at most :data:`MAX_FILE_BYTES`."""
+    try:
+        if not path.is_file():
+            raise ImageError(f"{path}: no such image file")
+        if path.stat().st_size > MAX_FILE_BYTES:
+            raise ImageError(f"{path}: more than {MAX_FILE_BYTES // 2**20} MB; not read as an image")
+        return path.read_bytes()
+    except OSError as exc:
+        raise ImageError(f"{path}: cannot read the image file ({exc})") from exc
 
 
 def load_image(source: ImageSource) -> Image.Image:
@@ -101,10 +124,7 @@ def load_image(source: ImageSource) -> Image.Image:
     elif isinstance(source, str) and source.split(":", 1)[0].lower() in ("http", "https"):
         raise ImageError(f"remote image URLs are not fetched ({source[:60]}); download the image first")
     elif isinstance(source, str | os.PathLike):
-        path = Path(source)
-        if not path.is_file():
-            raise ImageError(f"{path}: no such image file")
-        image = _open(path, str(path))
+        image = _open(io.BytesIO(_file_bytes(Path(source))), str(source))
     else:
         raise ImageError(f"an image is a path, bytes, a PIL.Image or a data: URL, got {type(source).__name__}")
     return _rgb(image)
@@ -127,28 +147,44 @@ def _data_url_bytes(url: str) -> bytes:
 
 
 def _open(file: Any, name: str) -> Image.Image:
+    """The image decoded, its size checked from its header first (see :data:`MAX_PIXELS`); whatever Pillow's
+    decoders raise on a damaged file (OSError, SyntaxError, struct.error, NotImplementedError, RuntimeError, ...)
+    is an :class:`ImageError`."""
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            image = Image.open(file)
-            image.load()
-    except (Image.DecompressionBombWarning, Image.DecompressionBombError) as exc:
-        raise ImageError(f"{name}: image too large ({exc})") from exc
-    except (OSError, ValueError, SyntaxError) as exc:
-        raise ImageError(f"{name}: not a readable image ({exc})") from exc
+        image = Image.open(file, formats=FORMATS)
+        _check_size(image.width, image.height, name)
+        image.load()
+    except (ImageError, MemoryError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - see above
+        message = re.sub(r"<[^>]* at 0x[0-9a-fA-F]+>", "it", str(exc))  # (no object addresses to clients)
+        raise ImageError(f"{name}: not a readable image ({type(exc).__name__}: {message})") from None
     return image
 
 
+def _check_size(width: int, height: int, name: str) -> None:
+    if width < 1 or height < 1:
+        raise ImageError(f"{name}: an image of {width} x {height} pixels shows nothing")
+    if width * height > MAX_PIXELS:
+        raise ImageError(f"{name}: {width} x {height} pixels is more than the {MAX_PIXELS:,} an image may have")
+
+
 def _rgb(image: Image.Image) -> Image.Image:
+    _check_size(image.width, image.height, "the image")
     try:
-        image = ImageOps.exif_transpose(image)
+        try:
+            image = ImageOps.exif_transpose(image)
+        except Exception:  # noqa: BLE001 - a damaged EXIF block (read lazily, any of Pillow's errors): not turned
+            pass
         if "A" in image.getbands() or image.info.get("transparency") is not None:
             image = image.convert("RGBA")
             background = Image.new("RGBA", image.size, (255, 255, 255, 255))
             return Image.alpha_composite(background, image).convert("RGB")
         return image.convert("RGB")
-    except (OSError, ValueError) as exc:
-        raise ImageError(f"cannot convert the image to RGB ({exc})") from exc
+    except (ImageError, MemoryError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - a closed or half-read image, a mode Pillow cannot convert
+        raise ImageError(f"cannot convert the image to RGB ({type(exc).__name__}: {exc})") from None
 
 
 @dataclass(frozen=True, eq=False)
@@ -232,6 +268,7 @@ class _Settings(BaseModel):
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
     """Sides that are multiples of ``factor``, close to the original aspect ratio, with an area within
     ``[min_pixels, max_pixels]`` (Qwen2-VL's rule, Python's rounding included)."""
+    _check_size(width, height, "the image")
     if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
         raise ImageError(f"image aspect ratio {max(height, width) / min(height, width):.0f} is above "
                          f"{MAX_ASPECT_RATIO}")
@@ -326,6 +363,7 @@ class Gemma4ImageProcessor(_Settings):
     def target_size(self, height: int, width: int) -> tuple[int, int]:
         """The largest size that keeps the aspect ratio, has at most ``max_soft_tokens * k^2`` patches and
         sides that are multiples of ``k * patch`` (transformers' rule, edge cases included)."""
+        _check_size(width, height, "the image")
         if not self.do_resize:
             return height, width
         k, p = self.pooling_kernel_size, self.patch_size

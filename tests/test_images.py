@@ -6,6 +6,8 @@ from __future__ import annotations
 import base64
 import io
 import json
+import struct
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +15,7 @@ import pytest
 from PIL import Image
 
 from mlxchat.errors import CheckpointError, ImageError
-from mlxchat.images import Gemma4ImageProcessor, Qwen2VLImageProcessor, image_url_source, load_image
+from mlxchat.images import Gemma4ImageProcessor, Qwen2VLImageProcessor, as_data_url, image_url_source, load_image
 
 from conftest import fixture_path, loaded, reference
 
@@ -135,3 +137,39 @@ def test_qwen_size_spelling_and_explicit_pixels() -> None:
     assert (sized.min_pixels, sized.max_pixels) == (100, 200)
     both = Qwen2VLImageProcessor.from_config({"size": {"shortest_edge": 100, "longest_edge": 200}, "max_pixels": 300})
     assert both.max_pixels == 300
+
+
+def _png_with_chunk(kind: bytes, data: bytes) -> bytes:
+    png = _png(Image.new("RGB", (8, 8), (10, 20, 30)))
+    chunk = struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+    return png[:33] + chunk + png[33:]  # after IHDR
+
+
+def _gif_declaring(width: int, height: int) -> bytes:
+    """A 1 x 1 GIF whose logical screen is ``width`` x ``height`` (tens of bytes that decode to gigabytes)."""
+    screen = b"GIF89a" + struct.pack("<HH", width, height) + b"\x80\x00\x00" + b"\x00\x00\x00\xff\xff\xff"
+    image = b"\x2c" + struct.pack("<HHHH", 0, 0, 1, 1) + b"\x00" + b"\x02\x02\x44\x01\x00"
+    return screen + image + b"\x3b"
+
+
+def test_hostile_or_unusual_images_are_image_errors_or_read(tmp_path: Path) -> None:
+    """Each of these escaped as a raw exception (a 500 behind the server) or cost seconds and gigabytes: a
+    damaged EXIF block, a decoder outside the formats read (DDS), a screen declared past MAX_PIXELS, an image of
+    no pixels, a device or FIFO as a path; a CMYK image from Pillow is read as any other."""
+    for data in (_png_with_chunk(b"eXIf", b"garbage-garbage"), _png_with_chunk(b"eXIf", b"II*\x00\x08\x00\x00")):
+        assert load_image(data).size == (8, 8)  # its orientation unreadable: taken as it is
+    dds = io.BytesIO()
+    Image.new("RGBA", (16, 16)).save(dds, "DDS")
+    for bad, message in ((dds.getvalue(), "not a readable image"), (_gif_declaring(9400, 9400), "more than the"),
+                         (Image.new("RGB", (0, 0)), "shows nothing"), ("/dev/zero", "no such image file")):
+        with pytest.raises(ImageError, match=message):
+            load_image(bad)
+        with pytest.raises(ImageError, match=message):
+            as_data_url(bad)
+    with pytest.raises(ImageError, match="shows nothing"):
+        Qwen2VLImageProcessor.from_config({}).count_tokens(0, 10)
+    cmyk = Image.new("CMYK", (8, 8), (0, 50, 100, 0))
+    assert load_image(as_data_url(cmyk)).size == (8, 8)
+    with pytest.raises(ImageError, match="not a readable image") as caught:
+        load_image(b"not an image at all")
+    assert " at 0x" not in str(caught.value)  # no object addresses for a client to read

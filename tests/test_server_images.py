@@ -87,6 +87,22 @@ def test_images_are_refused_for_a_model_that_reads_none(path: str) -> None:
         assert answer.status_code == 400 and "reads no images" in answer.text
 
 
+@pytest.mark.parametrize("path", list(IMAGE_PARTS))
+def test_a_request_carries_at_most_so_many_images(path: str) -> None:
+    """Each image is decoded and resized before the turn: a request of hundreds of tiny files declaring large
+    screens cost minutes of CPU before its context check refused it."""
+    with serving("qwen3_5_vl") as served:
+        answer = ask(served, path, IMAGE_PARTS[path])
+        assert answer.status_code == 200
+        many = {"/v1/chat/completions": "messages", "/v1/responses": "input", "/v1/messages": "messages"}[path]
+        content = [IMAGE_PARTS[path]] * (images.MAX_IMAGES + 1) + [
+            {"type": "input_text" if path == "/v1/responses" else "text", "text": QUESTION}]
+        answer = httpx.post(served.url + path, json={"model": "tiny", many: [{"role": "user", "content": content}],
+                                                     "max_tokens" if path != "/v1/responses" else
+                                                     "max_output_tokens": 4}, timeout=120)
+        assert answer.status_code == 400 and f"at most {images.MAX_IMAGES} images" in answer.text
+
+
 # -- remote images -------------------------------------------------------------------------------------
 
 class Site:

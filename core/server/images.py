@@ -35,6 +35,9 @@ from .guard import ascii_digits
 FETCH_DEADLINE = 10.0
 """Seconds the remote images of one request may take in all (resolving, connecting, redirects, reading)."""
 MAX_REMOTE_IMAGES = 8
+MAX_IMAGES = 32
+"""The most images a request may carry (each decoded and resized before the turn: 200 tiny files declaring huge
+screens took minutes of CPU)."""
 """Remote images one request may name."""
 MAX_REDIRECTS = 3
 FETCH_THREADS = 4
@@ -46,12 +49,15 @@ Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 def check_images(messages: list[dict[str, Any]], *, allow_remote: bool, reads_images: bool) -> list[dict[str, Any]]:
     """Check every ``image_url`` part of ``messages``: refuse images for a model that reads none, and URLs
     that are neither ``data:`` nor (when allowed) ``http(s)``. The parts whose remote URL is to be fetched."""
-    remote = []
+    remote, count = [], 0
     for message in messages:
         content = message.get("content")
         for part in content if isinstance(content, list) else []:
             if part.get("type") != "image_url":
                 continue
+            count += 1
+            if count > MAX_IMAGES:
+                raise ApiError(400, f"a request may carry at most {MAX_IMAGES} images", param="messages")
             if not reads_images:
                 raise ApiError(400, "this model reads no images (send text)", param="messages")
             url = part.get("image_url")

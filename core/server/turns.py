@@ -185,7 +185,7 @@ class Turn:
             self.session = self.state.model.chat_session(tools=self.tools, cache=self.cache,
                                                          context_policy=self.context_policy,
                                                          prefix_cache=self.state.pool.prefixes)
-            self.session.prime_history(self.messages)
+            await asyncio.to_thread(self.session.prime_history, self.messages)  # images are read: not on the loop
             self._begin(self.session.start_from_history_stream(config=self.config, tool_choice=self.tool_choice))
             self.state.turns.add(self)
         except (MlxchatError, ValueError) as exc:
