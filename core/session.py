@@ -455,6 +455,8 @@ class ChatSession:
                            shape=shape)
 
     def _with_images(self, text: str, images: Sequence[ImageSource]) -> list[dict[str, Any]]:
+        if isinstance(images, str | bytes | os.PathLike) or not isinstance(images, Sequence):
+            raise ImageError(f"images is a list of images, got {type(images).__name__} (wrap one image in a list)")
         parts = [self._image_part(image) for image in images]
         for part in parts:
             self._turns.planner.processed(part["image"])  # read here: a bad image fails the call, not the turn

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 import mlxchat
-from mlxchat import GenerationConfig, InvalidInputError, ModelClosedError, MultimodalPrompt, tool
+from mlxchat import GenerationConfig, ImageError, InvalidInputError, ModelClosedError, MultimodalPrompt, tool
 
 
 @pytest.fixture(scope="module")
@@ -138,3 +138,10 @@ def test_a_config_that_builds_no_model_is_a_checkpoint_error(tmp_path) -> None:
     (folder / "config.json").write_text(json.dumps({**config, "num_attention_heads": 0}))
     with pytest.raises(mlxchat.CheckpointError, match="cannot be built"):
         mlxchat.load_model(folder)
+
+
+def test_one_image_not_in_a_list_is_refused_rather_than_read_a_character_at_a_time(model) -> None:
+    session = model.chat_session()
+    with pytest.raises(ImageError, match="wrap one image in a list"):
+        session.send("hi", images="data:image/png;base64,AAAA")  # type: ignore[arg-type]
+    assert not session.messages
