@@ -32,12 +32,15 @@ first, or start Python with ``LD_PRELOAD`` naming the route.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import ctypes.util
 import importlib.util
 import os
 import platform
 import sys
+import threading
+import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -243,6 +246,7 @@ def _use(path: str, origin: str) -> bool:
         ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
     _state.library = f"{version} ({origin}{', 64-bit integers' if width == 64 else ''})"
     _state.path = path
+    atexit.register(_settle_threads)
     _state.gemv_route = route is not None and gemv
     _state._route = route
     chosen = ctypes.cast(route.cblas_sgemm if route is not None else ctypes.CDLL(path).cblas_sgemm, ctypes.c_void_p)
@@ -250,6 +254,23 @@ def _use(path: str, origin: str) -> bool:
     if owner is not None and ctypes.cast(ctypes.CDLL(None).cblas_sgemm, ctypes.c_void_p).value != chosen.value:
         _lost_to(owner, path, route)
     return True
+
+
+def _settle_threads(limit: float = 0.5) -> None:
+    """At exit, wait (``limit`` seconds at most) until no other thread of the process is running. OpenBLAS
+    0.3.21's threads spin for ~0.1 s after each product, then sleep; one whose spin ends while OpenBLAS shuts
+    down at exit (after Python's own exit hooks) overwrites the shutdown's wakeup and sleeps for ever, and the
+    exit waits for it for ever (seen once in 150 runs of ``mlxchat generate``): asleep before, they wake."""
+    own, until = threading.get_native_id(), time.monotonic() + limit
+    while time.monotonic() < until:
+        try:
+            states = [(Path("/proc/self/task") / task / "stat").read_text().rsplit(")", 1)[1].split()[0]
+                      for task in os.listdir("/proc/self/task") if int(task) != own]
+        except (OSError, IndexError, ValueError):  # a thread that ended while being read: look again
+            continue
+        if "R" not in states:
+            return
+        time.sleep(0.005)
 
 
 def on_gpu() -> bool:
