@@ -3,7 +3,10 @@
 // beyond the API key (localStorage) and the open conversation (the URL's #fragment).
 "use strict";
 
-const $ = (id) => document.getElementById(id);
+// The page's own elements by id, taken once before anything is rendered: rendered content can carry ids (a reply
+// holding <textarea id="message" hidden> took the composer's place for getElementById, and Enter sent its text).
+const elements = new Map();
+const $ = (id) => elements.get(id);
 const page = {
   id: null, state: null, info: null, watching: null, images: [], localError: null,
   rendered: new Map(), // message id -> [signature, element]
@@ -150,11 +153,21 @@ function show(state) {
 
 // -- rendering -------------------------------------------------------------------------------------------
 
+// What rendered Markdown may hold besides DOMPurify's defaults' limits: no ids or names of the page's own
+// (prefixed user-content-), no controls or dialogs, no classes or data attributes that would style it as the
+// page's own parts (a user bubble, an approval box), nothing that opens above the page (popovers).
+const SANITIZE = {
+  SANITIZE_NAMED_PROPS: true,
+  ALLOW_DATA_ATTR: false,
+  FORBID_TAGS: ["form", "input", "textarea", "button", "select", "option", "label", "dialog", "style"],
+  FORBID_ATTR: ["class", "popover", "popovertarget", "popovertargetaction", "form", "autofocus"],
+};
+
 function markdown(text) {
   const html = marked.parse(text || "", {gfm: true, async: false});
   const container = document.createElement("div");
   container.className = "body";
-  container.innerHTML = DOMPurify.sanitize(html);
+  container.innerHTML = DOMPurify.sanitize(html, SANITIZE);
   return container;
 }
 
@@ -366,6 +379,7 @@ function attach(files) {
 }
 
 document.addEventListener("DOMContentLoaded", () => {
+  for (const node of document.querySelectorAll("[id]")) elements.set(node.id, node);
   $("composer").addEventListener("submit", (e) => { e.preventDefault(); send(); });
   $("message").addEventListener("keydown", (e) => {
     if (e.key === "Enter" && !e.shiftKey && !e.isComposing) { e.preventDefault(); send(); }
