@@ -207,8 +207,8 @@ def restore_session(session_class: Any, model: Any, path: str | os.PathLike[str]
                                                       if name in options}))
     except InvalidInputError as exc:  # a saved setting this model cannot take (tools, for one without a format)
         session.close()
-        raise SavedStateError(f"{path}: cannot be resumed over this model ({exc}); give the setting again (for "
-                              "tools: tools=[] drops them)") from None
+        hint = "; tools=[] drops the saved tools" if "tools" in str(exc) else "; give that setting again"
+        raise SavedStateError(f"{path}: cannot be resumed over this model ({exc}){hint}") from None
     return session
 
 

@@ -476,6 +476,8 @@ def test_examples_from_outside_are_checked_before_mlx_sees_them() -> None:
                 train(model, [*good, bad], config)
         with pytest.raises(InvalidInputError, match="outside the vocabulary"):
             evaluate(model.module, [Example([vocab, 1, 2], [True] * 3)])
+        with pytest.raises(InvalidInputError, match="no eval targets"):
+            train(model, good, config, eval_examples=[Example([1, 2, 3], [False] * 3)])
 
 
 def test_an_adapter_with_dropout_is_deterministic_at_inference(qwen3) -> None:

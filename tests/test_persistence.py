@@ -229,7 +229,7 @@ def test_a_session_saved_with_tools_resumed_where_the_template_takes_none_says_w
     session.save(tmp_path / "tools.session")
     with mlxchat.load_model(folder) as model:
         assert not model.supports_tools
-        with pytest.raises(SavedStateError, match="takes no tools .* tools=\\[\\] drops them"):
+        with pytest.raises(SavedStateError, match="takes no tools .* tools=\\[\\] drops the saved tools"):
             mlxchat.ChatSession.load(model, tmp_path / "tools.session")
         resumed = mlxchat.ChatSession.load(model, tmp_path / "tools.session", tools=[])
         assert [m.content for m in resumed.messages] == [m.content for m in session.messages]

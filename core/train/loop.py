@@ -150,6 +150,8 @@ def train(
     check_examples(module, eval_examples, "eval example", context)
     if not examples or not any(any(e.mask[1:]) for e in examples):
         raise InvalidInputError("no training targets: every example's loss mask is empty")
+    if eval_examples and not any(any(e.mask[1:]) for e in eval_examples):
+        raise InvalidInputError("no eval targets: every eval example's loss mask is empty (its loss would read 0)")
     rng = np.random.default_rng(config.seed)
     optimizer = make_optimizer(config)
     grad_fn = nn.value_and_grad(module, masked_loss)
