@@ -207,7 +207,8 @@ def restore_session(session_class: Any, model: Any, path: str | os.PathLike[str]
                                                       if name in options}))
     except InvalidInputError as exc:  # a saved setting this model cannot take (tools, for one without a format)
         session.close()
-        hint = "; tools=[] drops the saved tools" if "tools" in str(exc) else "; give that setting again"
+        hint = "; tools=[] drops the saved tools" if state.tools and "tools" not in options else \
+            "; give that setting again"
         raise SavedStateError(f"{path}: cannot be resumed over this model ({exc}){hint}") from None
     return session
 

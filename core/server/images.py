@@ -35,10 +35,10 @@ from .guard import ascii_digits
 FETCH_DEADLINE = 10.0
 """Seconds the remote images of one request may take in all (resolving, connecting, redirects, reading)."""
 MAX_REMOTE_IMAGES = 8
+"""Remote images one request may name."""
 MAX_IMAGES = 32
 """The most images a request may carry (each decoded and resized before the turn: 200 tiny files declaring huge
 screens took minutes of CPU)."""
-"""Remote images one request may name."""
 MAX_REDIRECTS = 3
 FETCH_THREADS = 4
 _fetchers = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="mlxchat-image-fetch")

@@ -99,12 +99,12 @@ def load_state(folder: str | os.PathLike[str], module: nn.Module, optimizer: opt
     except ValidationError as exc:
         raise CheckpointError(f"{out}: the checkpoint's log is damaged ({exc.error_count()} errors)") from None
     params = {k[len("params."):]: v for k, v in tensors.items() if k.startswith("params.")}
-    if not _fits(params, dict(_flat(module.trainable_parameters()))):
+    if not arrays_fit(params, dict(_flat(module.trainable_parameters()))):
         raise CheckpointError(f"{out}: the checkpoint's trainable weights do not fit this model (another model, or "
                               "other adapter settings): start in a new folder")
     optimizer.init(module.trainable_parameters())  # the fresh state the saved one must match (shapes as params')
     moments = {k[len("optimizer."):]: v for k, v in tensors.items() if k.startswith("optimizer.")}
-    if not _fits(moments, dict(_flat(optimizer.state))):
+    if not arrays_fit(moments, dict(_flat(optimizer.state))):
         raise CheckpointError(f"{out}: the checkpoint's optimizer state does not fit this run (damaged, or another "
                               "optimizer): start in a new folder")
     module.update(tree_unflatten(list(params.items())))
@@ -113,7 +113,7 @@ def load_state(folder: str | os.PathLike[str], module: nn.Module, optimizer: opt
     return info, log
 
 
-def _fits(saved: dict[str, mx.array], expected: dict[str, mx.array]) -> bool:
+def arrays_fit(saved: dict[str, mx.array], expected: dict[str, mx.array]) -> bool:
     """Whether ``saved`` holds exactly the arrays ``expected`` names, each of its shape and dtype."""
     return set(saved) == set(expected) and all(
         saved[k].shape == expected[k].shape and saved[k].dtype == expected[k].dtype for k in expected)

@@ -33,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..errors import CheckpointError, InvalidInputError, RewardError, TrainingDivergedError
 from ..limits import check_depth, check_strings
 from ..model import GenerativeModel
-from .checkpoints import load_state, save_state
+from .checkpoints import arrays_fit, load_state, save_state
 from .loop import MAX_STEPS, TrainConfig, check_finite, checkpoint_layers, make_optimizer
 from .rewards import Reward
 
@@ -348,9 +348,7 @@ def _load_reference(folder: str | os.PathLike[str], state: dict[str, Any], modul
         saved = cast(dict[str, mx.array], mx.load(str(path)))
     except (OSError, RuntimeError, ValueError) as exc:
         raise CheckpointError(f"{path}: cannot read the run's reference weights: {exc}") from exc
-    mine = dict(tree_flatten(module.trainable_parameters()))
-    if set(saved) != set(mine) or any(saved[k].shape != mine[k].shape or saved[k].dtype != mine[k].dtype
-                                      for k in mine):
+    if not arrays_fit(saved, dict(tree_flatten(module.trainable_parameters()))):
         raise CheckpointError(f"{path}: the reference weights are not the trainable weights of this model and "
                               "adapter (damaged, or from another run)")
     return tree_unflatten(list(saved.items()))
