@@ -3,7 +3,8 @@ mlxchat and mlx-lm side by side on the same checkpoints, the same token ids and 
 
 Each engine runs 120 random token ids through fresh caches in chunks of 24, 5, 60 and 3 tokens, then one at a
 time (groups of 32 fill inside chunks and between steps), once with float KV and once with 8- and 4-bit KV
-(groups of 32), and reports the largest absolute logit difference over every position. mlxchat keeps the
+(groups of 32), and reports the largest absolute logit difference over every position. mlxchat's float16 KV
+(no groups) is the yardstick: how far rounding the cache to float16 alone moves the same logits. mlxchat keeps the
 newest tokens in float until a group fills and pads a head narrower than a group; mlx-lm's
 ``QuantizedKVCache`` quantizes every token at once and refuses a head narrower than a group. The default
 checkpoints are the test fixtures (random weights, float32). Writes ``results/kv_error.{json,md}``.
@@ -52,7 +53,7 @@ def mlxchat_errors(folder: Path, ids: list[int]) -> dict[int, float]:
             return model.worker.run(logits, lambda chunk: model.module(mx.array(chunk)[None], cache)[0], ids)
 
         reference = run(None)
-        return {bits: float(np.abs(run(bits) - reference).max()) for bits in (8, 4)}
+        return {bits: float(np.abs(run(bits) - reference).max()) for bits in (16, 8, 4)}
 
 
 def mlx_lm_errors(folder: Path, ids: list[int]) -> dict[int, float]:
@@ -103,14 +104,17 @@ def markdown(results: dict[str, Any]) -> list[str]:
     def cell(value: Any, bits: int) -> str:
         return f"{value[bits]:.2e}" if isinstance(value, dict) else "did not run"
 
+    def cells(row: dict[str, Any], *columns: tuple[str, int]) -> str:
+        return " | ".join(cell(row[engine], bits) for engine, bits in columns)
+
     lines = ["# Quantized KV: largest logit difference from float KV, mlxchat and mlx-lm", "",
              f"Command `{results['command']}`; {LENGTH} random token ids in chunks of "
              f"{', '.join(map(str, CHUNKS))}, then one at a time; groups of {GROUP}; float32 weights.", "",
-             "| checkpoint | mlxchat 8-bit | mlx-lm 8-bit | mlxchat 4-bit | mlx-lm 4-bit |",
-             "| --- | ---: | ---: | ---: | ---: |"]
+             "| checkpoint | mlxchat float16 | mlxchat 8-bit | mlx-lm 8-bit | mlxchat 4-bit | mlx-lm 4-bit |",
+             "| --- | ---: | ---: | ---: | ---: | ---: |"]
     for row in results["rows"]:
-        lines.append(f"| {row['checkpoint']} | {cell(row['mlxchat'], 8)} | {cell(row['mlx-lm'], 8)} | "
-                     f"{cell(row['mlxchat'], 4)} | {cell(row['mlx-lm'], 4)} |")
+        columns = cells(row, ("mlxchat", 16), ("mlxchat", 8), ("mlx-lm", 8), ("mlxchat", 4), ("mlx-lm", 4))
+        lines.append(f"| {row['checkpoint']} | {columns} |")
     failures = [f"- {engine} on {row['checkpoint']}: {row[engine]}" for row in results["rows"]
                 for engine in ("mlxchat", "mlx-lm") if not isinstance(row[engine], dict)]
     return lines + (["", "Did not run:", "", *failures] if failures else [])
