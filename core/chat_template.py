@@ -296,7 +296,10 @@ def read_template_source(folder: Path) -> str | None:
     ``tokenizer_config.json`` (a string, or a list of named templates of which ``default`` is used)."""
     jinja_file = folder / "chat_template.jinja"
     if jinja_file.exists():
-        return jinja_file.read_text(encoding="utf-8")
+        try:
+            return jinja_file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise CheckpointError(f"{jinja_file}: cannot read the chat template ({exc})") from exc
     for name in ("chat_template.json", "tokenizer_config.json"):
         value = read_json(folder / name, required=False).get("chat_template")
         if isinstance(value, str):

@@ -46,13 +46,18 @@ def resolve_checkpoint(path_or_repo: str | os.PathLike[str], revision: str | Non
 
 
 def read_json(path: Path, *, required: bool = True) -> dict[str, Any]:
+    """A JSON object file of a checkpoint; ``{}`` for a missing optional one. One that cannot be read (a folder,
+    a broken link), is not JSON, nests too deep for the parser or writes an integer of more digits than Python
+    converts is a :class:`CheckpointError` naming it."""
     if not path.exists():
         if required:
             raise CheckpointError(f"{path}: file not found")
         return {}
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read ({exc.strerror or exc})") from exc
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise CheckpointError(f"{path}: malformed JSON ({exc})") from exc
     if not isinstance(data, dict):
         raise CheckpointError(f"{path}: expected a JSON object at top level")
@@ -66,6 +71,9 @@ def weight_files(folder: Path) -> list[Path]:
         weight_map = read_json(index).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise CheckpointError(f"{index}: no weight_map")
+        for name in weight_map.values():
+            if not isinstance(name, str) or not name or Path(name).is_absolute() or ".." in Path(name).parts:
+                raise CheckpointError(f"{index}: shard {name!r} is not the name of a file in the checkpoint folder")
         files = [folder / name for name in sorted(set(weight_map.values()))]
         for file in files:
             if not file.exists():
@@ -82,17 +90,21 @@ def weight_files(folder: Path) -> list[Path]:
 
 def check_safetensors(path: Path) -> dict[str, Any]:
     """Validate a safetensors file's header against its size; return the header."""
-    size = path.stat().st_size
     try:
+        size = path.stat().st_size
         with path.open("rb") as f:
             (header_len,) = struct.unpack("<Q", f.read(8))
             if header_len > size - 8:
                 raise ValueError(f"header of {header_len} bytes in a {size}-byte file")
             header = json.loads(f.read(header_len))
+        if not isinstance(header, dict):
+            raise TypeError(f"the header is a JSON {type(header).__name__}, not an object")
         end = 8 + header_len + max(
             (v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0
         )
-    except (struct.error, ValueError, KeyError, TypeError) as exc:
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read ({exc.strerror or exc})") from exc
+    except (struct.error, ValueError, KeyError, TypeError, RecursionError) as exc:
         raise CheckpointError(f"{path}: corrupt safetensors file ({exc})") from exc
     if end > size:
         raise CheckpointError(

@@ -94,6 +94,49 @@ def test_corrupt_safetensors_is_named(checkpoint: Path) -> None:
         mlxchat.load_model(checkpoint)
 
 
+def test_a_safetensors_header_that_is_no_object_or_nests_too_deep_is_named(checkpoint: Path) -> None:
+    path = checkpoint / "model.safetensors"
+    for header in (b"[1, 2]", b"[" * 100_000 + b"]" * 100_000):
+        path.write_bytes(len(header).to_bytes(8, "little") + header)
+        with pytest.raises(CheckpointError, match=r"model\.safetensors: corrupt safetensors file"):
+            mlxchat.load_model(checkpoint)
+
+
+def test_weights_that_cannot_be_read_are_named(checkpoint: Path) -> None:
+    path = checkpoint / "model.safetensors"
+    path.unlink()
+    path.symlink_to(checkpoint / "gone.safetensors")
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: cannot read \(No such file"):
+        mlxchat.load_model(checkpoint)
+    path.unlink()
+    path.mkdir()
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: cannot read \(Is a directory"):
+        mlxchat.load_model(checkpoint)
+
+
+@pytest.mark.parametrize("shard", ["../other/model.safetensors", "/etc/passwd", 5, ""])
+def test_a_shard_index_may_name_only_files_inside_the_checkpoint(checkpoint: Path, shard) -> None:
+    (checkpoint / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"model.norm.weight": shard}}))
+    with pytest.raises(CheckpointError, match=r"index\.json: shard .* is not the name of a file in the checkpoint"):
+        mlxchat.load_model(checkpoint)
+
+
+def test_json_files_that_are_folders_nest_too_deep_or_are_not_utf8_are_named(checkpoint: Path) -> None:
+    config = (checkpoint / "config.json").read_text()
+    (checkpoint / "config.json").write_text(config.rstrip()[:-1] + ', "x": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    with pytest.raises(CheckpointError, match=r"config\.json: malformed JSON \(maximum recursion depth"):
+        mlxchat.load_model(checkpoint)
+    (checkpoint / "config.json").write_text(config)
+    (checkpoint / "generation_config.json").unlink()
+    (checkpoint / "generation_config.json").mkdir()
+    with pytest.raises(CheckpointError, match=r"generation_config\.json: cannot read \(Is a directory"):
+        mlxchat.load_model(checkpoint)
+    (checkpoint / "generation_config.json").rmdir()
+    (checkpoint / "chat_template.jinja").write_bytes(b"\xff{{ messages }}")
+    with pytest.raises(CheckpointError, match=r"chat_template\.jinja: cannot read the chat template"):
+        mlxchat.load_model(checkpoint)
+
+
 def test_unsupported_quantization(checkpoint: Path) -> None:
     edit_config(checkpoint, quantization_config={"quant_method": "gptq", "bits": 4})
     with pytest.raises(UnsupportedQuantizationError, match="'gptq' is not supported"):
