@@ -17,13 +17,14 @@ from .errors import CheckpointError
 class RopeConfig(BaseModel):
     """Rotary embedding parameters (transformers 5 ``rope_parameters``; 4.x ``rope_theta`` + ``rope_scaling``)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     rope_type: str = "default"
-    rope_theta: float = 10000.0
-    partial_rotary_factor: float = 1.0
-    factor: float | None = None
-    original_max_position_embeddings: int | None = None
+    rope_theta: float = Field(10000.0, gt=0)
+    partial_rotary_factor: float = Field(1.0, gt=0, le=1)
+    """Share of a head's features that rotate: more than all of them would rotate features past the head's."""
+    factor: float | None = Field(None, gt=0)
+    original_max_position_embeddings: int | None = Field(None, gt=0)
     # yarn
     beta_fast: float | None = None
     beta_slow: float | None = None
@@ -45,6 +46,9 @@ class RopeConfig(BaseModel):
 
 def normalize_rope(raw: dict[str, Any], default_theta: float = 10000.0) -> dict[str, Any]:
     """One ``rope_parameters`` dict from either dialect (4.x top-level keys win only where 5.x has none)."""
+    for key in ("rope_parameters", "rope_scaling"):
+        if raw.get(key) is not None and not isinstance(raw[key], dict):
+            raise CheckpointError(f"config.json: {key} must be a JSON object, got {type(raw[key]).__name__}")
     params = dict(raw.get("rope_parameters") or {})
     scaling = raw.get("rope_scaling") or {}
     for key, value in scaling.items():
@@ -69,7 +73,7 @@ class ModelConfig(BaseModel):
     KV heads. A subclass's own ``mode="before"`` validators run first and can set other defaults.
     """
 
-    model_config = ConfigDict(extra="ignore", frozen=True)
+    model_config = ConfigDict(extra="ignore", frozen=True, allow_inf_nan=False)
 
     model_type: str
     vocab_size: int = Field(gt=0)
@@ -106,6 +110,10 @@ class ModelConfig(BaseModel):
 
     @model_validator(mode="after")
     def _shared_checks(self) -> ModelConfig:
+        if self.max_position_embeddings < 1:
+            raise ValueError(f"max_position_embeddings must be at least 1, got {self.max_position_embeddings}")
+        if self.rms_norm_eps < 0:
+            raise ValueError(f"rms_norm_eps must not be negative, got {self.rms_norm_eps}")
         types = getattr(self, "layer_types", None)
         if types is not None and len(types) != self.num_hidden_layers:
             raise ValueError(f"layer_types has {len(types)} entries for {self.num_hidden_layers} layers")
@@ -118,6 +126,9 @@ class ModelConfig(BaseModel):
     @classmethod
     def from_hf(cls, raw: dict[str, Any], *, default_theta: float = 10000.0) -> ModelConfig:
         """Validate a ``config.json`` dict, reading the text model out of a multimodal wrapper."""
+        if raw.get("text_config") is not None and not isinstance(raw["text_config"], dict):
+            raise CheckpointError(f"config.json: text_config must be a JSON object, got "
+                                  f"{type(raw['text_config']).__name__}")
         text = dict(raw.get("text_config") or {})
         merged = {**{k: v for k, v in raw.items() if k != "text_config"}, **text}
         if text:

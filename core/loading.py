@@ -29,7 +29,7 @@ from .checkpoint import (
 )
 from .config import ModelConfig
 from .distributed.watchdog import DEFAULT_TIMEOUT
-from .errors import CheckpointError, DistributedError, UnsupportedQuantizationError
+from .errors import CheckpointError, DistributedError, InvalidInputError, UnsupportedQuantizationError
 from .generation import GenerationConfig
 from .images import ImageProcessor
 from .layers.fused import fuse_projections
@@ -128,9 +128,13 @@ def load_model(
     folder = resolve_checkpoint(path_or_repo, revision)
     raw = read_json(folder / "config.json")
     arch = registry().architecture_for_config(raw)
-    if not any(name.endswith("lm_head.weight") for name in tensor_names(folder)):
+    names = tensor_names(folder)
+    if not any(name.endswith("lm_head.weight") for name in names):
         raw = _tied(raw)
     config = arch.config_class.from_hf(raw)
+    if config.num_hidden_layers > len(names):  # (building that many layers would take minutes, or all memory)
+        raise CheckpointError(f"{folder}/config.json: num_hidden_layers is {config.num_hidden_layers}, but the weights "
+                              f"hold {len(names)} tensors, fewer than one a layer")
     quantization = _quantization(raw)
 
     def prepare(module: Any, weights: dict[str, mx.array]) -> tuple[dict[str, mx.array], mx.Dtype]:
@@ -183,8 +187,8 @@ def load_model(
         architecture=arch,
         tokenizer=tokenizer,
         chat_template=template,
-        defaults=_defaults(generation),
-        eos_ids=_eos_ids(raw, generation, tokenizer, arch),
+        defaults=_defaults(generation, folder / "generation_config.json"),
+        eos_ids=_eos_ids(raw, generation, tokenizer, arch, config.vocab_size),
         worker=worker,
         path=folder,
         dtype=target,
@@ -217,7 +221,7 @@ def _module(arch: Architecture, config: ModelConfig, where: str) -> Any:
     factor: a division by zero or an impossible shape) is a :class:`CheckpointError` naming ``where``."""
     try:
         return arch.model_class(config)
-    except (ZeroDivisionError, ValueError, TypeError, IndexError) as exc:
+    except (ArithmeticError, ValueError, TypeError, IndexError) as exc:  # (OverflowError: a size past MLX's int32)
         raise CheckpointError(f"{where} describes a model that cannot be built ({type(exc).__name__}: {exc})") from exc
 
 
@@ -298,7 +302,7 @@ def build_model(
         tokenizer=tok,
         chat_template=template,
         defaults=GenerationConfig(),
-        eos_ids=_eos_ids(raw, {}, tok, arch),
+        eos_ids=_eos_ids(raw, {}, tok, arch, model_config.vocab_size, strict=False),
         worker=worker,
         dtype=target,
     )
@@ -557,27 +561,39 @@ def _given_tokenizer(
     return tok, ChatTemplate(source, tok) if source else None
 
 
-def _as_list(value: Any) -> list[int]:
-    if value is None:
-        return []
-    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+def _eos_list(value: Any, where: str, vocab_size: int, strict: bool) -> list[int]:
+    """An ``eos_token_id`` (one id or a list of them) as a list of the model's token ids; anything but integers is a
+    :class:`CheckpointError` naming ``where``, and so is an id past the vocabulary when ``strict`` (it would index
+    the logits' masks out of range; :func:`build_model` drops those of a named config whose vocabulary was cut)."""
+    values = [] if value is None else value if isinstance(value, list) else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and (0 <= v < vocab_size or not strict) for v in values):
+        raise CheckpointError(f"{where}: eos_token_id {value!r} is not a token id of this model (an integer from 0 "
+                              f"to {vocab_size - 1}, or a list of them)")
+    return [v for v in values if 0 <= v < vocab_size]
 
 
-def _eos_ids(raw: dict[str, Any], generation: dict[str, Any], tokenizer: Tokenizer, arch: Architecture) -> set[int]:
-    ids = set(_as_list(generation.get("eos_token_id"))) | set(_as_list(raw.get("eos_token_id")))
+def _eos_ids(raw: dict[str, Any], generation: dict[str, Any], tokenizer: Tokenizer, arch: Architecture,
+             vocab_size: int, strict: bool = True) -> set[int]:
+    ids = set(_eos_list(generation.get("eos_token_id"), "generation_config.json", vocab_size, strict))
+    ids |= set(_eos_list(raw.get("eos_token_id"), "config.json", vocab_size, strict))
     text = raw.get("text_config")
     if isinstance(text, dict):
-        ids |= set(_as_list(text.get("eos_token_id")))
+        ids |= set(_eos_list(text.get("eos_token_id"), "config.json", vocab_size, strict))
     for token in (tokenizer.eos_token, *arch.chat.stop_tokens):
         token_id = tokenizer.token_id(token) if token else None
-        if token_id is not None:
+        if token_id is not None and token_id < vocab_size:  # (a tokenizer's token past the logits is never sampled)
             ids.add(token_id)
     return ids
 
 
-def _defaults(generation: dict[str, Any]) -> GenerationConfig:
+def _defaults(generation: dict[str, Any], where: Path) -> GenerationConfig:
+    """The sampling settings of ``generation_config.json``; one out of range is a :class:`CheckpointError` naming
+    the file (not the caller's settings)."""
     keys = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
     values = {k: generation[k] for k in keys if generation.get(k) is not None}
     if generation.get("do_sample") is False:
         values["temperature"] = 0.0
-    return GenerationConfig().merged(values)
+    try:
+        return GenerationConfig().merged(values)
+    except InvalidInputError as exc:
+        raise CheckpointError(f"{where}: {exc}") from exc

@@ -137,6 +137,44 @@ def test_json_files_that_are_folders_nest_too_deep_or_are_not_utf8_are_named(che
         mlxchat.load_model(checkpoint)
 
 
+@pytest.mark.parametrize("changes, problem", [
+    ({"text_config": "qwen3"}, "text_config must be a JSON object"),
+    ({"rope_scaling": ["linear", 2]}, "rope_scaling must be a JSON object"),
+    ({"rope_parameters": {"rope_type": "linear", "factor": 1e308}}, "stretches max_position_embeddings .* past any"),
+    ({"hidden_size": 10**12}, "cannot be built \\(OverflowError"),
+    ({"num_hidden_layers": 10**9}, "num_hidden_layers is 1000000000, but the weights hold"),
+])
+def test_config_values_that_break_the_loader_are_checkpoint_errors(checkpoint: Path, changes, problem) -> None:
+    edit_config(checkpoint, **changes)
+    with pytest.raises(CheckpointError, match=problem):
+        mlxchat.load_model(checkpoint)
+
+
+@pytest.mark.parametrize("changes", [
+    {"rope_parameters": {"rope_theta": 0}}, {"rope_parameters": {"rope_theta": -1.0}},
+    {"rope_parameters": {"rope_theta": float("inf")}}, {"rms_norm_eps": float("nan")}, {"rms_norm_eps": -1e-6},
+    {"max_position_embeddings": 0}, {"partial_rotary_factor": 2.0}, {"rope_parameters": {"factor": 0}},
+    {"rope_parameters": {"rope_type": "yarn", "factor": -4}},
+])
+def test_config_values_that_give_nan_logits_or_no_context_are_refused_at_load(checkpoint: Path, changes) -> None:
+    edit_config(checkpoint, **changes)
+    with pytest.raises(CheckpointError, match="does not describe a valid Qwen3Config"):
+        mlxchat.load_model(checkpoint)
+
+
+@pytest.mark.parametrize("eos", [99999, -1, [2, 512], "2", [[2]], True])
+def test_an_eos_token_id_outside_the_vocabulary_is_named_at_load(checkpoint: Path, eos) -> None:
+    edit_config(checkpoint, eos_token_id=eos)
+    with pytest.raises(CheckpointError, match=r"config\.json: eos_token_id .* is not a token id of this model"):
+        mlxchat.load_model(checkpoint)
+
+
+def test_generation_config_settings_out_of_range_name_the_file(checkpoint: Path) -> None:
+    (checkpoint / "generation_config.json").write_text(json.dumps({"temperature": -1, "do_sample": True}))
+    with pytest.raises(CheckpointError, match=r"generation_config\.json: .*temperature"):
+        mlxchat.load_model(checkpoint)
+
+
 def test_unsupported_quantization(checkpoint: Path) -> None:
     edit_config(checkpoint, quantization_config={"quant_method": "gptq", "bits": 4})
     with pytest.raises(UnsupportedQuantizationError, match="'gptq' is not supported"):

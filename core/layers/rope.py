@@ -74,7 +74,11 @@ def context_limit(config: ModelConfig) -> tuple[int, str]:
     if rope.rope_type == "yarn" and rope.original_max_position_embeddings:
         original, window = rope.original_max_position_embeddings, \
             f"original_max_position_embeddings {rope.original_max_position_embeddings}"
-    limit = int(original * rope.factor)
+    stretched = original * rope.factor
+    if not math.isfinite(stretched):
+        raise CheckpointError(f"config.json: a {rope.rope_type} RoPE factor of {rope.factor:g} stretches {window} past "
+                              "any number of tokens")
+    limit = int(stretched)
     return limit, f"{rope.rope_type} RoPE: factor {rope.factor:g} x {window}"
 
 
