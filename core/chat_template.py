@@ -188,7 +188,7 @@ class ChatTemplate:
         self.placeholders = tuple(placeholders)
         try:
             self._template = _compile(source)
-        except jinja2.TemplateSyntaxError as exc:
+        except (jinja2.TemplateError, ValueError, RecursionError) as exc:  # (a literal of 5000 digits, deep nesting)
             raise CheckpointError(f"chat template does not parse: {exc}") from exc
         controls = sorted(tokenizer.added_tokens, key=len, reverse=True)
         marks = f"[{_MARK_START}{_MARK_END}]"
@@ -287,7 +287,7 @@ class ChatTemplate:
                                              add_generation_prompt=add_generation_prompt, **context)
         except jinja2.TemplateError as exc:
             raise TemplateError(f"chat template: {exc}") from exc
-        except (TypeError, ValueError, AttributeError) as exc:
+        except (TypeError, ValueError, AttributeError, ArithmeticError, LookupError, RecursionError) as exc:
             raise TemplateError(f"chat template failed on these messages: {exc}") from exc
 
 

@@ -37,7 +37,11 @@ class Tokenizer:
             if text is not None:
                 self.special_tokens[key] = text
         added = backend.get_added_tokens_decoder()
-        for index, token in (self.config.get("added_tokens_decoder") or {}).items():
+        declared = self.config.get("added_tokens_decoder") or {}
+        if not isinstance(declared, dict) or not all(isinstance(i, str) and i.isdecimal() for i in declared):
+            raise CheckpointError("tokenizer_config.json: added_tokens_decoder must be an object of tokens by their "
+                                  "ids ({\"151643\": {\"content\": ...}, ...})")
+        for index, token in declared.items():
             content = _token_text(token)
             if content is not None and int(index) not in added and backend.token_to_id(content) is None:
                 raise CheckpointError(f"tokenizer_config.json: added token {content!r} is not in tokenizer.json")

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from mlxchat.chat_template import ChatTemplate, normalize_messages
-from mlxchat.errors import TemplateError
+from mlxchat.errors import CheckpointError, TemplateError
 from mlxchat.tokenizer import Tokenizer
 
 from conftest import FIXTURES, fixture_path
@@ -50,6 +50,25 @@ def test_raise_exception_becomes_a_template_error() -> None:
     source = "{{ raise_exception('No user query found in messages.') }}"
     with pytest.raises(TemplateError, match="No user query found"):
         ChatTemplate(source, TOKENIZER).render([])
+
+
+@pytest.mark.parametrize("source", ["{{ 1 / 0 }}", "{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}",
+                                    "{{ '%(role)s' % {} }}"])
+def test_a_template_that_divides_by_zero_recurses_or_misses_a_key_is_a_template_error(source: str) -> None:
+    with pytest.raises(TemplateError, match="chat template failed"):
+        ChatTemplate(source, TOKENIZER).render([])
+
+
+@pytest.mark.parametrize("source", ["{{ " + "9" * 5000 + " }}", "{{ " + "(" * 5000 + "1" + ")" * 5000 + " }}"])
+def test_a_template_too_big_to_compile_is_a_checkpoint_error(source: str) -> None:
+    with pytest.raises(CheckpointError, match="chat template does not parse"):
+        ChatTemplate(source, TOKENIZER)
+
+
+@pytest.mark.parametrize("declared", [["<|im_end|>"], "x", {"one": {"content": "<|im_end|>"}}])
+def test_added_tokens_decoder_that_is_no_object_of_ids_is_a_checkpoint_error(declared) -> None:
+    with pytest.raises(CheckpointError, match="added_tokens_decoder must be an object of tokens by their ids"):
+        Tokenizer(TOKENIZER.backend, {"added_tokens_decoder": declared})
 
 
 def test_sandbox_refuses_underscore_namespace_attributes() -> None:
