@@ -306,6 +306,8 @@ def _serve(args: argparse.Namespace) -> int:
         settings = ServerSettings.model_validate(values)
     except ValidationError as exc:
         raise UsageError(_first_problem(exc)) from None
+    if not 0 <= args.port <= 65535:
+        raise UsageError(f"--port must be from 0 to 65535, got {args.port}")
     _check_context_length(args)
     tools = _tools(args.tools, page=True)
     model = _load(args)
@@ -425,7 +427,7 @@ def _response_format(args: argparse.Namespace) -> dict[str, Any] | None:
         return None
     try:
         schema = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:
         raise UsageError(f"--json-schema: cannot read a JSON Schema from {path} ({exc})") from None
     fmt = {"type": "json_schema", "json_schema": {"name": Path(path).stem, "schema": schema}}
     try:
@@ -454,8 +456,10 @@ def _tools(spec: str | None, page: bool = False) -> list[Any]:
             raise UsageError(f"--tools: {item!r} is neither 'demo' nor module:function")
         try:
             function = getattr(importlib.import_module(module_name), name)
-        except (ImportError, AttributeError) as exc:
+        except (ImportError, AttributeError, TypeError) as exc:  # (TypeError: a relative name, ".mod")
             raise UsageError(f"--tools: cannot load {item} ({exc})") from None
+        if not callable(function):
+            raise UsageError(f"--tools: {item} is a {type(function).__name__}, not a function")
         try:
             tools.append(function if isinstance(function, Tool) else Tool(function))
         except TypeError as exc:
@@ -610,8 +614,11 @@ def _chat(args: argparse.Namespace, config: GenerationConfig, tools: list[Any]) 
         if not line.strip():
             continue
         if line.startswith("/"):
-            if _command(session, line.strip(), images):
-                return 0
+            try:
+                if _command(session, line.strip(), images):
+                    return 0
+            except MlxchatError as exc:
+                print(f"mlxchat: {exc}", file=sys.stderr)
             continue
         stream = None
         try:
@@ -656,7 +663,11 @@ def _command(session: Any, line: str, images: list[str]) -> bool:
         print(dim(f"system prompt {'set' if rest else 'removed'}", sys.stderr), file=sys.stderr)
     elif name == "/save":
         path = Path(rest or "transcript.json")
-        path.write_text(json.dumps([m.model_dump() for m in session.messages], indent=2, ensure_ascii=False))
+        try:
+            path.write_text(json.dumps([m.model_dump() for m in session.messages], indent=2, ensure_ascii=False))
+        except OSError as exc:  # the conversation goes on: it is not lost to a mistyped path
+            print(f"mlxchat: /save: cannot write {path} ({exc.strerror or exc})", file=sys.stderr)
+            return False
         print(dim(f"saved {len(session.messages)} messages to {path}", sys.stderr), file=sys.stderr)
     elif name in ("/help", "/?"):
         print(COMMANDS, file=sys.stderr)

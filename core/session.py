@@ -69,6 +69,14 @@ __all__ = ["DEFAULT_MAX_TOOL_ROUNDS", "ChatResult", "ChatSession", "ChatStream",
 ConfigArg = GenerationConfig | dict[str, Any] | None
 
 
+def _check_system(system: Any) -> str | None:
+    """A system prompt as given; one that is no valid text is an :class:`InvalidInputError` before it reaches the
+    conversation (pydantic's own error, a ValidationError, is none of the library's)."""
+    if system is not None and not isinstance(system, str):
+        raise InvalidInputError(f"the system prompt must be a string, got {type(system).__name__}")
+    return system if system is None else check_text(system, "the system prompt")
+
+
 class TurnOverrides(TypedDict, total=False):
     """What one call may change for its turn, as keywords of :meth:`ChatSession.send` and the other turn
     methods (one definition, so their signatures cannot drift apart).
@@ -140,6 +148,7 @@ class ChatSession:
             raise InvalidInputError(f"context_policy must be 'error' or 'truncate_oldest', got {context_policy!r}")
         if max_tool_rounds < 0:
             raise InvalidInputError(f"max_tool_rounds must be at least 0, got {max_tool_rounds}")
+        _check_system(system)
         self._model = model
         self._functions = tool_functions(tools or [])
         state = SessionState(default_config=model.defaults.merged(default_config), system=system,
@@ -341,7 +350,7 @@ class ChatSession:
     def set_system(self, system: str | None) -> None:
         """Replace the system prompt (``None`` removes it); the rest of the conversation stays."""
         self._check_ready()
-        self._history.set_system(system)
+        self._history.set_system(_check_system(system))
 
     def reset(self, keep_system: bool = True) -> None:
         """Forget the conversation, the last report and its calls (the cache stays for prefix reuse)."""

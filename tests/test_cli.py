@@ -80,7 +80,9 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
                                               (["--prefill-step-budget", "0"], "--prefill-step-budget"),
                                               (["--max-decode-slowdown", "0.5"], "--max-decode-slowdown"),
                                               (["--tools", "no_such_module:f"], "--tools"),
-                                              (["--tools", "nonsense"], "--tools")])
+                                              (["--tools", "nonsense"], "--tools"),
+                                              (["--tools", "os:sep"], "--tools"),
+                                              (["--tools", ".relative:f"], "--tools")])
 def test_bad_arguments_are_one_line_before_any_model_loads(capsys: pytest.CaptureFixture[str], tmp_path: Path,
                                                            args: list[str], option: str) -> None:
     # The model path does not exist: had it been loaded first, the error would be about the path.
@@ -100,6 +102,9 @@ def test_serve_without_the_server_extra_says_what_to_install(monkeypatch: pytest
 def test_serve_options_are_checked_before_loading(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["serve", "--model", "/nowhere", "--caches", "0"]) == 2
     assert capsys.readouterr().err.startswith("mlxchat: --caches:")
+    for option, value in (("--port", "70000"), ("--max-spill-gb", "inf"), ("--header-timeout", "nan")):
+        assert main(["serve", "--model", "/nowhere", option, value]) == 2
+        assert capsys.readouterr().err.startswith(f"mlxchat: {option}")
 
 
 def test_ctrl_c_in_generate_exits_130_quietly(monkeypatch: pytest.MonkeyPatch,
@@ -143,6 +148,16 @@ def test_piped_chat_prints_no_prompts_and_names_unknown_commands(monkeypatch: py
     assert out.startswith("Hello") and ">" not in out and "unknown command /frobnicate" in err
 
 
+def test_chat_goes_on_after_a_save_it_cannot_write_or_a_system_prompt_that_is_no_text(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr("sys.stdin", io.StringIO(f"/save {tmp_path}\n/system \udcff\nHello\n"))
+    assert main(["chat", "--max-tokens", "2"]) == 0
+    err = capsys.readouterr().err
+    assert f"mlxchat: /save: cannot write {tmp_path} (Is a directory)" in err
+    assert "mlxchat: the system prompt holds a lone surrogate" in err
+    assert "generated" in err and "Traceback" not in err
+
+
 def test_generate_and_chat_show_the_model_images(capsys: pytest.CaptureFixture[str],
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     vision = str(fixture_path("qwen3_5_vl"))
@@ -179,6 +194,9 @@ def test_generate_json_schema_errors_before_loading(capsys: pytest.CaptureFixtur
     assert main(["generate", "--json-schema", str(bad), "x"]) == 2
     assert "$.properties.a" in capsys.readouterr().err
     assert main(["generate", "--json-schema", str(tmp_path / "missing.json"), "x"]) == 2
+    bad.write_text("[" * 100_000 + "]" * 100_000)
+    assert main(["generate", "--json-schema", str(bad), "x"]) == 2
+    assert "cannot read a JSON Schema" in capsys.readouterr().err
     assert main(["generate", "--json", "--thinking", "hide", "--max-tokens", "8", "x"]) == 0
     assert capsys.readouterr().out.startswith("{")
 

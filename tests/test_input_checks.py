@@ -143,6 +143,16 @@ def test_a_lone_surrogate_is_refused_and_the_session_goes_on(model) -> None:
         model.chat_session().prime_history([{"role": "user", "content": "\udfff"}])
 
 
+def test_a_system_prompt_that_is_no_valid_text_is_invalid_input_and_changes_nothing(model) -> None:
+    with pytest.raises(InvalidInputError, match="the system prompt holds a lone surrogate"):
+        model.chat_session(system="be \udcff brief")
+    session = model.chat_session(system="Be brief.")
+    for bad in ("\ud800", 5):
+        with pytest.raises(InvalidInputError, match="the system prompt"):
+            session.set_system(bad)  # type: ignore[arg-type]
+    assert session.export_state().system == "Be brief." and [m.content for m in session.messages] == ["Be brief."]
+
+
 def test_empty_messages_are_refused(model) -> None:
     session = model.chat_session()
     for empty in ("", "   \n"):

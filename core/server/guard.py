@@ -38,7 +38,7 @@ access_log = logging.getLogger("mlxchat.server.access")
 class ServerSettings(BaseModel):
     """The server's limits and switches (``mlxchat serve --help`` shows each with its default)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     model_name: str | None = None
     """The model id clients use (default: the checkpoint's Hub repo id or folder name); a request that names
