@@ -404,8 +404,16 @@ def _check_tensors(module: nn.Module, weights: dict[str, mx.array], source: str)
         for k in set(expected) & set(weights)
         if tuple(weights[k].shape) != tuple(expected[k].shape)
     )
+    # An integer tensor where the module computes in floats (int8 weights with no quantization the config names)
+    # would load as its raw integers.
+    kinds = sorted(
+        f"{k} {str(weights[k].dtype).split('.')[-1]} (expected {str(expected[k].dtype).split('.')[-1]})"
+        for k in set(expected) & set(weights)
+        if mx.issubdtype(weights[k].dtype, mx.floating) != mx.issubdtype(expected[k].dtype, mx.floating)
+    )
     problems = []
-    for label, names in (("missing tensors", missing), ("unexpected tensors", extra), ("wrong shapes", wrong)):
+    for label, names in (("missing tensors", missing), ("unexpected tensors", extra), ("wrong shapes", wrong),
+                         ("wrong dtypes", kinds)):
         if names:
             shown = ", ".join(names[:_SHOWN]) + (f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else "")
             problems.append(f"{label}: {shown}")

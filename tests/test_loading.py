@@ -78,6 +78,12 @@ def test_wrong_shape_is_named(checkpoint: Path) -> None:
         mlxchat.load_model(checkpoint)
 
 
+def test_integer_weights_where_the_model_computes_in_floats_are_named(checkpoint: Path) -> None:
+    rewrite_weights(checkpoint, lambda w: w.update({"model.norm.weight": w["model.norm.weight"].astype(mx.int8)}))
+    with pytest.raises(CheckpointError, match=r"wrong dtypes: model\.norm\.weight int8 \(expected float32\)"):
+        mlxchat.load_model(checkpoint)
+
+
 def test_config_that_does_not_fit_the_weights(checkpoint: Path) -> None:
     edit_config(checkpoint, num_hidden_layers=4)
     with pytest.raises(CheckpointError, match=r"missing tensors: model\.layers\.3\."):
