@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 from . import profiling
 from .constraints import Constraint, ReplyShape
-from .errors import ContextLengthError, SessionStateError, StreamConsumedError
+from .errors import InvalidInputError, SessionStateError, StreamConsumedError
 from .generation import GenerationConfig, GenerationReport
 from .messages import ChatMessage
 from .reply import ReplyEvent, ReplyParser
@@ -178,7 +178,18 @@ class ChatStream:
     def _planned(self) -> tuple[TurnPlan, dict[str, float] | None]:
         """The next reply's plan, made on this thread (rendering, tokenizing and image preprocessing never
         hold up the worker's steps), and the phases it took for the reply's profile."""
-        return self._host.plan(self._options.config, self._options.tools), profiling.take_pending()
+        try:
+            return self._host.plan(self._options.config, self._options.tools), profiling.take_pending()
+        except InvalidInputError:
+            self._refused()
+            raise
+
+    def _refused(self) -> None:
+        """The model cannot take the turn's prompt (too long; text its tokenizer cannot split): a turn refused
+        before its first reply is not added (retrying it would fail again)."""
+        if self._replies == 0:
+            self._host.undo(self._replaces)
+            self._replaces = None
 
     def _produce(self, cancel: Cancelled, planned: tuple[TurnPlan, dict[str, float] | None]
                  ) -> Iterator[ReplyEvent | Together]:
@@ -205,11 +216,9 @@ class ChatStream:
         assert self._job is not None
         try:
             item = self._job.received(item)
-        except ContextLengthError:
+        except InvalidInputError:
             self._job = None
-            if self._replies == 0:
-                self._host.undo(self._replaces)
-                self._replaces = None
+            self._refused()
             raise
         except Exception:  # the job failed, and has ended (an interrupt of the reader keeps it to stop)
             self._job = None

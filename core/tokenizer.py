@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from tokenizers import Tokenizer as Backend
 from tokenizers import models
 
 from .checkpoint import read_json
-from .errors import CheckpointError, MlxchatError
+from .errors import CheckpointError, InvalidInputError, MlxchatError
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
 
@@ -23,6 +24,21 @@ def _token_text(value: Any) -> str | None:
 
 LONG_TEXT = 16_384
 """Characters from which :meth:`Tokenizer.encode` releases the GIL while it works."""
+
+T = TypeVar("T")
+
+
+def _tokenized(encode: Callable[[], T]) -> T:
+    """What ``encode`` gives; a panic of the Rust tokenizer is an :class:`InvalidInputError`. Its regex engine gives
+    up on some texts (a run of ten million spaces: "retry-limit-in-match"), and pyo3 raises that as a
+    ``PanicException``, a ``BaseException`` that no caller expects of a text."""
+    try:
+        return encode()
+    except BaseException as exc:
+        if type(exc).__name__ != "PanicException":
+            raise
+        raise InvalidInputError(f"the tokenizer cannot split this text ({exc}); shorten it or break up its "
+                                "longest runs of one character") from None
 
 
 class Tokenizer:
@@ -86,13 +102,16 @@ class Tokenizer:
         chat templates write their own BOS, so rendered chats are encoded without it.
         """
         if len(text) < LONG_TEXT:
-            return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+            return _tokenized(lambda: self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
         # (the batch form lets go of the GIL: a long prompt tokenized on a server's thread leaves its event loop
         # running; the same ids)
-        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        return _tokenized(lambda: self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
 
     def encode_plain(self, text: str) -> list[int]:
         """Token ids of ``text`` read as plain text: no added token is recognised in it."""
+        return _tokenized(lambda: self._plain_ids(text))
+
+    def _plain_ids(self, text: str) -> list[int]:
         normalizer, pre_tokenizer = self.backend.normalizer, self.backend.pre_tokenizer
         if normalizer is not None:
             text = normalizer.normalize_str(text)

@@ -145,3 +145,13 @@ def test_one_image_not_in_a_list_is_refused_rather_than_read_a_character_at_a_ti
     with pytest.raises(ImageError, match="wrap one image in a list"):
         session.send("hi", images="data:image/png;base64,AAAA")  # type: ignore[arg-type]
     assert not session.messages
+
+
+def test_a_text_the_tokenizer_gives_up_on_is_invalid_input_and_the_session_goes_on(model) -> None:
+    # The tokenizer's regex engine gives up on ten million spaces, and pyo3 raised that as a PanicException (a
+    # BaseException, past every `except Exception`).
+    session = model.chat_session()
+    with pytest.raises(InvalidInputError, match="tokenizer cannot split"):
+        session.send("a" + " " * 10_000_000 + "b", config={"max_tokens": 4})
+    assert session.messages == []
+    assert session.send("hello there", config={"max_tokens": 4}).finish_reason
