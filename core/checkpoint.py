@@ -48,11 +48,14 @@ def resolve_checkpoint(path_or_repo: str | os.PathLike[str], revision: str | Non
 def read_json(path: Path, *, required: bool = True) -> dict[str, Any]:
     """A JSON object file of a checkpoint; ``{}`` for a missing optional one. One that cannot be read (a folder,
     a broken link), is not JSON, nests too deep for the parser or writes an integer of more digits than Python
-    converts is a :class:`CheckpointError` naming it."""
+    converts is a :class:`CheckpointError` naming it, and so is one that is no regular file (a folder; a named
+    pipe, whose reading would wait for a writer for ever)."""
     if not path.exists():
         if required:
             raise CheckpointError(f"{path}: file not found")
         return {}
+    if not path.is_file():
+        raise CheckpointError(f"{path}: not a regular file")
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except OSError as exc:

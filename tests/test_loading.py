@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import shutil
 import sys
 import textwrap
@@ -135,9 +136,13 @@ def test_json_files_that_are_folders_nest_too_deep_or_are_not_utf8_are_named(che
     (checkpoint / "config.json").write_text(config)
     (checkpoint / "generation_config.json").unlink()
     (checkpoint / "generation_config.json").mkdir()
-    with pytest.raises(CheckpointError, match=r"generation_config\.json: cannot read \(Is a directory"):
+    with pytest.raises(CheckpointError, match=r"generation_config\.json: not a regular file"):
         mlxchat.load_model(checkpoint)
     (checkpoint / "generation_config.json").rmdir()
+    os.mkfifo(checkpoint / "generation_config.json")  # (reading it would wait for a writer for ever)
+    with pytest.raises(CheckpointError, match=r"generation_config\.json: not a regular file"):
+        mlxchat.load_model(checkpoint)
+    (checkpoint / "generation_config.json").unlink()
     (checkpoint / "chat_template.jinja").write_bytes(b"\xff{{ messages }}")
     with pytest.raises(CheckpointError, match=r"chat_template\.jinja: cannot read the chat template"):
         mlxchat.load_model(checkpoint)
