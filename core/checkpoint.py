@@ -92,7 +92,9 @@ def weight_files(folder: Path) -> list[Path]:
 
 
 def check_safetensors(path: Path) -> dict[str, Any]:
-    """Validate a safetensors file's header against its size; return the header."""
+    """Validate a safetensors file's header against its size; return the header. The tensors' bytes must
+    follow one another without overlap or gaps, as the format requires: MLX reads overlapping ones, so one
+    tensor's bytes would load as another's too."""
     try:
         size = path.stat().st_size
         with path.open("rb") as f:
@@ -102,9 +104,13 @@ def check_safetensors(path: Path) -> dict[str, Any]:
             header = json.loads(f.read(header_len))
         if not isinstance(header, dict):
             raise TypeError(f"the header is a JSON {type(header).__name__}, not an object")
-        end = 8 + header_len + max(
-            (v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0
-        )
+        end = 0
+        for start, stop in sorted(tuple(v["data_offsets"]) for k, v in header.items() if k != "__metadata__"):
+            if start != end or stop < start:
+                raise ValueError(f"a tensor's data_offsets [{start}, {stop}] overlap another's or leave a gap "
+                                 f"(the next tensor starts at byte {end})")
+            end = stop
+        end += 8 + header_len
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot read ({exc.strerror or exc})") from exc
     except (struct.error, ValueError, KeyError, TypeError, RecursionError) as exc:

@@ -109,6 +109,20 @@ def test_a_safetensors_header_that_is_no_object_or_nests_too_deep_is_named(check
             mlxchat.load_model(checkpoint)
 
 
+def test_tensors_whose_bytes_overlap_are_refused(checkpoint: Path) -> None:
+    # Two tensors of one shape and dtype made to read the same bytes loaded, each as the other's values.
+    path = checkpoint / "model.safetensors"
+    data = path.read_bytes()
+    length = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + length])
+    first, second = sorted(k for k in header if k.endswith("input_layernorm.weight"))[:2]
+    header[second]["data_offsets"] = header[first]["data_offsets"]
+    text = json.dumps(header).encode()
+    path.write_bytes(len(text).to_bytes(8, "little") + text + data[8 + length :])
+    with pytest.raises(CheckpointError, match=r"corrupt safetensors file \(a tensor's data_offsets .* overlap"):
+        mlxchat.load_model(checkpoint)
+
+
 def test_weights_that_cannot_be_read_are_named(checkpoint: Path) -> None:
     path = checkpoint / "model.safetensors"
     path.unlink()
