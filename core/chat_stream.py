@@ -286,7 +286,7 @@ class ChatStream:
         if self._host.ending is not None:
             self._host.ending.result()
         self._begin()
-        return self._events()
+        return _Events(self, self._events())
 
     def _events(self) -> Generator[StreamEvent, None, None]:
         try:
@@ -364,6 +364,32 @@ class ChatStream:
             pass
         assert self.result is not None
         return self.result
+
+
+class _Events(Generator[StreamEvent, None, None]):
+    """The iterator of a :class:`ChatStream`. Its turn has begun when it is made (``iter()`` puts the prompt in
+    the history), so closing or dropping it before its first item ends the turn, taken back whole as a reader
+    who left before anything was produced: a generator that never ran would run none of its cleanup, and the
+    session would stay in the turn for ever."""
+
+    def __init__(self, stream: ChatStream, events: Generator[StreamEvent, None, None]):
+        self._stream = stream
+        self._events = events
+        self._started = False
+
+    def send(self, value: None) -> StreamEvent:
+        self._started = True
+        return self._events.send(value)
+
+    def throw(self, *args: Any) -> StreamEvent:
+        if not self._started:
+            self._started = True
+            self._stream._end_abandoned()
+        return self._events.throw(*args)
+
+    def __del__(self) -> None:
+        if not self._started:
+            self.close()
 
 
 class _AsyncEvents:

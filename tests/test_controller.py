@@ -463,6 +463,31 @@ def test_a_turn_failed_by_a_subscriber_has_ended_when_its_error_is_published(lon
     controller.close()
 
 
+def test_a_subscriber_failing_as_a_turn_begins_leaves_the_conversation_able_to_go_on() -> None:
+    """The first state the controller's thread publishes for a turn comes after the turn has begun and before
+    its events are read: a subscriber failing there ended the turn in the session, not only in the controller
+    (every later turn was refused as "in progress")."""
+    controller = ChatController(loaded("qwen3"), publish_interval=0)
+    short_replies(controller.session, 8)
+    failed: list[ChatState] = []
+
+    def failing(state: ChatState) -> None:
+        if not failed and threading.current_thread() is not threading.main_thread():
+            failed.append(state)
+            raise RuntimeError("a subscriber's bug")
+
+    unsubscribe = controller.subscribe(failing)
+    controller.send("first")
+    error = wait_for(controller, lambda s: s.status == "error")
+    unsubscribe()
+    assert "a subscriber's bug" in (error.error or "") and failed[0].status == "streaming"
+    controller.dismiss_error()
+    controller.send("second")
+    done = wait_for(controller, lambda s: s.status == "error" or (idle(s) and bool(s.messages)))
+    assert done.error is None and [m.role for m in done.messages] == ["user", "assistant"]
+    controller.close()
+
+
 def test_states_for_asyncio() -> None:
     controller = ChatController(loaded("qwen3"), publish_interval=0.01)
     short_replies(controller.session, 8)

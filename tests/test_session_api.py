@@ -177,6 +177,24 @@ def test_one_session_runs_one_turn_at_a_time(model) -> None:
     session.send("Again", config=GREEDY)
 
 
+@pytest.mark.parametrize("leave", ["close", "drop"])
+def test_events_closed_or_dropped_before_the_first_ends_the_turn_and_takes_it_back(model, leave: str) -> None:
+    """iter() begins the turn (the prompt is in the history); a reader who leaves before reading an event ends
+    it as one who left before anything was produced (the session stayed in the turn for ever)."""
+    session = model.chat_session()
+    session.send("Hello", config=GREEDY)
+    before = session.messages
+    for stream in (session.send_stream("Again", config=GREEDY), session.regenerate_stream(config=GREEDY)):
+        events = iter(stream)
+        assert len(session.messages) != len(before)
+        if leave == "close":
+            events.close()
+        else:
+            del events
+        assert session.messages == before
+    assert session.send("Again", config=GREEDY).finish_reason in ("stop", "length")
+
+
 def test_sessions_on_one_model_take_turns(model) -> None:
     questions = ["Hello", "What now?", "And then?"]
     expected = []
