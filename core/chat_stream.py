@@ -239,9 +239,15 @@ class ChatStream:
         """The reader left mid-turn: tell the reply that runs to stop, waiting for nothing. Once it has wound
         up (on the worker's thread), what the reader saw of it is kept, a reply that produced nothing leaves
         the turn as if it never started, and the turn ends; the session's next turn waits for that. False
-        when no reply runs (the reader ends the turn itself)."""
+        when no reply runs (the reader ends the turn itself): one who left while the first reply was planned
+        (an asyncio task cancelled then, Ctrl-C) takes the turn back whole too, since nothing was produced."""
         job, self._job = self._job, None
-        if job is None or self._finished:
+        if self._finished or self._abandoning:
+            return False
+        if job is None:
+            if self._begun and self._replies == 0:
+                self._host.undo(self._replaces)
+                self._replaces = None
             return False
         self._abandoning = True
         self._host.ending = self._settled

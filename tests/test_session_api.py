@@ -195,6 +195,51 @@ def test_events_closed_or_dropped_before_the_first_ends_the_turn_and_takes_it_ba
     assert session.send("Again", config=GREEDY).finish_reason in ("stop", "length")
 
 
+def test_a_reader_interrupted_while_its_first_reply_is_planned_takes_the_turn_back(model, monkeypatch) -> None:
+    """Nothing was produced (the prompt stayed, without a reply, and the next turn sent two user turns in a row)."""
+    session = model.chat_session()
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(model, "render_prompt", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        session.send("Hello", config=GREEDY)
+    monkeypatch.undo()
+    assert session.messages == []
+    session.send("Again", config=GREEDY)
+    assert [(m.role, m.content) for m in session.messages][:1] == [("user", "Again")]
+
+
+def test_a_task_cancelled_while_its_first_reply_is_planned_takes_the_turn_back(model, monkeypatch) -> None:
+    """Planning runs beside the event loop; a task cancelled there left before anything was produced, as one
+    cancelled a moment later with its reply queued, whose turn was taken back (this one's prompt stayed)."""
+    planning, release = threading.Event(), threading.Event()
+    render = model.render_prompt
+
+    def held(*args, **kwargs):
+        planning.set()
+        release.wait(60.0)
+        return render(*args, **kwargs)
+
+    async def run() -> tuple[list[mlxchat.ChatMessage], list[mlxchat.ChatMessage]]:
+        session = model.chat_session()
+        task = asyncio.ensure_future(session.asend("Hello", config=GREEDY))
+        await asyncio.to_thread(planning.wait)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        left = session.messages
+        release.set()
+        await session.asend("Again", config=GREEDY)
+        return left, session.messages
+
+    monkeypatch.setattr(model, "render_prompt", held)
+    left, messages = asyncio.run(run())
+    assert left == []
+    assert [(m.role, m.content) for m in messages][:1] == [("user", "Again")] and len(messages) == 2
+
+
 def test_sessions_on_one_model_take_turns(model) -> None:
     questions = ["Hello", "What now?", "And then?"]
     expected = []
