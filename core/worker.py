@@ -448,10 +448,7 @@ def _closed_under(cancel: Cancelled, handoff: _Handoff) -> None:
     """A stream job the worker's closing catches: it stops at its next check, and its reader gets an error
     rather than waiting for items that will not come."""
     cancel.set()
-    try:
-        handoff.fail(ModelClosedError("the model was closed while this reply streamed"))
-    except RuntimeError:  # an asyncio reader whose event loop has closed: nobody is left to tell
-        pass
+    handoff.fail(ModelClosedError("the model was closed while this reply streamed"))
 
 
 class _Task:
@@ -475,7 +472,7 @@ class StreamJob:
     def __init__(self, worker: Worker, produce: Callable[[Cancelled], Iterator[Any]], cancel: Cancelled,
                  put: Callable[[Any], Any], *, paced: bool = True):
         self.cancel = cancel
-        self._handoff = _Handoff(put, worker._wake, paced)
+        self._handoff = _Handoff(put, worker._wake, cancel, paced)
         self._future = worker.submit(_StreamTask, produce, cancel, self._handoff)
 
     def received(self, item: Any) -> Any:
@@ -510,9 +507,10 @@ class _Handoff:
     """Passes a job's items to its reader, at most :data:`LEAD` ahead when ``paced``; drops them once the
     reader has gone."""
 
-    def __init__(self, put: Callable[[Any], Any], wake: threading.Event, paced: bool = True):
+    def __init__(self, put: Callable[[Any], Any], wake: threading.Event, cancel: Cancelled, paced: bool = True):
         self._put = put
         self._wake = wake
+        self._cancel = cancel
         self._paced = paced
         self._lock = threading.Lock()
         self._ahead = 0
@@ -529,12 +527,12 @@ class _Handoff:
             if self._abandoned:
                 return
             self._ahead += 1
-        self._put(item)
+        self._send(item)
 
     def put_last(self, item: Any) -> None:
         """The job's end (or failure): handed over whatever the reader has taken."""
         if not self._abandoned:
-            self._put(item)
+            self._send(item)
 
     def fail(self, error: BaseException) -> None:
         """End the job with ``error`` from another thread (:meth:`Worker.fail`); what it hands over later is
@@ -543,8 +541,18 @@ class _Handoff:
             if self._abandoned:
                 return
             self._abandoned = True
-        self._put(_Failure(error))
-        self._put(END)
+        self._send(_Failure(error))
+        self._send(END)
+
+    def _send(self, item: Any) -> None:
+        """Hand ``item`` to the reader. A reader that cannot take it (an asyncio reader whose event loop has
+        closed) has gone, and its job stops at its next check: the failure must not end the worker's thread,
+        which every other job of the model waits on."""
+        try:
+            self._put(item)
+        except Exception:  # noqa: BLE001 - nobody is left to tell
+            self.abandon()
+            self._cancel.set()
 
     def taken(self) -> None:
         with self._lock:

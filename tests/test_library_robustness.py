@@ -1,15 +1,22 @@
 """What a library user passes in cannot crash the process or wedge a session (found by a fuzzing pass over the
 public API): token ids are checked before any MLX gather (reply log-probabilities, a multimodal prompt's logits),
-a model closed while a reply streams ends the stream with an error instead of leaving its reader waiting, a tool's
+a model closed while a reply streams ends the stream with an error instead of leaving its reader waiting, an
+asyncio reader whose event loop closed mid-reply leaves the model serving the others, a tool's
 result that is no valid text becomes an error result, a transcript whose tool results answer no call is refused,
 and generation settings that float32 cannot carry are refused or mean what they say."""
 
 from __future__ import annotations
 
+import asyncio
+import gc
+import threading
+
 import pytest
 
 import mlxchat
 from mlxchat import GenerationConfig, ImageError, InvalidInputError, ModelClosedError, MultimodalPrompt, tool
+
+from conftest import fixture_path
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +65,38 @@ def test_closing_the_model_ends_the_streams_open_on_it() -> None:
         list(tokens)
     with pytest.raises(ModelClosedError):
         model.generate([1, 2, 3], {"max_tokens": 2})
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the closed loop's pending read
+def test_an_asyncio_reader_whose_event_loop_closed_mid_reply_leaves_the_model_serving_the_others(monkeypatch) -> None:
+    """The reply could not hand its next item to the closed loop: that failure ended the model's worker thread,
+    and every other generation on the model waited for ever."""
+    model = mlxchat.load_model(fixture_path("qwen3"), dtype="float32")
+    held, queued = threading.Event(), threading.Event()
+    start = model.worker.start
+
+    def counted(*args, **kwargs):
+        job = start(*args, **kwargs)
+        queued.set()
+        return job
+
+    monkeypatch.setattr(model.worker, "start", counted)
+    model.worker.submit(held.wait)
+    loop = asyncio.new_event_loop()
+    reading = loop.create_task(anext(aiter(model.chat_session().astream("Hello", config={"max_tokens": 2}))))
+    loop.run_until_complete(asyncio.to_thread(queued.wait))  # the reply is queued behind the held worker
+    loop.close()
+    held.set()  # the reply hands its items (at most 2 steps in) to a closed loop
+    generated: list[mlxchat.GenerationResult] = []
+    endless = {"max_tokens": 30, "temperature": 0.0, "logit_bias": {e: -100.0 for e in model.eos_ids}}
+    other = threading.Thread(target=lambda: generated.append(model.generate([1, 2, 3], endless)), daemon=True)
+    other.start()
+    other.join(60.0)
+    assert generated, "the model's worker stopped: a generation beside the reply never ended"
+    assert not reading.done() and len(generated[0].tokens) == 30
+    del reading  # what the closed loop left pending goes here, under this test's warning filter
+    gc.collect()
+    model.close()
 
 
 def test_a_tool_result_that_is_no_valid_text_is_an_error_the_model_reads(model) -> None:
