@@ -102,12 +102,13 @@ class ChatStream:
     """One turn, streamed. Nothing runs until it is iterated; it is iterated once (sync or async).
 
     Breaking out of the loop (sync or async) cancels the reply at the next token and keeps exactly what was
-    streamed so far as the assistant turn (``finish_reason="cancelled"``), before control returns to the
-    code after the loop; :meth:`cancel` stops generating from anywhere while the loop goes on to receive
-    the ``Done`` event. ``result`` holds the turn's result once it is done. The turn is committed here, on
-    the reader's side, so that the history holds what the reader saw. With automatic tool calls one stream
-    covers the whole turn: every reply's events, a :class:`ToolResultEvent` per call the session answered,
-    and one ``Done`` at the end.
+    streamed so far as the assistant turn (``finish_reason="cancelled"``): before control returns to the
+    code after a sync loop; after an async one, once the reply has stopped on the worker (the event loop
+    never waits for it), which the session's next turn waits for and :meth:`aended` awaits. :meth:`cancel`
+    stops generating from anywhere while the loop goes on to receive the ``Done`` event. ``result`` holds the
+    turn's result once it is done. The turn is committed here, on the reader's side, so that the history
+    holds what the reader saw. With automatic tool calls one stream covers the whole turn: every reply's
+    events, a :class:`ToolResultEvent` per call the session answered, and one ``Done`` at the end.
     """
 
     def __init__(self, host: TurnHost, prepare: Callable[[], ChatMessage | None], options: TurnOptions):

@@ -60,6 +60,9 @@ class SessionTurns:
             raise SessionClosedError("this session is closed")
 
     def check_idle(self) -> None:
+        if self._busy and self.ending is not None and not self.ending.done():  # an asyncio reader left it
+            raise SessionStateError("the turn a reader left is still stopping on the model's worker: await its "
+                                    "stream's aended() first (the next turn waits for it by itself)")
         if self._busy:
             raise SessionStateError("a turn of this session is in progress; finish or cancel it first")
 

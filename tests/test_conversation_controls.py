@@ -238,7 +238,8 @@ def test_breaking_out_of_an_async_stream_ends_the_turn_before_the_next_one() -> 
 @pytest.mark.parametrize("leave", ["aclose", "break"])
 def test_a_reader_leaving_mid_stream_never_waits_on_the_event_loop_for_a_busy_worker(leave: str) -> None:
     """The worker is held busy on an event the test controls: while it is, the loop must go on running
-    (the stream's end waits for the worker off the loop), and the turn ends, cancelled, once it is free."""
+    (the stream's end waits for the worker off the loop), a change to the session says what to await (it
+    said "finish or cancel it first" to a reader who had), and the turn ends, cancelled, once it is free."""
     model = loaded("qwen3")
     entered, release = threading.Event(), threading.Event()
     valve = threading.Timer(60.0, release.set)  # only a loop blocked by the stop lets this fire
@@ -263,6 +264,8 @@ def test_a_reader_leaving_mid_stream_never_waits_on_the_event_loop_for_a_busy_wo
         for _ in range(5):
             await asyncio.sleep(0)
         loop_ran_while_busy = not release.is_set() and not closing.done()
+        with pytest.raises(SessionStateError, match=r"still stopping.*aended\(\)"):
+            session.rewind(0)
         release.set()
         await closing
         await asyncio.wrap_future(held)
