@@ -18,6 +18,7 @@ from pydantic import ValidationError
 import mlxchat
 from mlxchat import ContextLengthError, InvalidInputError
 from mlxchat.generation import GenerationConfig
+from mlxchat.reply import ReplyParser
 from mlxchat.testing import GREEDY, assert_matches_stateless
 from mlxchat.tools.parsing import JsonTagsParser
 from mlxchat.worker import Cancelled
@@ -218,6 +219,30 @@ def test_parsers_turn_deep_nesting_into_an_invalid_call_with_its_raw_text(parser
     blocks = [b for b in reader.feed(text) + reader.finish() if not isinstance(b, str)]
     assert len(blocks) == 1 and blocks[0].raw == text
     assert [c.error is not None for c in blocks[0].calls] == [True]
+
+
+@pytest.mark.parametrize(("parser", "text"), [
+    (JsonTagsParser, '<tool_call>{"name": "f", "arguments": {"a": [NaN]}}</tool_call>'),
+    (JsonTagsParser, '<tool_call>{"name": "f", "arguments": {"a": [1e999]}}</tool_call>'),
+    (JsonTagsParser, '<tool_call>{"name": "f", "arguments": "{\\"a\\": [-Infinity]}"}</tool_call>'),
+    (JsonTagsParser, '<tool_call>{"name": "f", "arguments": {"a": ["\\ud800"]}}</tool_call>'),
+    (JsonTagsParser, '<tool_call>{"name": "f", "arguments": {"\\udc00": []}}</tool_call>'),
+    (XmlToolCallParser, "<tool_call><function=f><parameter=a>[1j, b'x', ..., {1}]</parameter></function></tool_call>"),
+    (XmlToolCallParser, "<tool_call><function=f><parameter=a>[{(1, 2): 3}]</parameter></function></tool_call>"),
+    (XmlToolCallParser, "<tool_call><function=f><parameter=a>[NaN]</parameter></function></tool_call>"),
+    (Gemma4ToolParser, "<|tool_call>call:f{a:[1e999]}<tool_call|>"),
+    (Gemma4ToolParser, '<|tool_call>call:f{a:["\\ud800"]}<tool_call|>'),
+    (PythonicCallsParser, "<|tool_call_start|>[f(a=[-1e999])]<|tool_call_end|>"),
+    (PythonicCallsParser, '<|tool_call_start|>[f(a=["\\ud800"])]<|tool_call_end|>'),
+], ids=["nan", "overflow", "string-infinity", "surrogate", "surrogate-key", "xml-python-values", "xml-tuple-key",
+        "xml-nan", "gemma4-overflow", "gemma4-surrogate", "pythonic-overflow", "pythonic-surrogate"])
+def test_parsers_turn_arguments_json_cannot_carry_into_an_invalid_call_with_its_raw_text(parser, text) -> None:
+    reply = ReplyParser(None, False, parser(TOOLS), lambda: "c1")
+    reply.feed(text)
+    reply.finish()
+    (call,) = reply.calls
+    assert call.status == "invalid" and call.raw == text and call.function.arguments == "{}"
+    assert "not JSON" in call.error or "lone surrogate" in call.error
 
 
 def test_a_failing_parser_never_fails_the_turn() -> None:

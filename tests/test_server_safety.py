@@ -328,6 +328,42 @@ def test_a_malformed_tool_call_comes_back_as_its_raw_text(server, scripted) -> N
         assert raw in content
 
 
+UNCARRIABLE = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": NaN}}\n</tool_call>'
+               '<tool_call>\n{"name": "get_weather", "arguments": {"city": "\\ud800"}}\n</tool_call>')
+"""Calls whose arguments JSON cannot carry: NaN (which json.loads reads) and a lone surrogate (which UTF-8
+cannot encode)."""
+WIRE_TOOLS = {
+    "/v1/chat/completions": {"model": "tiny", "messages": USER, "tools": [TOOL]},
+    "/v1/responses": {"model": "tiny", "input": "Hello", "tools": [{"type": "function", **TOOL["function"]}]},
+    "/v1/messages": {"model": "tiny", "messages": USER, "tools": [
+        {"name": "get_weather", "input_schema": TOOL["function"]["parameters"]}]},
+}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("path", list(WIRE_TOOLS))
+def test_calls_whose_arguments_json_cannot_carry_come_back_as_raw_text_in_valid_json(server, scripted, path,
+                                                                                      stream) -> None:
+    model = loaded("qwen3_chat")
+    scripted.append(model.tokenizer.encode(UNCARRIABLE) + [model.tokenizer.token_id("<|im_end|>")])
+    response = send(server, "POST", path, {**WIRE_TOOLS[path], "stream": stream, "max_tokens": 80})
+    assert response.status_code == 200, response.text[:300]
+
+    def refuse(constant: str) -> None:
+        raise AssertionError(f"{constant} is not JSON")
+
+    lines = [line[6:] for line in response.text.splitlines() if line.startswith("data: {")]
+    items = [json.loads(data, parse_constant=refuse) for data in (lines if stream else [response.text])]
+    while items:
+        item = items.pop()
+        if isinstance(item, dict):
+            assert not item.get("tool_calls") and item.get("type") not in ("function_call", "tool_use"), item
+            items += item.values()
+        elif isinstance(item, list):
+            items += item
+    assert "NaN" in response.text and "\\\\ud800" in response.text  # the calls' raw text
+
+
 # -- leaving clients -------------------------------------------------------------------------------------
 
 def no_eos(model: mlxchat.GenerativeModel) -> dict[str, float]:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from ..errors import InvalidInputError
-from ..limits import check_depth
+from ..limits import check_depth, check_strings
 from .schema import ToolSpec, tool_names
 
 
@@ -91,14 +91,20 @@ class ToolCallParser:
         return ((spec.get("function") or {}).get("parameters") or {}).get("properties") or {}
 
     def checked(self, call: ParsedCall) -> ParsedCall:
-        """Mark a call to a tool that was not offered, or with arguments nested too deep, as invalid."""
+        """Mark a call to a tool that was not offered, or with arguments that are not plain JSON, as invalid:
+        nested too deep, or holding what JSON cannot carry (NaN or an infinity, which ``json.loads`` and
+        Python literals accept; a lone surrogate from a ``\\ud800`` escape, which UTF-8 cannot encode;
+        a Python-only value such as bytes or a set)."""
         if call.error is None and self.tools and call.name not in self.tools:
             call.error = f"unknown function {call.name!r} (offered: {', '.join(self.tools)})"
         if call.error is None and call.arguments is not None:
             try:
-                check_depth(call.arguments, what="the arguments")
+                check_strings(check_depth(call.arguments, what="the arguments"), what="the arguments")
+                json.dumps(call.arguments, allow_nan=False)
             except InvalidInputError as exc:
                 call.arguments, call.error = None, str(exc)
+            except (TypeError, ValueError) as exc:
+                call.arguments, call.error = None, f"the arguments are not JSON: {exc}"
         return call
 
     def read(self, body: str) -> list[ParsedCall]:
