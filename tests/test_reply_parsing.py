@@ -4,6 +4,7 @@ one piece alike; malformed or cut calls are kept as invalid with their raw text.
 from __future__ import annotations
 
 import json
+import time
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -75,6 +76,16 @@ def test_unterminated_call_is_invalid_with_its_raw_text() -> None:
     assert call.status == "invalid" and call.name == "get_weather"
     assert call.raw == '<tool_call> that never closes {"name": "get_weather"'
     assert p.text == "No reasoning here, and a stray"
+
+
+def test_a_long_call_streamed_a_token_at_a_time_is_not_searched_from_its_start_at_every_token() -> None:
+    parser, piece = JsonTagsParser(TOOLS), "abcd"  # 80,000 tokens: 5 s of searching when each searched it all
+    started = time.perf_counter()
+    assert parser.feed('<tool_call>{"name": "get_weather", "arguments": {"city": "') == []
+    assert all(parser.feed(piece) == [] for _ in range(80_000))
+    [block] = parser.feed('"}}</tool_call>')
+    assert time.perf_counter() - started < 2.0
+    assert block.calls == [ParsedCall("get_weather", {"city": piece * 80_000})]
 
 
 def test_broken_json_and_unknown_functions_are_invalid_not_errors() -> None:

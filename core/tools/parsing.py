@@ -137,6 +137,12 @@ class TaggedCallParser(ToolCallParser):
 
     end: ClassVar[str]
 
+    def __init__(self, tools: Sequence[ToolSpec] = ()):
+        super().__init__(tools)
+        self._searched = 0
+        """How much of an open call's text is known not to hold ``end``: each token searches only what it
+        added, or a long call would cost its length at every token."""
+
     def feed(self, text: str) -> list[str | CallBlock]:
         self._buffer += text
         out: list[str | CallBlock] = []
@@ -146,17 +152,18 @@ class TaggedCallParser(ToolCallParser):
                     return out
                 self._in_call = True
             else:
-                index = self._buffer.find(self.end)
+                index = self._buffer.find(self.end, self._searched)
                 if index < 0:
+                    self._searched = max(0, len(self._buffer) - len(self.end) + 1)
                     return out
-                body = self._buffer[:index]
+                body, self._searched = self._buffer[:index], 0
                 self._buffer = self._buffer[index + len(self.end) :]
                 self._in_call = False
                 out.append(CallBlock(self.start + body + self.end, self.read(body)))
 
     def finish(self) -> list[str | CallBlock]:
         """An unterminated call becomes invalid; held text is released."""
-        rest, self._buffer = self._buffer, ""
+        rest, self._buffer, self._searched = self._buffer, "", 0
         if self._in_call:
             self._in_call = False
             name = guess_name(rest)
