@@ -88,6 +88,14 @@ def test_a_long_call_streamed_a_token_at_a_time_is_not_searched_from_its_start_a
     assert block.calls == [ParsedCall("get_weather", {"city": piece * 80_000})]
 
 
+def test_a_call_cut_inside_a_long_run_of_name_characters_is_reported_at_once() -> None:
+    run = "a0" * 15_000  # a model repeating itself: 4 s when the name was searched for from every position
+    started = time.perf_counter()
+    calls = [parse(text).calls[0] for text in ("<tool_call>" + run, "<tool_call>get_weather(" + run)]
+    assert time.perf_counter() - started < 1.0
+    assert [(c.status, c.name) for c in calls] == [("invalid", ""), ("invalid", "get_weather")]
+
+
 def test_broken_json_and_unknown_functions_are_invalid_not_errors() -> None:
     broken, unknown = parse(REAL_OUTPUTS[4]).calls[0], parse(REAL_OUTPUTS[5]).calls[0]
     assert broken.status == "invalid" and "JSON" in (broken.error or "") and broken.raw.startswith("<tool_call>")

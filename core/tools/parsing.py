@@ -210,9 +210,11 @@ class TrailingCallParser(ToolCallParser):
 
 
 def guess_name(body: str) -> str:
-    """A best-effort function name from a broken call body (for reporting only)."""
+    """A best-effort function name from a broken call body (for reporting only). A bare name is only tried
+    where a run of name characters begins, and never given back: from every position of a long run (a
+    model repeating itself) the search costs the square of its length."""
     match = re.search(r'"name"\s*:\s*"([^"]+)"', body) or re.search(r"<function=([^>\s]+)", body) or re.search(
-        r"([A-Za-z_][\w.\-]*)\s*[({]", body
+        r"(?<![\w.\-])([A-Za-z_][\w.\-]*+)\s*+[({]", body
     )
     return match.group(1) if match else ""
 
