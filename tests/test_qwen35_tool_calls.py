@@ -6,6 +6,7 @@ round trip through the real chat template."""
 from __future__ import annotations
 
 import re
+import time
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -163,6 +164,16 @@ def test_malformed_calls_are_invalid_with_their_raw_text() -> None:
         block = out[1]
         assert isinstance(block, CallBlock) and block.raw == raw
         assert block.calls[0].arguments is None and error in block.calls[0].error
+
+
+def test_a_block_of_thousands_of_unclosed_values_or_openers_reads_in_time_linear_in_its_length() -> None:
+    # Block bodies that took 1 s and 12 s when each value or opener searched the rest of the block.
+    values = "\n<function=get_time>\n" + "<parameter=zone>\nUTC\n" * 20_000
+    openers = "<function=" * 20_000
+    started = time.perf_counter()
+    (values_call,), (openers_call,) = parse(values), parse(openers)
+    assert time.perf_counter() - started < 1.0
+    assert values_call == ParsedCall("get_time", {"zone": "UTC"}) and "expected <function=NAME>" in openers_call.error
 
 
 def test_unterminated_call_is_invalid_and_kept() -> None:

@@ -20,6 +20,7 @@ a string, as does a parameter the schema does not declare.
 from __future__ import annotations
 
 import ast
+import bisect
 import json
 import math
 import re
@@ -29,7 +30,7 @@ from typing import Any
 from mlxchat.constraints import json_rule, keyword_arguments, raw_string_rule
 from mlxchat.plugin import ParsedCall, TaggedCallParser, guess_name
 
-_FUNCTION = re.compile(r"<function=([^>\n]*)>")
+_FUNCTION = re.compile(r"<function=([^<>\n]*)>")  # no "<": a line of openers without ">" costs its length once
 _PARAMETER = re.compile(r"<parameter=([^>\n]*)>")
 # Where a value whose </parameter> is missing ends: the next parameter at the start of a line, or the end
 # of the function when only whitespace, another function or the end of the call follows it.
@@ -64,15 +65,16 @@ class XmlToolCallParser(TaggedCallParser):
     def parse(self, body: str) -> list[ParsedCall]:
         calls: list[ParsedCall] = []
         pos = 0
+        closes = [m.start() for m in re.finditer(re.escape(_PARAMETER_END), body)]
         while (match := _FUNCTION.search(body, pos)) is not None:
-            call, pos = self._function(body, match)
+            call, pos = self._function(body, match, closes)
             calls.append(call)
         if not calls:
             return [ParsedCall(guess_name(body), None, "expected <function=NAME> inside <tool_call>")]
         return calls
 
-    def _function(self, body: str, match: re.Match[str]) -> tuple[ParsedCall, int]:
-        """The call opened by ``match`` and the position after it."""
+    def _function(self, body: str, match: re.Match[str], closes: list[int]) -> tuple[ParsedCall, int]:
+        """The call opened by ``match`` and the position after it (``closes``: where ``</parameter>`` is)."""
         name = match.group(1).strip()
         schema = self.parameters(name)
         arguments: dict[str, Any] = {}
@@ -91,7 +93,7 @@ class XmlToolCallParser(TaggedCallParser):
                 error = f"unexpected text in <function={name}>: {body[pos:pos + 40]!r}"
                 return ParsedCall(name, None, error), resume
             key = parameter.group(1).strip()
-            value_end, pos = _value_end(body, parameter.end(), schema)
+            value_end, pos = _value_end(body, parameter.end(), schema, closes)
             arguments[key] = coerce(_strip_newline(body[parameter.end() : value_end]), schema.get(key))
         if not name:
             return ParsedCall(name, None, "empty function name"), pos
@@ -111,15 +113,18 @@ def _strip_newline(value: str) -> str:
     return value[:-1] if value.endswith("\n") else value
 
 
-def _value_end(body: str, start: int, schema: dict[str, Any]) -> tuple[int, int]:
+def _value_end(body: str, start: int, schema: dict[str, Any], closes: list[int]) -> tuple[int, int]:
     """Where the value starting at ``start`` ends, and where parsing resumes.
 
     ``</parameter>`` ends it unless a declared parameter (any, for a tool without schema) opens on a
-    new line first; without any ``</parameter>`` the structural end of the function ends it.
+    new line first; without any ``</parameter>`` the structural end of the function ends it. The search for
+    that parameter stops at the next ``</parameter>`` (looked up in ``closes``, found once per block), so a
+    block of thousands of values costs its length, not its length for each value.
     """
-    close = body.find(_PARAMETER_END, start)
+    index = bisect.bisect_left(closes, start)
+    close = closes[index] if index < len(closes) else -1
     following = None
-    for match in _NEXT_PARAMETER.finditer(body, start):
+    for match in _NEXT_PARAMETER.finditer(body, start, len(body) if close < 0 else close + len(_PARAMETER_END)):
         if not schema or match.group(1).strip() in schema:
             following = match.start()
             break
