@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import json
 import keyword
+import time
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import mlxchat
 from mlxchat.tools.parsing import CallBlock, ParsedCall
-from mlxchat_lfm2.tool_calls import PythonicCallsParser
+from mlxchat_lfm2.tool_calls import PythonicCallsParser, repair
 
 from tool_call_support import feed_in_pieces
 
@@ -88,6 +89,14 @@ def test_repairs_of_what_python_rejects() -> None:
     assert valid("[convert(from='USD', to='EUR', class=1, s='from=1')]") == [
         ("convert", {"from": "USD", "to": "EUR", "class": 1, "s": "from=1"})]
     assert valid("[f(if_=1, x='''a\nb''')]") == [("f", {"if_": 1, "x": "a\nb"})]
+
+
+def test_slips_after_a_long_string_are_repaired_in_time_linear_in_the_call() -> None:
+    head = f'[f(city="{"x" * 2_000_000}", days=['  # 2.5 s when each slip copied the call around it
+    started = time.perf_counter()
+    repaired = repair(head + "07," * 30_000 + "7]), g(" + "if=1," * 30_000 + ")]")
+    assert time.perf_counter() - started < 1.0
+    assert repaired == head + "7," * 30_000 + "7]), g(" + "__kw_if=1," * 30_000 + ")]"
 
 
 def test_broken_call_is_kept_invalid_beside_good_ones() -> None:

@@ -23,6 +23,7 @@ _NAME = re.compile(r"\s*(?:call\s*:\s*)?([\w.\-]++)(?!\s*:)\s*")  # "call:" itse
 _KEY = re.compile(r"[^\s:{}\[\](),<>\"'][^:{}\[\](),<>\"']*")
 _NUMBER = re.compile(r"-?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?")
 _WORD = re.compile(r"[A-Za-z_]\w*")
+_VALUE_END = re.compile(r"\s*(?:[,}\])]|\Z)")
 _WORDS = {"true": True, "false": False, "null": None, "none": None, "nil": None}
 _CLOSERS = {"{": "}", "(": ")"}
 
@@ -201,8 +202,9 @@ class Reader:
         raise Malformed(f"expected a value (strings go between {STRING}) at {self._here()}")
 
     def _ends_value(self, index: int) -> bool:
-        rest = self.text[index:].lstrip()
-        return not rest or rest[0] in ",}])"
+        """Whether a value may end at ``index``; matched in place, since a copy of the rest for every value
+        of a long list would cost its length each time."""
+        return _VALUE_END.match(self.text, index) is not None
 
     def _skip(self) -> None:
         while self.pos < len(self.text) and self.text[self.pos].isspace():

@@ -33,24 +33,30 @@ _LEXEME = re.compile(
     re.DOTALL | re.VERBOSE,
 )
 _KEYWORD_PREFIX = "__kw_"
+_ASSIGNED = re.compile(r"\s*=(?!=)")
 
 
 def repair(source: str) -> str:
     """``source`` with the model slips Python rejects fixed; a text that parses is returned unchanged
-    (keywords used as argument names become ``__kw_<name>``, which :func:`argument_name` undoes)."""
+    (keywords used as argument names become ``__kw_<name>``, which :func:`argument_name` undoes). What
+    comes before a lexeme is known from the lexemes before it, never by copying the source up to it, which
+    would cost the source's length for each lexeme."""
     out = []
+    previous = solid = ""  # the lexeme before, and the last one that is not whitespace
     for match in _LEXEME.finditer(source):
         text, kind = match.group(), match.lastgroup
         if kind == "string" and not text.startswith(("'''", '"""')):
             text = re.sub(r"(\\.)|[\n\r\t]", lambda m: m.group(1) or _ESCAPES[m.group()], text,
                           flags=re.DOTALL)
         elif (kind == "number" and text.isdigit() and text.startswith("0") and text.strip("0")
-              and not source[: match.start()].endswith(".")):  # not the fraction of 1.05
+              and not previous.endswith(".")):  # not the fraction of 1.05
             text = text.lstrip("0")
-        elif (kind == "name" and keyword.iskeyword(text) and re.match(r"\s*=(?!=)", source[match.end():])
-              and not source[: match.start()].rstrip().endswith(".")):
+        elif (kind == "name" and keyword.iskeyword(text) and _ASSIGNED.match(source, match.end())
+              and not solid.endswith(".")):
             text = _KEYWORD_PREFIX + text
         out.append(text)
+        previous = match.group()
+        solid = previous if previous.strip() else solid
     return "".join(out)
 
 
