@@ -31,6 +31,9 @@ class ThinkingDelta(BaseModel):
 class ToolCallEvent(BaseModel):
     type: Literal["tool_call"] = "tool_call"
     call: ToolCall
+    opens_block: bool = True
+    """Whether the call is the first of its call block. The calls of a block share its raw text, which a
+    reader showing malformed calls as text shows once, with the first."""
 
 
 ReplyEvent = TextDelta | ThinkingDelta | ToolCallEvent
@@ -200,7 +203,7 @@ class ReplyParser:
             # A block is answered as a whole: one malformed call makes its well-formed neighbours invalid
             # too, so that its raw text, kept in the turn, never repeats a call the history also holds.
             block_error = None if _well_formed(item) else "in a tool-call block with a malformed call"
-            for parsed in item.calls:
+            for index, parsed in enumerate(item.calls):
                 error = parsed.error or block_error
                 call = ToolCall(
                     id=self._new_call_id(),
@@ -211,7 +214,7 @@ class ReplyParser:
                     error=error,
                 )
                 self.calls.append(call)
-                events.append(ToolCallEvent(call=call))
+                events.append(ToolCallEvent(call=call, opens_block=index == 0))
         return events
 
 

@@ -364,6 +364,38 @@ def test_calls_whose_arguments_json_cannot_carry_come_back_as_raw_text_in_valid_
     assert "NaN" in response.text and "\\\\ud800" in response.text  # the calls' raw text
 
 
+def shown_text(response: httpx.Response, stream: bool) -> str:
+    """The reply's text as a client of any of the three APIs shows it."""
+    if not stream:
+        reply = response.json()
+        if "choices" in reply:
+            return reply["choices"][0]["message"]["content"]
+        parts = [p for item in reply["output"] if item["type"] == "message" for p in item["content"]] \
+            if "output" in reply else reply["content"]
+        return "".join(part.get("text", "") for part in parts)
+    text = ""
+    for line in response.text.splitlines():
+        event = json.loads(line[6:]) if line.startswith("data: {") else {}
+        if event.get("choices"):
+            text += event["choices"][0]["delta"].get("content") or ""
+        elif event.get("type") == "response.output_text.delta":
+            text += event["delta"]
+        elif event.get("type") == "content_block_delta" and event["delta"]["type"] == "text_delta":
+            text += event["delta"]["text"]
+    return text
+
+
+def test_a_malformed_block_of_several_calls_is_shown_once_where_the_model_wrote_it(scripted) -> None:
+    model = loaded("gemma4")
+    raw = '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}call:get_weather{city:}<tool_call|>'
+    reply = model.tokenizer.encode(f"Let me check. {raw} Sorry.") + [model.tokenizer.token_id("<turn|>")]
+    with serving("gemma4") as served:
+        for path, stream in [(path, stream) for path in WIRE_TOOLS for stream in (False, True)]:
+            scripted.append(reply)
+            response = send(served, "POST", path, {**WIRE_TOOLS[path], "stream": stream, "max_tokens": 80})
+            assert shown_text(response, stream) == f"Let me check.{raw}Sorry.", (path, stream)
+
+
 # -- leaving clients -------------------------------------------------------------------------------------
 
 def no_eos(model: mlxchat.GenerativeModel) -> dict[str, float]:

@@ -289,7 +289,7 @@ class Blocks:
         if isinstance(event, TextDelta):
             return self._delta("text", event.text)
         if isinstance(event, ToolCallEvent) and event.call.status != "ok":  # what the model wrote, as text
-            return self._delta("text", event.call.raw)
+            return self._delta("text", event.call.raw) if event.opens_block else []
         if isinstance(event, ToolCallEvent):
             call, index = event.call, len(self.blocks)
             events = self.close()

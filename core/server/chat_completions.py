@@ -198,12 +198,12 @@ class CompletionExchange(Exchange):
         self.completion = Completion(model_name, bool(parsed.stream_options and parsed.stream_options.include_usage))
 
     async def complete(self) -> dict[str, Any]:
-        results: list[tuple[ChatResult, list[dict[str, Any]] | None]] = []
+        results: list[tuple[ChatResult, str, list[dict[str, Any]] | None]] = []
         for index in range(self.n):
             if index:
                 self.turn.again(seeded(self.config, index))
             result = await self.turn.collect()
-            results.append((result, None if self.top is None else await self.turn.logprobs(self.top)))
+            results.append((result, self.turn.shown, None if self.top is None else await self.turn.logprobs(self.top)))
         return self.completion.response(results)
 
     def lines(self, first: StreamEvent | None) -> AsyncGenerator[str, None]:
@@ -213,13 +213,13 @@ class CompletionExchange(Exchange):
         return [sse(error.body()), "data: [DONE]\n\n"]
 
     def remembered(self) -> Messages | None:
-        return self.messages + [message_of(self.turn.result)] if self.turn.result else None
+        return self.messages + [message_of(self.turn.result, self.turn.shown)] if self.turn.result else None
 
 
-def message_of(result: ChatResult) -> dict[str, Any]:
-    """The assistant message of a finished reply; a malformed call's raw text is kept as content."""
-    raw = "".join(dict.fromkeys(c.raw for c in result.tool_calls if c.status == "invalid"))
-    message: dict[str, Any] = {"role": "assistant", "content": (result.text + raw) or None}
+def message_of(result: ChatResult, content: str) -> dict[str, Any]:
+    """The assistant message of a finished reply, whose ``content`` is what a stream of it shows (malformed
+    calls as the text the model wrote, where it wrote them: :attr:`Turn.shown`)."""
+    message: dict[str, Any] = {"role": "assistant", "content": content or None}
     if result.thinking is not None:
         message["reasoning_content"] = result.thinking
     calls = [c for c in result.tool_calls if c.status == "ok"]
@@ -257,11 +257,12 @@ class Completion:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model_name,
                 "choices": choices, **extra}
 
-    def response(self, results: list[tuple[ChatResult, list[dict[str, Any]] | None]]) -> dict[str, Any]:
-        choices = [{"index": index, "message": message_of(result), "finish_reason": finish_of(result.finish_reason),
+    def response(self, results: list[tuple[ChatResult, str, list[dict[str, Any]] | None]]) -> dict[str, Any]:
+        choices = [{"index": index, "message": message_of(result, content),
+                    "finish_reason": finish_of(result.finish_reason),
                     "logprobs": None if logprobs is None else {"content": logprobs}}
-                   for index, (result, logprobs) in enumerate(results)]
-        return self.envelope("chat.completion", choices, usage=usage_of([result.report for result, _ in results]))
+                   for index, (result, content, logprobs) in enumerate(results)]
+        return self.envelope("chat.completion", choices, usage=usage_of([result.report for result, _, _ in results]))
 
     def chunk(self, index: int, delta: dict[str, Any], finish: str | None = None,
               logprobs: list[dict[str, Any]] | None = None) -> str:
@@ -291,7 +292,7 @@ class Completion:
                 elif isinstance(event, ToolCallEvent) and event.call.status == "ok":
                     yield self.chunk(index, {"tool_calls": [call_delta(calls, event.call)]})
                     calls += 1
-                elif isinstance(event, ToolCallEvent):  # malformed: the client sees what the model wrote
+                elif isinstance(event, ToolCallEvent) and event.opens_block:  # malformed: what the model wrote
                     yield self.chunk(index, {"content": event.call.raw})
                 elif isinstance(event, Done):
                     logprobs = None if top is None else await turn.logprobs(top)

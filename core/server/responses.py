@@ -401,7 +401,7 @@ class Output:
         if isinstance(event, TextDelta):
             return self._delta("message", event.text)
         if isinstance(event, ToolCallEvent) and event.call.status != "ok":  # what the model wrote, as text
-            return self._delta("message", event.call.raw)
+            return self._delta("message", event.call.raw) if event.opens_block else []
         if isinstance(event, ToolCallEvent):
             call, closed = event.call, self.close()
             item = {"id": new_id("fc"), "type": "function_call", "call_id": call.id, "name": call.name,

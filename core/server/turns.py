@@ -250,6 +250,14 @@ class Turn:
             return event
         return None
 
+    @property
+    def shown(self) -> str:
+        """The reply's text as a client is shown it: the raw text of each malformed call block where the model
+        wrote it, once (the calls of a block share it)."""
+        return "".join(e.text if isinstance(e, TextDelta) else e.call.raw for e in self._kept
+                       if isinstance(e, TextDelta) or isinstance(e, ToolCallEvent) and e.call.status == "invalid"
+                       and e.opens_block)
+
     async def collect(self) -> ChatResult:
         """Run the turn to its end."""
         while await self.next() is not None:
