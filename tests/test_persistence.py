@@ -278,6 +278,19 @@ def test_a_session_in_a_turn_cannot_be_saved(tmp_path) -> None:
         break
 
 
+def test_a_session_whose_model_named_a_function_with_a_lone_surrogate_saves_and_comes_back(tmp_path,
+                                                                                           scripted) -> None:
+    model = loaded("qwen3")
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    session = model.chat_session(tools=tools, default_config={"max_tokens": 70})
+    scripted.append(model.tokenizer.encode('<tool_call>\n{"name": "get_weather\\ud800", "arguments": {}}\n'
+                                           "</tool_call>") + [model.tokenizer.token_id("<|im_end|>")])
+    (call,) = session.send("Weather?").tool_calls
+    assert call.status == "invalid" and call.name == "get_weather\\ud800" and "lone surrogate" in call.error
+    session.save(tmp_path / "escaped.session")  # MLX refused the file's header: UTF-8 cannot carry U+D800
+    assert mlxchat.ChatSession.load(model, tmp_path / "escaped.session").tool_calls[0].name == call.name
+
+
 def test_saved_settings_and_calls_come_back(tmp_path, scripted) -> None:
     model = loaded("qwen3")
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from ..errors import InvalidInputError
-from ..limits import check_depth, check_strings
+from ..limits import check_depth, check_strings, check_text
 from .schema import ToolSpec, tool_names
 
 
@@ -94,7 +94,12 @@ class ToolCallParser:
         """Mark a call to a tool that was not offered, or with arguments that are not plain JSON, as invalid:
         nested too deep, or holding what JSON cannot carry (NaN or an infinity, which ``json.loads`` and
         Python literals accept; a lone surrogate from a ``\\ud800`` escape, which UTF-8 cannot encode;
-        a Python-only value such as bytes or a set)."""
+        a Python-only value such as bytes or a set). A name holding a lone surrogate is kept as the model escaped
+        it, since no file or wire can carry the character."""
+        try:
+            check_text(call.name, what="the function name")
+        except InvalidInputError as exc:
+            call.name, call.error = call.name.encode("utf-8", "backslashreplace").decode(), call.error or str(exc)
         if call.error is None and self.tools and call.name not in self.tools:
             call.error = f"unknown function {call.name!r} (offered: {', '.join(self.tools)})"
         if call.error is None and call.arguments is not None:
