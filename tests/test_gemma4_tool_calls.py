@@ -4,7 +4,6 @@ coercion, streaming in any split equal to one pass, and calls rendered by the re
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import pytest
@@ -119,12 +118,11 @@ def test_unterminated_block() -> None:
     assert out[1].calls[0].arguments is None and "unterminated" in (out[1].calls[0].error or "")
 
 
+@pytest.mark.timeout(30)  # (a hang guard, no timing: each number copying the rest of the call took ~40 s here)
 def test_a_long_list_beside_a_long_string_reads_in_time_linear_in_the_call() -> None:
-    text = "x" * 2_000_000  # 2.5 s when each of the list's numbers copied the rest of the call
-    started = time.perf_counter()
-    found = calls(call(f"call:f{{days:[{'1,' * 60_000}1],city:{Q}{text}{Q}}}"))
-    assert time.perf_counter() - started < 1.0
-    assert found == [("f", {"days": [1] * 60_001, "city": text}, None)]
+    text = "x" * 8_000_000
+    found = calls(call(f"call:f{{days:[{'1,' * 240_000}1],city:{Q}{text}{Q}}}"))
+    assert found == [("f", {"days": [1] * 240_001, "city": text}, None)]
 
 
 def test_unknown_function_is_invalid() -> None:

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import json
 import keyword
-import time
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -91,12 +91,11 @@ def test_repairs_of_what_python_rejects() -> None:
     assert valid("[f(if_=1, x='''a\nb''')]") == [("f", {"if_": 1, "x": "a\nb"})]
 
 
+@pytest.mark.timeout(30)  # (a hang guard, no timing: each slip copying the call around it took ~40 s here)
 def test_slips_after_a_long_string_are_repaired_in_time_linear_in_the_call() -> None:
-    head = f'[f(city="{"x" * 2_000_000}", days=['  # 2.5 s when each slip copied the call around it
-    started = time.perf_counter()
-    repaired = repair(head + "07," * 30_000 + "7]), g(" + "if=1," * 30_000 + ")]")
-    assert time.perf_counter() - started < 1.0
-    assert repaired == head + "7," * 30_000 + "7]), g(" + "__kw_if=1," * 30_000 + ")]"
+    head = f'[f(city="{"x" * 8_000_000}", days=['
+    repaired = repair(head + "07," * 120_000 + "7]), g(" + "if=1," * 120_000 + ")]")
+    assert repaired == head + "7," * 120_000 + "7]), g(" + "__kw_if=1," * 120_000 + ")]"
 
 
 def test_broken_call_is_kept_invalid_beside_good_ones() -> None:

@@ -6,8 +6,8 @@ round trip through the real chat template."""
 from __future__ import annotations
 
 import re
-import time
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -166,13 +166,11 @@ def test_malformed_calls_are_invalid_with_their_raw_text() -> None:
         assert block.calls[0].arguments is None and error in block.calls[0].error
 
 
+@pytest.mark.timeout(30)  # (a hang guard, no timing: each value or opener searching the rest took minutes here)
 def test_a_block_of_thousands_of_unclosed_values_or_openers_reads_in_time_linear_in_its_length() -> None:
-    # Block bodies that took 1 s and 12 s when each value or opener searched the rest of the block.
-    values = "\n<function=get_time>\n" + "<parameter=zone>\nUTC\n" * 20_000
-    openers = "<function=" * 20_000
-    started = time.perf_counter()
+    values = "\n<function=get_time>\n" + "<parameter=zone>\nUTC\n" * 80_000
+    openers = "<function=" * 80_000
     (values_call,), (openers_call,) = parse(values), parse(openers)
-    assert time.perf_counter() - started < 1.0
     assert values_call == ParsedCall("get_time", {"zone": "UTC"}) and "expected <function=NAME>" in openers_call.error
 
 

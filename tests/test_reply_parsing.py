@@ -4,8 +4,8 @@ one piece alike; malformed or cut calls are kept as invalid with their raw text.
 from __future__ import annotations
 
 import json
-import time
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -78,21 +78,19 @@ def test_unterminated_call_is_invalid_with_its_raw_text() -> None:
     assert p.text == "No reasoning here, and a stray"
 
 
+@pytest.mark.timeout(30)  # (a hang guard, no timing: each token searching the whole call took ~80 s here)
 def test_a_long_call_streamed_a_token_at_a_time_is_not_searched_from_its_start_at_every_token() -> None:
-    parser, piece = JsonTagsParser(TOOLS), "abcd"  # 80,000 tokens: 5 s of searching when each searched it all
-    started = time.perf_counter()
+    parser, piece = JsonTagsParser(TOOLS), "abcd"
     assert parser.feed('<tool_call>{"name": "get_weather", "arguments": {"city": "') == []
-    assert all(parser.feed(piece) == [] for _ in range(80_000))
+    assert all(parser.feed(piece) == [] for _ in range(320_000))
     [block] = parser.feed('"}}</tool_call>')
-    assert time.perf_counter() - started < 2.0
-    assert block.calls == [ParsedCall("get_weather", {"city": piece * 80_000})]
+    assert block.calls == [ParsedCall("get_weather", {"city": piece * 320_000})]
 
 
+@pytest.mark.timeout(30)  # (a hang guard, no timing: searching for a name from every position took minutes here)
 def test_a_call_cut_inside_a_long_run_of_name_characters_is_reported_at_once() -> None:
-    run = "a0" * 15_000  # a model repeating itself: 4 s when the name was searched for from every position
-    started = time.perf_counter()
+    run = "a0" * 60_000  # a model repeating itself
     calls = [parse(text).calls[0] for text in ("<tool_call>" + run, "<tool_call>get_weather(" + run)]
-    assert time.perf_counter() - started < 1.0
     assert [(c.status, c.name) for c in calls] == [("invalid", ""), ("invalid", "get_weather")]
 
 
