@@ -26,12 +26,13 @@ prompt and snapshots), :mod:`~mlxchat.turn_steps` (what a turn does next with to
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, TypedDict, Unpack
+from typing import Any, Literal, TypedDict, TypeVar, Unpack, cast
 
 from .chat_stream import ChatStream, TurnOptions
 from .constraints import reply_shape
@@ -67,6 +68,20 @@ __all__ = ["DEFAULT_MAX_TOOL_ROUNDS", "ChatResult", "ChatSession", "ChatStream",
            "TurnPlan"]
 
 ConfigArg = GenerationConfig | dict[str, Any] | None
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _change(method: F) -> F:
+    """A change made to a session outside a turn (an edit, a save), run under
+    :meth:`~mlxchat.session_turns.SessionTurns.exclusive`: refused in a turn, and no turn or other change
+    starts while it runs."""
+
+    @functools.wraps(method)
+    def change(self: ChatSession, *args: Any, **kwargs: Any) -> Any:
+        with self._turns.exclusive():
+            return method(self, *args, **kwargs)
+
+    return cast(F, change)
 
 
 def _check_system(system: Any) -> str | None:
@@ -275,9 +290,9 @@ class ChatSession:
         prepare()
         return ChatStream(self._turns, prepare, options)
 
+    @_change
     def add_tool_result(self, call_id: str, content: Any, name: str = "") -> None:
         """Answer the call ``call_id`` of the last reply (non-string content is sent as JSON)."""
-        self._check_ready()
         pending = {c.id: c for c in self._history.pending_calls()}
         if call_id not in pending:
             raise SessionStateError(
@@ -297,13 +312,13 @@ class ChatSession:
         self.add_tool_result(call_id, content, name)
         return self.respond_stream(config=config, tools=tools)
 
+    @_change
     def respond_to_approval(self, call_id: str, approved: bool, reason: str | None = None,
                             arguments: dict[str, Any] | None = None) -> None:
         """Decide a call waiting for approval (:attr:`pending_approvals`). Approved, the tool runs when the
         turn continues, with ``arguments`` if given (which the history then records as the call's);
         denied, the model sees ``reason`` (or a plain "denied") as the tool's result. Once every waiting
         call is decided, :meth:`respond` continues the turn."""
-        self._check_ready()
         waiting = {c.id: c for c in self.pending_approvals}
         if call_id not in waiting:
             raise SessionStateError(f"no call {call_id!r} waits for approval (waiting: {', '.join(waiting) or 'none'})")
@@ -327,34 +342,34 @@ class ChatSession:
         self._history.check_ends_with_reply()
         return ChatStream(self._turns, self._history.pop_reply, self._options(**turn))
 
+    @_change
     def select_version(self, message_id: str, index: int) -> None:
         """Show reply version ``index`` of the assistant message ``message_id`` (0 is its first reply). When
         that message is not the last one, the messages after it are dropped (they answered another
         version); the last message switches in place. The next turn reuses the cache as far as the
         conversation still agrees with it."""
-        self._check_ready()
         self._history.select_version(message_id, index)
 
+    @_change
     def restore_checkpoint(self, message_id: str) -> None:
         """Keep the conversation up to and including message ``message_id``; drop what came after. The next
         turn reuses the cache up to there (through snapshots where layers cannot be cut back)."""
-        self._check_ready()
         self._history.keep_through(message_id)
 
+    @_change
     def rewind(self, keep: int) -> None:
         """Keep only the first ``keep`` messages (as :attr:`messages` lists them) and drop the rest: the
         positional form of :meth:`restore_checkpoint`."""
-        self._check_ready()
         self._history.rewind(keep)
 
+    @_change
     def set_system(self, system: str | None) -> None:
         """Replace the system prompt (``None`` removes it); the rest of the conversation stays."""
-        self._check_ready()
         self._history.set_system(_check_system(system))
 
+    @_change
     def reset(self, keep_system: bool = True) -> None:
         """Forget the conversation, the last report and its calls (the cache stays for prefix reuse)."""
-        self._check_ready()
         self._history.reset(keep_system)
 
     def close(self) -> None:
@@ -364,18 +379,19 @@ class ChatSession:
     def export_state(self) -> SessionState:
         """A copy of everything this session is besides its model and cache (see :class:`SessionState`): what
         :meth:`save` writes beside the cache, or what :meth:`import_state` gives another session."""
-        self._turns.check_idle()
-        return self._history.state.model_copy(deep=True)
+        with self._turns.exclusive(open_required=False):
+            return self._history.state.model_copy(deep=True)
 
+    @_change
     def import_state(self, state: SessionState) -> None:
         """Make this session's conversation and settings those of ``state`` (a copy is taken). The cache stays:
         the next turn reuses as much of it as still agrees with the new conversation. Functions for automatic
         tool calls stay this session's (a state holds tools as schemas only)."""
-        self._check_ready()
         state = state.model_copy(deep=True)
         state.tools = self._offer(state.tools) or []
         self._history.take_over(state)
 
+    @_change
     def save(self, path: str | os.PathLike[str]) -> None:
         """Save the conversation and its prompt cache (snapshots included) to one file; :meth:`load` resumes
         it with nothing to prefill again (see :mod:`mlxchat.persistence`)."""
@@ -387,6 +403,7 @@ class ChatSession:
         :class:`~mlxchat.errors.SavedStateError`); ``options`` replace saved settings (``tools``, ...)."""
         return restore_session(cls, model, path, **options)
 
+    @_change
     def prime_history(self, messages: Sequence[ChatMessage | dict[str, Any]]) -> None:
         """Load a stored transcript into a session that has not spoken yet (no inference runs).
 
@@ -394,7 +411,6 @@ class ChatSession:
         ids, times and reply versions; those without get new ones. Follow with :meth:`start_from_history`
         when the transcript ends with a user turn or tool result.
         """
-        self._check_ready()
         if isinstance(messages, str | bytes):
             raise InvalidInputError("a transcript is a list of messages (dicts or ChatMessages)")
         messages = list(messages)

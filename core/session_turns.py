@@ -8,6 +8,7 @@ does not fit the context) or that a reader left before anything was produced is 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 from collections.abc import Callable, Iterator
@@ -49,6 +50,8 @@ class SessionTurns:
         self._lock = threading.Lock()
         self._closed = False
         self._busy = False
+        self._changer: int | None = None
+        """The thread making a change outside a turn (:meth:`exclusive`)."""
         self._start = 0
 
     @property
@@ -60,6 +63,8 @@ class SessionTurns:
             raise SessionClosedError("this session is closed")
 
     def check_idle(self) -> None:
+        if self._changer is not None:
+            raise SessionStateError("another thread is changing this session (an edit or a save); wait for it")
         if self._busy and self.ending is not None and not self.ending.done():  # an asyncio reader left it
             raise SessionStateError("the turn a reader left is still stopping on the model's worker: await its "
                                     "stream's aended() first (the next turn waits for it by itself)")
@@ -67,11 +72,33 @@ class SessionTurns:
             raise SessionStateError("a turn of this session is in progress; finish or cancel it first")
 
     def close(self) -> None:
-        self.check_idle()
-        self._closed = True
-        if self._prefixes is not None and self.cache is not None:
-            self._prefixes.discard(self.cache)
-        self.cache = None
+        with self.exclusive(open_required=False):
+            self._closed = True
+            if self._prefixes is not None and self.cache is not None:
+                self._prefixes.discard(self.cache)
+            self.cache = None
+
+    @contextlib.contextmanager
+    def exclusive(self, *, open_required: bool = True) -> Iterator[None]:
+        """Hold the session for a change made outside a turn (an edit, a save, closing): it must be idle (and
+        open), and a turn or change that another thread begins meanwhile is refused (checking, then changing,
+        would lose a turn begun in between, or save a cache as it changes). A change the same thread makes
+        inside one (a save reads the state through :meth:`ChatSession.export_state`) is part of it."""
+        me = threading.get_ident()
+        with self._lock:
+            if self._changer == me:
+                nested = True
+            else:
+                nested = False
+                if open_required:
+                    self.check_open()
+                self.check_idle()
+                self._changer = me
+        try:
+            yield
+        finally:
+            if not nested:
+                self._changer = None
 
     # -- the turn, as its stream drives it ------------------------------------------------------------
 

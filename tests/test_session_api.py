@@ -4,6 +4,7 @@ sessions taking turns on one model."""
 from __future__ import annotations
 
 import asyncio
+import importlib
 import shutil
 import threading
 from pathlib import Path
@@ -300,3 +301,32 @@ def test_load_session_takes_generation_settings_as_options() -> None:
     assert session.model.dtype == mx.float32
     with pytest.raises(TypeError, match="no_such_option"):
         mlxchat.load_session(fixture_path("qwen3"), no_such_option=1)
+
+
+def test_a_turn_or_save_begun_while_another_thread_changes_the_session_is_refused(model, monkeypatch,
+                                                                                   tmp_path) -> None:
+    # A change checked that the session was idle, then made itself: a turn begun in between was lost (the
+    # primed transcript replaced it, its tokens left in the cache), and a save read a cache as it changed.
+    history_module = importlib.import_module("mlxchat.history")
+    inside, release, real = threading.Event(), threading.Event(), history_module.check_tool_answers
+
+    def held(messages):
+        inside.set()
+        release.wait()
+        return real(messages)
+
+    monkeypatch.setattr(history_module, "check_tool_answers", held)
+    session = model.chat_session()
+    priming = threading.Thread(target=session.prime_history, args=([{"role": "user", "content": "primed"}],))
+    priming.start()
+    inside.wait()
+    try:
+        with pytest.raises(SessionStateError, match="another thread is changing this session"):
+            session.send("live question", config=GREEDY)
+        with pytest.raises(SessionStateError, match="another thread is changing this session"):
+            session.save(tmp_path / "mid-change.session")
+    finally:
+        release.set()
+        priming.join()
+    assert [m.content for m in session.messages] == ["primed"]
+    assert session.respond(config=GREEDY).finish_reason
