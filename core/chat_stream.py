@@ -181,13 +181,13 @@ class ChatStream:
         hold up the worker's steps), and the phases it took for the reply's profile."""
         try:
             return self._host.plan(self._options.config, self._options.tools), profiling.take_pending()
-        except InvalidInputError:
-            self._refused()
+        except InvalidInputError:  # the model cannot take the prompt (too long; text its tokenizer cannot split)
+            self._take_back()  # (retrying it would fail again)
             raise
 
-    def _refused(self) -> None:
-        """The model cannot take the turn's prompt (too long; text its tokenizer cannot split): a turn refused
-        before its first reply is not added (retrying it would fail again)."""
+    def _take_back(self) -> None:
+        """A turn that ends before its first reply produced anything (refused, or its reader left) is taken back
+        whole: not added, or a regenerate's replaced reply restored."""
         if self._replies == 0:
             self._host.undo(self._replaces)
             self._replaces = None
@@ -219,7 +219,7 @@ class ChatStream:
             item = self._job.received(item)
         except InvalidInputError:
             self._job = None
-            self._refused()
+            self._take_back()
             raise
         except Exception:  # the job failed, and has ended (an interrupt of the reader keeps it to stop)
             self._job = None
@@ -246,9 +246,8 @@ class ChatStream:
         if self._finished or self._abandoning:
             return False
         if job is None:
-            if self._begun and self._replies == 0:
-                self._host.undo(self._replaces)
-                self._replaces = None
+            if self._begun:
+                self._take_back()
             return False
         self._abandoning = True
         self._host.ending = self._settled
@@ -260,9 +259,8 @@ class ChatStream:
             if self._ended is not None:
                 self._host.commit(self._seen, self._ended, abandoned=True, replaces=self._replaces)
                 self._replaces = None
-            elif self._replies == 0:
-                self._host.undo(self._replaces)
-                self._replaces = None
+            else:
+                self._take_back()
         finally:
             self._finish()
 
